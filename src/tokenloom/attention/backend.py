@@ -1,0 +1,37 @@
+"""The one interface every attention backend implements.
+
+The model calls `forward` once per layer; the model runner calls `prepare` once per step, so
+whatever a backend derives from the metadata (index tensors, masks, kernel grids) is computed once
+and shared by all layers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from tokenloom.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-step plan shared by all layers (returned object is passed back to `forward`)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write the new tokens' K/V through `slot_mapping`, then attend causally over each
+        request's whole context read through `block_table`."""
+
+

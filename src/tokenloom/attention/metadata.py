@@ -1,0 +1,34 @@
+"""The page table at the kernel boundary.
+
+One `AttentionMetadata` describes a whole flat batch of B requests and T tokens (no padding tokens
+are computed). Request i owns query tokens `query_start_loc[i]:query_start_loc[i+1]`; after this
+step its context holds `seq_lens[i]` tokens, so its queries sit at positions
+`seq_lens[i] - query_len_i ... seq_lens[i] - 1` and attend causally to every earlier position.
+Context token j of request i lives in block `block_table[i, j // block_size]` at offset
+`j % block_size`. The new tokens' K/V are written to `slot_mapping[t] = block_id * block_size +
+offset` before attention reads them (a negative slot is skipped: padding).
+
+KV cache layout, per layer: one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+index 0 = K, 1 = V.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int  # T
+    num_reqs: int  # B
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [B+1], on the model's device
+    seq_lens: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_size: int
+    # CPU copies: backends that plan on the host (the torch backend) read these without a sync.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None

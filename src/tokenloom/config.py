@@ -1,0 +1,45 @@
+"""Plain configuration shared by the caller and the engine core."""
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
+    """Everything the engine core needs to build itself; sent to the child process at start-up."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 128
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+
+    def validate(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}.")
+
+
+# Default KV cache size on CPU: 2 GiB holds ~45k tokens of SmolLM2-135M in float32.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3

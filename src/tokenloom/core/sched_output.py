@@ -1,0 +1,67 @@
+"""What `Scheduler.schedule()` hands to the model runner for one step.
+
+New requests (and requests resumed after preemption) are sent in full once; requests that were
+already running are sent as diffs (new blocks, new num_computed_tokens). The runner keeps its own
+persistent copy of each request's tokens and appends sampled tokens itself, so decode steps carry
+no token ids at all.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class WaitReason(enum.IntEnum):
+    """Why a request that wanted to run in a step did not (or was preempted)."""
+
+    TOKEN_BUDGET = 0  # max_num_batched_tokens already spent this step
+    MAX_NUM_SEQS = 1  # max_num_seqs requests already running
+    NO_KV_BLOCKS = 2  # the KV cache manager could not allocate its blocks
+    HEAD_OF_LINE = 3  # queued behind a waiting request that itself could not be admitted
+    PREEMPTED = 4  # was running, lost its blocks to make room for another request
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # > 0 on a prefix-cache hit
+    # Non-empty when the request resumes after preemption: its tokens so far are recomputed.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, in the order they were scheduled."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step (a prefill chunk, or 1 for a decode)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must drop before this step: finished, aborted or preempted since the
+    # previous step. A preempted request comes back later as a NewRequestData.
+    finished_req_ids: set[str]
+    # The ledger: requests that wanted to run this step and did not, with the reason.
+    wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    step: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,112 @@
+"""The wire vocabulary between the caller (engine/) and the engine core (core/).
+
+Everything that crosses the process boundary is one of these msgspec Structs, encoded as msgpack.
+Nothing is pickled. New fields are appended last so old and new encoders stay compatible
+(`array_like=True` encodes by position).
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. `str()` gives the OpenAI/vLLM spelling."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the caller (disconnect, explicit abort)
+    ERROR = 3  # the engine failed while the request was in flight
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every message on the input socket."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+def now() -> float:
+    """The one clock of the ledger: CLOCK_MONOTONIC is system-wide on Linux, so timestamps taken
+    in the caller and in the engine-core process are directly comparable."""
+    return time.monotonic()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    # Set just before the request is encoded; the core's receive time minus this is "IPC in".
+    sent_time: float = 0.0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Logprobs of several positions, vLLM's layout: for each position, `token_ids[i]` and
+    `logprobs[i]` hold the chosen token first, then the top-k; `ranks[i]` is the chosen token's
+    rank in the full distribution (1 = most likely)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # Error text when finish_reason is ERROR (e.g. the prompt can never fit the KV cache).
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """One engine step, as the ledger sees it."""
+
+    step: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    token_budget: int = 0
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+    num_cached_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    call_id: int
+    result: bytes = b""  # msgpack of the result
+    failure: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    # Set once, on the last message of a dying engine core.
+    engine_error: str | None = None

@@ -1,0 +1,27 @@
+"""The architecture facts a model definition, the KV cache and the sampler need, in one place,
+whatever file format they were read from (GGUF metadata or an HF config.json)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None  # HF layout, e.g. {"rope_type": "llama3", ...}
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)

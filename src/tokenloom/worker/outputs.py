@@ -1,0 +1,27 @@
+"""What the model runner returns to the scheduler for one step (no torch here: the scheduler's
+tests build these by hand)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.messages import LogprobsLists
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # In the order the runner computed them; req_id_to_index maps into the lists below.
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: [token] when a token was sampled, [] for a prefill chunk that did not
+    # reach the end of the prompt (its logits are not sampled).
+    sampled_token_ids: list[list[int]]
+    # Per request that sampled: the logprobs of its new token(s), when it asked for them.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Seconds spent in each phase of execute_model, for the step profile.
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
