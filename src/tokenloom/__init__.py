@@ -1,0 +1,19 @@
+"""tokenloom: an LLM inference engine with vLLM's V1 execution path and a ledger of where every
+request's time went."""
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)
+    if name == "LLM":
+        from tokenloom.entrypoints.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tokenloom import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

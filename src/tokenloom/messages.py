@@ -110,3 +110,24 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     # Set once, on the last message of a dying engine core.
     engine_error: str | None = None
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """A method call on the engine core that is not a request (stats, introspection, cache reset).
+    `args` and the result must be plain msgpack values."""
+
+    call_id: int
+    method: str
+    args: list = []
+
+
+class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Sent once by the engine core when it is ready: the facts the caller needs to validate."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    attention_backend: str
+    pid: int

@@ -2,14 +2,39 @@
 
 A msgspec Struct so it crosses the process boundary inside `EngineCoreRequest` without pickle.
 Validation runs at construction (`__post_init__`) so a bad value fails in the caller, naming the
-field and the allowed range, before anything is queued.
+field and the allowed range, before anything is queued. msgspec also runs `__post_init__` when it
+decodes the struct, so the engine core never sees an unchecked value; a failure there surfaces as
+`msgspec.ValidationError`, which is a `ValueError` too.
+
+msgspec does not type-check keyword arguments at construction, so `_verify()` checks types as well
+as ranges: `SamplingParams(temperature="hot")` raises `ValueError`, never `TypeError`.
+
+Where tokenloom departs from vLLM, or picks one of its settings, the constant below says so:
+
+- `MAX_N` (128): vLLM's cap comes from `VLLM_MAX_N_SEQUENCES` (16384). Each of the n samples is a
+  child request holding a row of the persistent batch and its own KV blocks, so a single request
+  must not be able to claim more rows than a batch has.
+- `MAX_LOGPROBS` (20): vLLM's default `max_logprobs`. vLLM's `-1` ("the whole vocabulary") is
+  rejected: vLLM rejects it too unless the server sets `max_logprobs=-1`, which tokenloom lacks.
+- temperature: in [0, 2] as in current vLLM (and OpenAI). Below `_SAMPLING_EPS` it is greedy and
+  stored as exactly 0.0; in [`_SAMPLING_EPS`, `_MIN_TEMP`) it is raised to `_MIN_TEMP`, because
+  dividing logits by a tinier value overflows float32. (vLLM raises everything in (0, 0.01) to
+  0.01; tokenloom treats the vanishing ones as the greedy request they almost surely are.)
+- logit_bias values are clamped to [-100, 100] like OpenAI's API (vLLM's OpenAI server does the
+  same); keys must be token ids (ints, or strings of digits as JSON clients send them).
 """
 from __future__ import annotations
 
 import enum
+import logging
+import math
+import numbers
+import operator
 from typing import Any
 
 import msgspec
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -18,28 +43,89 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
-_SAMPLING_EPS = 1e-5
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+_MIN_TEMP = 1e-2  # smallest temperature that is sampled (see the module docstring)
+MAX_TEMPERATURE = 2.0
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def _fail(name: str, requirement: str, value: Any) -> ValueError:
+    return ValueError(f"{name} must be {requirement}, got {value!r}.")
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Token ids: a vocabulary is far smaller; the bound keeps ids inside int32 tensors.
+_MAX_TOKEN_ID = (1 << 31) - 1
+
+
+def _int(name: str, value: Any, requirement: str, lo: int = _INT64_MIN, hi: int = _INT64_MAX) -> int:
+    """An integer (Python or numpy), not a bool and not a float, in [lo, hi] (by default int64,
+    what msgpack and torch carry)."""
+    if isinstance(value, bool):
+        raise _fail(name, requirement, value)
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise _fail(name, requirement, value) from None
+    if not lo <= result <= hi:
+        raise _fail(name, requirement, value)
+    return result
+
+
+def _float(name: str, value: Any, requirement: str, *, allow_inf: bool = False) -> float:
+    """A finite real number (ints and numpy scalars accepted), not a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, requirement, value)
+    try:
+        result = float(value)
+    except (OverflowError, TypeError, ValueError):  # e.g. an int beyond float range
+        raise _fail(name, requirement, value) from None
+    if math.isnan(result) or (math.isinf(result) and not allow_inf):
+        raise _fail(name, requirement, value)
+    return result
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, "a bool", value)
+    return value
+
+
+def _token_ids(name: str, value: Any, *, non_empty: bool = False) -> list[int]:
+    requirement = "a non-empty list of token ids (ints >= 0)" if non_empty else "a list of token ids (ints >= 0)"
+    if not isinstance(value, (list, tuple)) or (non_empty and not value):
+        raise _fail(name, requirement, value)
+    return [_int(name, t, requirement, 0, _MAX_TOKEN_ID) for t in value]
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    requirement = "a list of non-empty strings"
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise _fail(name, requirement, value)
+    return list(dict.fromkeys(value))  # de-duplicated, order kept (as vLLM)
 
 
 class SamplingParams(
     msgspec.Struct, omit_defaults=True, dict=True  # dict=True: caches set by the engine
 ):  # type: ignore[call-arg]
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: int = 1  # in [1, MAX_N]; must be 1 when greedy
+    presence_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    frequency_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    repetition_penalty: float = 1.0  # > 0; prompt and output tokens; 1 = off
+    temperature: float = 1.0  # in [0, 2]; 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
-    seed: int | None = None
+    min_p: float = 0.0  # in [0, 1]
+    seed: int | None = None  # any int; -1 means None (as vLLM)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # in [0, MAX_LOGPROBS]
+    prompt_logprobs: int | None = None  # in [0, MAX_LOGPROBS]
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -48,29 +134,155 @@ class SamplingParams(
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # Filled by the caller's input processor, not by users: token ids of `bad_words`, and the
-    # union of EOS and stop_token_ids that must stay suppressed until `min_tokens`.
+    # Filled by the caller's input processor, not by users: token ids of `bad_words` (each word
+    # tokenized with and without a leading space), and the union of EOS and stop_token_ids that
+    # must stay suppressed until `min_tokens`.
     _bad_words_token_ids: list[list[int]] | None = None
     _all_stop_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.top_k == -1:
-            self.top_k = 0
-        if self.logit_bias is not None:
-            # JSON object keys arrive as strings (OpenAI clients); normalise to int.
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
 
     def _verify(self) -> None:
-        """Checks every field; the sampling issue extends this to the full vLLM set."""
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        """Checks the type and range of every field, normalising where vLLM does (stop str ->
+        [str], top_k -1 -> 0, seed -1 -> None, logprobs True -> 1, string logit_bias keys ->
+        int). Idempotent: it runs again when the struct is decoded in the engine core."""
+        self.n = _int("n", self.n, f"an integer in [1, {MAX_N}]")
+        if not 1 <= self.n <= MAX_N:
+            raise _fail("n", f"an integer in [1, {MAX_N}]", self.n)
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name), "a number in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise _fail(name, "a number in [-2, 2]", value)
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if self.repetition_penalty <= 0.0:
+            raise _fail("repetition_penalty", "a number > 0", self.repetition_penalty)
+
+        self._verify_temperature()
+
+        self.top_p = _float("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", "a number in (0, 1]", self.top_p)
+        self.top_k = _int("top_k", self.top_k, "0 or -1 (disabled) or an integer >= 1")
+        if self.top_k < -1:
+            raise _fail("top_k", "0 or -1 (disabled) or an integer >= 1", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _float("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", "a number in [0, 1]", self.min_p)
+
+        if self.seed is not None:
+            # Any 64-bit value, signed or not (what msgpack carries and torch.manual_seed takes).
+            self.seed = _int("seed", self.seed, "an integer in [-2**63, 2**64) or None", hi=(1 << 64) - 1)
+            if self.seed == -1:
+                self.seed = None
+
+        self._verify_stops_and_lengths()
+        self._verify_logprobs()
+
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            _bool(name, getattr(self, name))
+        kind = _int("output_kind", self.output_kind, "a RequestOutputKind (0, 1 or 2)")
+        if kind not in RequestOutputKind.__members__.values():
+            raise _fail("output_kind", "a RequestOutputKind (0, 1 or 2)", self.output_kind)
+        self.output_kind = RequestOutputKind(kind)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (stop is matched on the text).")
+
+        self._verify_token_constraints()
+
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs mean nothing, and n copies would all be the same.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when temperature is 0 (greedy sampling), got {self.n}.")
+
+    def _verify_temperature(self) -> None:
+        requirement = f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+        t = _float("temperature", self.temperature, requirement)
+        if not 0.0 <= t <= MAX_TEMPERATURE:
+            raise _fail("temperature", requirement, t)
+        if t < _SAMPLING_EPS:
+            t = 0.0
+        elif t < _MIN_TEMP:
+            logger.warning("temperature %g is below %g, which overflows float32 logits; using %g.", t, _MIN_TEMP, _MIN_TEMP)
+            t = _MIN_TEMP
+        self.temperature = t
+
+    def _verify_stops_and_lengths(self) -> None:
+        if self.stop is not None:
+            self.stop = [self.stop] if isinstance(self.stop, str) else self.stop
+            self.stop = _strings("stop", self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(dict.fromkeys(_token_ids("stop_token_ids", self.stop_token_ids)))
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, "an integer >= 1 or None")
+            if self.max_tokens < 1:
+                raise _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.min_tokens < 0:
+            raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+
+    def _verify_logprobs(self) -> None:
+        requirement = f"None or an integer in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not supported)"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool):  # as vLLM: True means 1, False means 0
+                value = int(value)
+            value = _int(name, value, requirement)
+            if not 0 <= value <= MAX_LOGPROBS:
+                raise _fail(name, requirement, value)
+            setattr(self, name, value)
+
+    def _verify_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, non_empty=True)
+        if self.bad_words is not None:
+            self.bad_words = _strings("bad_words", self.bad_words)
+        if self._bad_words_token_ids is not None:
+            requirement = "a list of non-empty lists of token ids (ints >= 0)"
+            if not isinstance(self._bad_words_token_ids, (list, tuple)):
+                raise _fail("_bad_words_token_ids", requirement, self._bad_words_token_ids)
+            self._bad_words_token_ids = [
+                _token_ids("_bad_words_token_ids", ids, non_empty=True) for ids in self._bad_words_token_ids
+            ]
+        if self._all_stop_token_ids is not None:
+            ids = self._all_stop_token_ids
+            if isinstance(ids, (set, frozenset)):  # vLLM keeps a set; a list crosses msgpack
+                ids = sorted(_token_ids("_all_stop_token_ids", list(ids)))
+            self._all_stop_token_ids = _token_ids("_all_stop_token_ids", ids)
+
+    def verify_against_vocab(self, vocab_size: int) -> None:
+        """Every token id this request names must be < vocab_size (the model's logits width).
+        Called by the input processor once the model is known, and by the sampler at add time."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("logit_bias", None if self.logit_bias is None else list(self.logit_bias)),
+            ("_all_stop_token_ids", self._all_stop_token_ids),
+            ("_bad_words_token_ids", [t for w in self._bad_words_token_ids or () for t in w]),
+        ):
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} must hold token ids in [0, {vocab_size}) (vocab_size={vocab_size}), "
+                    f"got out-of-vocabulary id(s) {bad[:8]!r}."
+                )
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -81,4 +293,38 @@ class SamplingParams(
         return set(self._all_stop_token_ids or ()) | set(self.stop_token_ids or ())
 
     def clone(self, **changes: Any) -> "SamplingParams":
-        return msgspec.structs.replace(self, **changes)
+        new = msgspec.structs.replace(self, **changes)
+        new._verify()  # the changed fields are checked like the constructor's
+        return new
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    requirement = (
+        f"a dict mapping token ids (ints >= 0, or strings of digits) to numbers "
+        f"(clamped to [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])"
+    )
+    if not isinstance(value, dict):
+        raise _fail("logit_bias", requirement, value)
+    result: dict[int, float] = {}
+    for key, bias in value.items():
+        token: int | None
+        if isinstance(key, str):
+            # JSON object keys arrive as strings (OpenAI clients).
+            try:
+                token = int(key)
+            except ValueError:
+                token = None
+        else:
+            token = None if isinstance(key, bool) else _index_or_none(key)
+        if token is None or not 0 <= token <= _MAX_TOKEN_ID:
+            raise _fail("logit_bias", requirement, {key: bias})
+        b = _float("logit_bias", bias, requirement, allow_inf=True)
+        result[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b))
+    return result
+
+
+def _index_or_none(value: Any) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -1,0 +1,394 @@
+"""Pure-PyTorch attention over the paged KV cache: the CPU path and the reference for the kernels.
+
+A step's batch is split once, in `prepare`, into decodes (query length 1) and prefill chunks
+(query length > 1, possibly with earlier context already in the cache). Everything derived from
+the metadata -- the partition, gather indices, masks -- is built there from the CPU copies of
+`query_start_loc` / `seq_lens`, so the ~30 `forward` calls of a step only gather, multiply and
+softmax.
+
+Decodes are attended together: each request's blocks are gathered whole (one `index_select` of
+`block_size * num_kv_heads * head_dim` contiguous rows per block, K and V in the same call) into a
+padded `[B, num_blocks * block_size, Hkv, D]` buffer, and an additive `-inf` bias hides the
+positions past `seq_lens`. Query heads are grouped per KV head (`[B, Hkv, group, D]`), so grouped
+query attention never repeats K/V.
+
+Prefill chunks are attended with `scaled_dot_product_attention`, either batched in one padded call
+or one call per request; `prepare` picks the cheaper by the padding it would waste (see
+`_PADDED_PREFILL_MAX_WASTE`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.attention.backend import AttentionBackend
+from tokenloom.attention.metadata import AttentionMetadata
+
+# Padded prefill runs one SDPA over [P, Lq_max, Lk_max]; per-request prefill runs P calls over the
+# exact sizes. A call costs roughly 30-60 us of fixed overhead on CPU, so padding is worth it
+# until the padded work exceeds the exact work by this factor (measured in
+# benchmarks/torch_attention.py, see the report in tests/attention/README or the lead's notes).
+_PADDED_PREFILL_MAX_WASTE = 1.5
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    num_decodes: int
+    # Token rows of the decode queries: a slice when they are contiguous (the model runner puts
+    # decodes first), an index tensor otherwise.
+    token_slice: slice | None
+    token_index: torch.Tensor | None  # int64 [Bd]
+    block_ids: torch.Tensor  # int64 [Bd * num_blocks], padded with block 0
+    num_blocks: int  # per request, enough for the longest decode context
+    bias: torch.Tensor  # float32 [Bd, 1, 1, num_blocks * block_size]: 0 or -inf
+    # Built by the first layer and reused: K and V block ids in the [2 * num_blocks] view, and
+    # the bias in the query dtype.
+    kv_block_ids: torch.Tensor | None = None
+    bias_cast: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _PaddedPrefillPlan:
+    num_prefills: int
+    max_query_len: int
+    max_seq_len: int
+    query_index: torch.Tensor  # int64 [P * Lq]: token row of each padded query (0 for padding)
+    context_slots: torch.Tensor  # int64 [P * Lk]: cache slot of each padded key (0 for padding)
+    mask: torch.Tensor | None  # bool [P, 1, Lq, Lk]; None when plain top-left causal suffices
+    valid_rows: torch.Tensor | None  # int64: rows of the padded output that are real tokens
+    token_slice: slice | None  # where the real rows go (contiguous case)
+    token_index: torch.Tensor | None
+    # No request has earlier context: K/V are read from this step's inputs, not the cache.
+    no_context: bool
+    # Equal query lengths in contiguous rows: the padded query is a plain view of the input.
+    dense_rows: slice | None
+
+
+@dataclass(slots=True)
+class _RequestPrefill:
+    start: int  # first token row
+    end: int
+    context_len: int  # tokens already in the cache before this chunk
+    # Only when context_len > 0: cache slots of positions [0, seq_len) and the offset-causal mask.
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # bool [q_len, seq_len]
+
+
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    num_actual_tokens: int
+    block_size: int
+    write_slots: torch.Tensor  # int64 [T'] slots of the tokens that are written
+    write_index: torch.Tensor | None  # int64 [T'] token rows of those, None when all are written
+    decode: _DecodePlan | None
+    padded_prefill: _PaddedPrefillPlan | None
+    request_prefills: list[_RequestPrefill]
+    # Reused by every layer of the step: the decode gather target, allocated by the first layer.
+    decode_buffer: torch.Tensor | None = None
+
+
+def _index_or_slice(rows: torch.Tensor) -> tuple[slice | None, torch.Tensor | None]:
+    """A slice when `rows` (sorted, int64, CPU) is one contiguous run, else the index itself."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1:
+        return slice(int(rows[0]), int(rows[0]) + n), None
+    return None, rows
+
+
+def _slots_for_positions(block_table_cpu: torch.Tensor, positions: torch.Tensor, block_size: int,
+                         valid: torch.Tensor) -> torch.Tensor:
+    """Cache slot of context position `positions[i, j]` of request row i (0 where not `valid`)."""
+    pos = torch.where(valid, positions, torch.zeros_like(positions))
+    blocks = torch.gather(block_table_cpu, 1, pos // block_size)
+    return torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(pos))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, prefill_mode: str = "auto") -> None:
+        """`prefill_mode`: "auto" (padded when it wastes little, see above), "padded" (always
+        when there are two or more prefills) or "per_request". For tests and benchmarks."""
+        if prefill_mode not in ("auto", "padded", "per_request"):
+            raise ValueError(f"unknown prefill_mode {prefill_mode!r}")
+        self.prefill_mode = prefill_mode
+
+    # ------------------------------------------------------------------ plan (once per step)
+    def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        device = meta.slot_mapping.device
+        qsl = meta.query_start_loc_cpu
+        if qsl is None:
+            qsl = meta.query_start_loc.cpu()
+        seq_lens = meta.seq_lens_cpu
+        if seq_lens is None:
+            seq_lens = meta.seq_lens.cpu()
+        B = meta.num_reqs
+        T = meta.num_actual_tokens
+        bs = meta.block_size
+        qsl = qsl[: B + 1].to(torch.int64)
+        seq_lens = seq_lens[:B].to(torch.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+
+        # KV write: skip padding slots. A device-side mask would avoid this sync, but prepare runs
+        # once per step and the common case (no padding) then writes with a plain index.
+        slot_mapping = meta.slot_mapping[:T].to(torch.int64)
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            write_slots, write_index = slot_mapping, None
+        else:
+            write_index = valid.nonzero().squeeze(1)
+            write_slots = slot_mapping[write_index]
+
+        block_table_cpu = None
+
+        def bt_cpu() -> torch.Tensor:
+            nonlocal block_table_cpu
+            if block_table_cpu is None:
+                block_table_cpu = meta.block_table[:B].to("cpu", torch.int64)
+            return block_table_cpu
+
+        is_decode = query_lens == 1
+        decode_reqs = is_decode.nonzero().squeeze(1)
+        prefill_reqs = (query_lens > 1).nonzero().squeeze(1)
+
+        decode = None
+        if decode_reqs.numel():
+            Bd = decode_reqs.numel()
+            d_seq = seq_lens[decode_reqs]
+            nblk = int((int(d_seq.max()) + bs - 1) // bs)
+            blocks = bt_cpu()[decode_reqs, :nblk]
+            # Blocks past a request's context may hold stale ids (or -1): point them at block 0,
+            # the bias hides whatever they contain.
+            used = torch.arange(nblk).unsqueeze(0) * bs < d_seq.unsqueeze(1)
+            blocks = torch.where(used, blocks, torch.zeros_like(blocks))
+            L = nblk * bs
+            bias = torch.zeros(Bd, L, dtype=torch.float32)
+            bias.masked_fill_(torch.arange(L).unsqueeze(0) >= d_seq.unsqueeze(1), float("-inf"))
+            tok_slice, tok_index = _index_or_slice(qsl[decode_reqs])
+            decode = _DecodePlan(
+                num_decodes=Bd,
+                token_slice=tok_slice,
+                token_index=None if tok_index is None else tok_index.to(device),
+                block_ids=blocks.reshape(-1).to(device),
+                num_blocks=nblk,
+                bias=bias.view(Bd, 1, 1, L).to(device),
+            )
+
+        padded_prefill = None
+        request_prefills: list[_RequestPrefill] = []
+        if prefill_reqs.numel():
+            p_qlen = query_lens[prefill_reqs]
+            p_seq = seq_lens[prefill_reqs]
+            P = prefill_reqs.numel()
+            Lq, Lk = int(p_qlen.max()), int(p_seq.max())
+            exact = int((p_qlen * p_seq).sum())
+            if self.prefill_mode == "padded":
+                padded = P > 1
+            elif self.prefill_mode == "per_request":
+                padded = False
+            else:
+                padded = P > 1 and P * Lq * Lk <= _PADDED_PREFILL_MAX_WASTE * exact
+            if padded:
+                padded_prefill = self._plan_padded_prefill(
+                    qsl, prefill_reqs, p_qlen, p_seq, Lq, Lk, bt_cpu(), bs, device)
+            else:
+                for r in prefill_reqs.tolist():
+                    start, end = int(qsl[r]), int(qsl[r + 1])
+                    q_len, s_len = end - start, int(seq_lens[r])
+                    ctx = s_len - q_len
+                    slots = mask = None
+                    if ctx > 0:
+                        pos = torch.arange(s_len).unsqueeze(0)
+                        slots = _slots_for_positions(bt_cpu()[r:r + 1], pos, bs,
+                                                     torch.ones_like(pos, dtype=torch.bool))
+                        slots = slots.squeeze(0).to(device)
+                        mask = (torch.arange(s_len).unsqueeze(0)
+                                <= ctx + torch.arange(q_len).unsqueeze(1)).to(device)
+                    request_prefills.append(_RequestPrefill(start, end, ctx, slots, mask))
+
+        return TorchAttentionPlan(
+            num_actual_tokens=T,
+            block_size=bs,
+            write_slots=write_slots,
+            write_index=write_index,
+            decode=decode,
+            padded_prefill=padded_prefill,
+            request_prefills=request_prefills,
+        )
+
+    @staticmethod
+    def _plan_padded_prefill(qsl, reqs, q_lens, seq_lens, Lq, Lk, block_table_cpu, bs, device):
+        P = reqs.numel()
+        starts = qsl[reqs]
+        ctx = seq_lens - q_lens
+        qi = torch.arange(Lq).unsqueeze(0)  # [1, Lq]
+        q_valid = qi < q_lens.unsqueeze(1)  # [P, Lq]
+        query_index = torch.where(q_valid, starts.unsqueeze(1) + qi, torch.zeros_like(qi))
+        kj = torch.arange(Lk).unsqueeze(0)
+        k_valid = kj < seq_lens.unsqueeze(1)
+        context_slots = _slots_for_positions(block_table_cpu[reqs], kj.expand(P, Lk), bs, k_valid)
+
+        uniform = bool((q_lens == Lq).all()) and bool((ctx == 0).all())
+        mask = None
+        if not uniform:
+            # query i of request p sits at position ctx[p] + i and sees keys j <= that position.
+            # Padded query rows get key 0 only so that their softmax stays finite.
+            m = kj.unsqueeze(0) <= (ctx.view(P, 1, 1) + qi.unsqueeze(2))
+            m &= k_valid.unsqueeze(1)
+            m &= q_valid.unsqueeze(2)
+            m[:, :, 0] |= ~q_valid
+            mask = m.unsqueeze(1).to(device)
+        rows = q_valid.reshape(-1).nonzero().squeeze(1)
+        valid_rows = None if rows.numel() == P * Lq else rows.to(device)
+        tokens = (starts.unsqueeze(1) + qi)[q_valid]
+        tok_slice, tok_index = _index_or_slice(tokens)
+        no_context = bool((ctx == 0).all())
+        dense_rows = tok_slice if valid_rows is None else None
+        return _PaddedPrefillPlan(
+            num_prefills=P,
+            max_query_len=Lq,
+            max_seq_len=Lk,
+            query_index=query_index.reshape(-1).to(device),
+            context_slots=context_slots.reshape(-1).to(device),
+            mask=mask,
+            valid_rows=valid_rows,
+            token_slice=tok_slice,
+            token_index=None if tok_index is None else tok_index.to(device),
+            no_context=no_context,
+            dense_rows=dense_rows,
+        )
+
+    # ------------------------------------------------------------------ per layer
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        T = plan.num_actual_tokens
+        _, num_blocks, bs, Hkv, D = kv_cache.shape
+        k_flat = kv_cache[0].view(num_blocks * bs, Hkv, D)
+        v_flat = kv_cache[1].view(num_blocks * bs, Hkv, D)
+        key, value = key[:T], value[:T]
+        if plan.write_index is None:
+            k_flat.index_copy_(0, plan.write_slots, key.to(kv_cache.dtype))
+            v_flat.index_copy_(0, plan.write_slots, value.to(kv_cache.dtype))
+        else:
+            k_flat.index_copy_(0, plan.write_slots, key[plan.write_index].to(kv_cache.dtype))
+            v_flat.index_copy_(0, plan.write_slots, value[plan.write_index].to(kv_cache.dtype))
+
+        # Rows past num_actual_tokens (a padded batch) come back as zeros.
+        out = torch.empty_like(query)
+        if out.shape[0] > T:
+            out[T:].zero_()
+        query = query[:T]
+        if plan.decode is not None:
+            self._decode(query, kv_cache, plan, scale, out)
+        if plan.padded_prefill is not None:
+            self._padded_prefill(query, key, value, k_flat, v_flat, plan.padded_prefill, scale,
+                                out)
+        for rp in plan.request_prefills:
+            self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out)
+        return out
+
+    @staticmethod
+    def _decode(query, kv_cache, plan: TorchAttentionPlan, scale: float, out: torch.Tensor) -> None:
+        dp = plan.decode
+        _, num_blocks, bs, Hkv, D = kv_cache.shape
+        Bd, nblk = dp.num_decodes, dp.num_blocks
+        L = nblk * bs
+        Hq = query.shape[1]
+
+        # One gather of whole blocks, K and V together (the block ids of V are offset by
+        # num_blocks in the flattened [2 * num_blocks] view), into a buffer every layer reuses.
+        buf = plan.decode_buffer
+        if buf is None or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
+            buf = torch.empty(2 * Bd * nblk, bs * Hkv * D, dtype=kv_cache.dtype,
+                              device=kv_cache.device)
+            plan.decode_buffer = buf
+        if dp.kv_block_ids is None or dp.kv_block_ids.device != kv_cache.device:
+            dp.kv_block_ids = torch.cat([dp.block_ids, dp.block_ids + num_blocks])
+        torch.index_select(kv_cache.view(2 * num_blocks, bs * Hkv * D), 0, dp.kv_block_ids, out=buf)
+        k = buf[: Bd * nblk].view(Bd, L, Hkv, D).transpose(1, 2)  # [Bd, Hkv, L, D], strided
+        v = buf[Bd * nblk:].view(Bd, L, Hkv, D).transpose(1, 2)
+
+        q = query[dp.token_slice] if dp.token_slice is not None else query[dp.token_index]
+        # Grouped-query attention without repeating K/V: the `group` query heads that share a KV
+        # head become `group` query rows of one attention problem over that head's keys.
+        q = q.view(Bd, Hkv, Hq // Hkv, D)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        bias = dp.bias
+        if bias.dtype != q.dtype:
+            if dp.bias_cast is None or dp.bias_cast.dtype != q.dtype:
+                dp.bias_cast = bias.to(q.dtype)
+            bias = dp.bias_cast
+        # On CPU this is the fused (flash) SDPA kernel: it reads the strided K/V views directly
+        # and accumulates the softmax in float32 also for bf16/fp16 inputs.
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        o = o.reshape(Bd, Hq, D)
+        if dp.token_slice is not None:
+            out[dp.token_slice] = o
+        else:
+            out[dp.token_index] = o
+
+    @staticmethod
+    def _padded_prefill(query, key, value, k_flat, v_flat, pp: _PaddedPrefillPlan, scale,
+                        out) -> None:
+        P, Lq, Lk = pp.num_prefills, pp.max_query_len, pp.max_seq_len
+        Hq, D = query.shape[1], query.shape[2]
+        Hkv = k_flat.shape[1]
+
+        def padded(x: torch.Tensor, L: int) -> torch.Tensor:  # [rows, H, D] -> [P, H, L, D]
+            if pp.dense_rows is not None:
+                x = x[pp.dense_rows]
+            else:
+                x = x.index_select(0, pp.query_index)
+            return x.view(P, L, x.shape[1], D).transpose(1, 2)
+
+        q = padded(query, Lq)
+        if pp.no_context:  # Lk == Lq and the keys are exactly this step's tokens
+            k, v = padded(key, Lq), padded(value, Lq)
+        else:
+            k = k_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
+            v = v_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if pp.mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=pp.mask, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        o = o.transpose(1, 2)  # [P, Lq, Hq, D]
+        if pp.valid_rows is None and pp.token_slice is not None:
+            out[pp.token_slice].view(P, Lq, Hq, D).copy_(o)
+            return
+        o = o.reshape(P * Lq, Hq, D)
+        if pp.valid_rows is not None:
+            o = o.index_select(0, pp.valid_rows)
+        if pp.token_slice is not None:
+            out[pp.token_slice] = o
+        else:
+            out[pp.token_index] = o
+
+    @staticmethod
+    def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale, out) -> None:
+        q = query[rp.start:rp.end].transpose(0, 1)  # [Hq, q_len, D]
+        Hq, Hkv = q.shape[0], key.shape[1]
+        if rp.context_len == 0:
+            # The whole context is this chunk: read it from the inputs, no gather needed.
+            k = key[rp.start:rp.end].transpose(0, 1).to(q.dtype)
+            v = value[rp.start:rp.end].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        else:
+            k = k_flat.index_select(0, rp.context_slots).transpose(0, 1).to(q.dtype)
+            v = v_flat.index_select(0, rp.context_slots).transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=rp.mask, scale=scale,
+                                               enable_gqa=Hq != Hkv)
+        out[rp.start:rp.end] = o.transpose(0, 1)

@@ -1,0 +1,93 @@
+"""EngineCore: one step = schedule -> execute -> update.
+
+The same object runs inside the child process (`engine_core_proc`) or, for debugging and tests,
+in the caller's own process (the in-process client). It never imports from engine/ or
+entrypoints/; it speaks only the message types of `tokenloom.messages`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
+from tokenloom.model.loader import load_model
+from tokenloom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's context length ({model_max})."
+        )
+    return requested
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        t0 = time.perf_counter()
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
+        self.model_runner = ModelRunner(loaded, config, self.max_model_len)
+        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len)
+        self.info = EngineInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=loaded.config.vocab_size,
+            num_kv_blocks=self.model_runner.num_kv_blocks,
+            block_size=config.block_size,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            attention_backend=self.model_runner.attn_backend.name,
+            pid=os.getpid(),
+        )
+        logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(timestamp=now())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = now()
+        return outputs
+
+    # ---- utility calls (msgpack-able results) -----------------------------------------------
+
+    def get_info(self) -> EngineInfo:
+        return self.info
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_state(self) -> dict:
+        """Introspection for tests and /metrics: what the core holds right now."""
+        s = self.scheduler
+        pool = s.kv_cache_manager.block_pool
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_requests": len(s.requests),
+            "num_free_blocks": pool.get_num_free_blocks(),
+            "num_total_blocks": self.model_runner.num_kv_blocks,
+            "num_runner_requests": len(self.model_runner.input_batch),
+            "prefix_cache_queries": s.kv_cache_manager.prefix_cache_queries,
+            "prefix_cache_hits": s.kv_cache_manager.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+        }

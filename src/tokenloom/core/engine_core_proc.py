@@ -1,0 +1,178 @@
+"""The engine-core child process: `python -m tokenloom.core.engine_core_proc IN_ADDR OUT_ADDR`.
+
+Three threads, so that (de)serialization and socket I/O overlap the model's compute:
+- the input thread receives and decodes messages and puts them on `input_queue`;
+- the main thread runs the busy loop: drain inputs, step, put outputs on `output_queue`;
+- the output thread encodes and sends.
+The caller binds both ZMQ sockets (ipc:// paths in its private 0700 temp dir) and writes the
+EngineConfig as JSON on our stdin. The first message we send is either the ready handshake (an
+`EngineInfo` as a utility result with call_id -1) or an `engine_error` if start-up failed.
+This process must never outlive its parent: the kernel kills it when the parent dies (prctl
+PDEATHSIG), and a watchdog thread checks the parent pid in case the parent died before prctl.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from tokenloom.config import EngineConfig
+from tokenloom.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger("tokenloom.engine_core")
+
+READY_CALL_ID = -1
+_SHUTDOWN = object()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the watchdog below still works
+        pass
+
+    def watchdog() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, in_addr: str, out_addr: str) -> None:
+        self.ctx = zmq.Context()
+        self.in_sock = self.ctx.socket(zmq.PULL)
+        self.in_sock.connect(in_addr)
+        self.out_sock = self.ctx.socket(zmq.PUSH)
+        self.out_sock.setsockopt(zmq.LINGER, 2000)
+        self.out_sock.connect(out_addr)
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.encoder = msgspec.msgpack.Encoder()
+        threading.Thread(target=self._output_thread, name="output", daemon=True).start()
+        try:
+            from tokenloom.core.engine_core import EngineCore
+
+            self.engine = EngineCore(config)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, then we exit
+            self._send_fatal(f"engine core failed to start: {e!r}\n{traceback.format_exc()}")
+            raise SystemExit(1) from e
+        self.output_queue.put(
+            EngineCoreOutputs(
+                utility_output=UtilityOutput(call_id=READY_CALL_ID, result=self.encoder.encode(self.engine.info))
+            )
+        )
+        threading.Thread(target=self._input_thread, name="input", daemon=True).start()
+
+    # ---- threads ----------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        util_decoder = msgspec.msgpack.Decoder(UtilityRequest)
+        while True:
+            kind_frame, payload = self.in_sock.recv_multipart(copy=False)
+            kind = EngineCoreRequestType(bytes(kind_frame.buffer))
+            if kind is EngineCoreRequestType.ADD:
+                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+            elif kind is EngineCoreRequestType.ABORT:
+                self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
+            elif kind is EngineCoreRequestType.UTILITY:
+                self.input_queue.put((kind, util_decoder.decode(payload.buffer)))
+            else:
+                self.input_queue.put((kind, None))
+                return
+
+    def _output_thread(self) -> None:
+        while True:
+            item = self.output_queue.get()
+            if item is _SHUTDOWN:
+                return
+            self.out_sock.send(self.encoder.encode(item), copy=False)
+
+    def _send_fatal(self, message: str) -> None:
+        logger.error(message)
+        self.output_queue.put(EngineCoreOutputs(engine_error=message))
+        self.output_queue.put(_SHUTDOWN)
+        time.sleep(0.2)  # let the output thread flush before the process exits
+
+    # ---- busy loop --------------------------------------------------------------------------
+
+    def _handle(self, kind: EngineCoreRequestType, obj: Any) -> bool:
+        """Applies one input message; False means shut down."""
+        if kind is EngineCoreRequestType.ADD:
+            self.engine.add_request(obj)
+        elif kind is EngineCoreRequestType.ABORT:
+            self.engine.abort_requests(obj)
+        elif kind is EngineCoreRequestType.UTILITY:
+            self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(obj)))
+        else:
+            return False
+        return True
+
+    def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
+        try:
+            method = getattr(self.engine, req.method)
+            if req.method.startswith("_") or not callable(method):
+                raise AttributeError(req.method)
+            return UtilityOutput(call_id=req.call_id, result=self.encoder.encode(method(*req.args)))
+        except Exception as e:  # noqa: BLE001 - the caller re-raises it
+            return UtilityOutput(call_id=req.call_id, failure=f"{type(e).__name__}: {e}")
+
+    def run_busy_loop(self) -> None:
+        engine = self.engine
+        while True:
+            # Block only when there is nothing to step: an idle core costs no CPU.
+            if not engine.has_unfinished_requests():
+                if not self._handle(*self.input_queue.get()):
+                    break
+            while not self.input_queue.empty():
+                if not self._handle(*self.input_queue.get_nowait()):
+                    return self._shutdown()
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                if outputs.outputs or outputs.scheduler_stats is not None:
+                    self.output_queue.put(outputs)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.output_queue.put(_SHUTDOWN)
+
+
+def main() -> None:
+    in_addr, out_addr, parent_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    proc = EngineCoreProc(config, in_addr, out_addr)
+    try:
+        proc.run_busy_loop()
+    except BaseException as e:  # noqa: BLE001 - every in-flight request must hear about it
+        proc._send_fatal(f"engine core died: {e!r}\n{traceback.format_exc()}")
+        os._exit(1)
+    time.sleep(0.1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

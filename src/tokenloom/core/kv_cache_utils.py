@@ -1,0 +1,33 @@
+"""The prefix-cache hash chain.
+
+A full block of `block_size` tokens is identified by `hash(parent_hash, its token ids)`, where the
+parent is the hash of the block before it (or a fixed root for the first block). Two requests that
+share their first k full blocks of tokens therefore share the first k hashes, and a lookup walks
+the chain from the start until the first miss.
+
+Why SHA-256 and not Python's `hash()` of a tuple: a collision would silently hand one request the
+K/V of a different text, and `hash()` is only 64 bits. SHA-256 costs about a microsecond for a
+16-token block, and a block is hashed once, when it becomes full. The digest is also stable across
+processes and runs (no PYTHONHASHSEED), so the chain means the same thing everywhere.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import NewType, Sequence
+
+BlockHash = NewType("BlockHash", bytes)
+
+# Parent of the first block of every request. A fixed value: the chain is content-addressed and
+# must agree between runs and processes.
+ROOT_BLOCK_HASH = BlockHash(hashlib.sha256(b"tokenloom/prefix-cache/root").digest())
+
+
+def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """The parent digest has a fixed length (32 bytes) and every block has the same number of
+    tokens, so plain concatenation is unambiguous."""
+    return BlockHash(hashlib.sha256(parent + array("q", token_ids).tobytes()).digest())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,389 @@
+"""Who runs in each step, and what happens when a step's tokens come back.
+
+One step: `schedule()` spends the token budget, first on RUNNING requests (one decode token, or
+the next prefill chunk), then on WAITING ones in policy order; `update_from_output()` appends the
+sampled tokens, applies the stop conditions and frees the blocks of finished requests, so the next
+`schedule()` can admit into them (admission is downstream of completion).
+
+Conventions:
+  * `num_computed_tokens` is advanced in `schedule()` by the tokens it schedules, as in vLLM:
+    between the two calls it counts the tokens of the step in flight. The diffs sent to the runner
+    carry the value from *before* the step (the position of the step's first token).
+  * `self.running` is kept in policy order (admission order for FCFS; (priority, arrival) for
+    priority), so the request to preempt is always the last one, and it is never a request that
+    was already scheduled in this step.
+  * A request never holds more tokens than the whole KV cache: `max_request_len` is the smaller of
+    max_model_len and the cache's capacity, and reaching it finishes the request with LENGTH
+    (otherwise a request that outgrew the cache would preempt itself forever).
+  * Rejected at `add_request` (finished with ERROR, reported by the next `update_from_output`): an
+    empty prompt, a prompt longer than max_model_len, a prompt needing more blocks than the cache
+    has, and, with chunked prefill off, a prompt longer than max_num_batched_tokens.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.kv_cache_utils import cdiv
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
+from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+from tokenloom.worker.outputs import ModelRunnerOutput
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+
+    def take(self, request: Request, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+        # A decode computes the one token after everything else: the latest sampled token.
+        if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
+            self.num_decode_tokens += num_new_tokens
+        else:
+            self.num_prefill_tokens += num_new_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.max_request_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, self.max_request_len
+        )
+        self.requests: dict[str, Request] = {}  # every live (waiting or running) request
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the runner drops them.
+        self.finished_req_ids: set[str] = set()
+        # Finished with ERROR at add_request; their final output goes out with the next update.
+        self.rejected: list[Request] = []
+        self.num_preemptions = 0  # cumulative
+        self.step = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        error = self._admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            self.rejected.append(request)
+            return
+        if self.kv_cache_manager.enable_caching:
+            request.enable_block_hashing(self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _admission_error(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty"
+        if n > self.max_model_len:
+            return f"the prompt ({n} tokens) is longer than max_model_len ({self.max_model_len})"
+        if cdiv(n, self.block_size) > self.num_kv_blocks:
+            return (
+                f"the prompt ({n} tokens) needs {cdiv(n, self.block_size)} KV cache blocks of "
+                f"{self.block_size} tokens but the cache has only {self.num_kv_blocks}"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            return (
+                f"the prompt ({n} tokens) is longer than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) and chunked prefill is off"
+            )
+        return None
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort). Unknown or already finished ids are ignored; no
+        output is emitted for them (the caller already knows)."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        # A rejected request still needs one step to deliver its final output.
+        return bool(self.requests) or bool(self.rejected)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step += 1
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # After a preemption the cache is short of blocks: admitting anyone now would only
+        # take blocks the running requests need next.
+        blocked = self._schedule_waiting(plan) if plan.num_preempted == 0 else WaitReason.NO_KV_BLOCKS
+        if blocked is not None and self.waiting:
+            self._record_waiting_reasons(plan, blocked)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            wait_reasons=plan.wait_reasons,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            step=self.step,
+        )
+        self.finished_req_ids = set()
+        for req_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_new_tokens
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            i += 1
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if num_new_tokens == 0:
+                plan.wait_reasons[request.request_id] = WaitReason.TOKEN_BUDGET
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_block_ids is None:
+                break  # it preempted itself, after every request behind it
+            plan.cached_reqs.req_ids.append(request.request_id)
+            plan.cached_reqs.new_block_ids.append(new_block_ids)
+            plan.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            plan.take(request, num_new_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int] | None:
+        """Blocks for a running request; while there are none, preempt the last running request
+        (latest admitted, or lowest priority), possibly this one. None if it was."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Recompute preemption: drop the request's blocks (its full blocks stay in the prefix
+        cache, so resuming is often cheap) and send it to the front of the waiting queue. It
+        keeps its output tokens and later comes back to the runner as a new request with them."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        self.finished_req_ids.add(request.request_id)
+        plan.wait_reasons[request.request_id] = WaitReason.PREEMPTED
+        plan.num_preempted += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> WaitReason | None:
+        """Admit waiting requests in policy order until one cannot be; returns why it could not
+        (None: the queue is empty). Nothing behind it is tried: no overtaking."""
+        kv = self.kv_cache_manager
+        while self.waiting:
+            if len(self.running) >= self.max_num_seqs:
+                return WaitReason.MAX_NUM_SEQS
+            if plan.token_budget == 0:
+                return WaitReason.TOKEN_BUDGET
+            request = self.waiting.peek()
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, plan.token_budget)
+            if num_new_tokens == 0:
+                return WaitReason.TOKEN_BUDGET
+            if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                return WaitReason.NO_KV_BLOCKS
+            self.waiting.pop()
+            self._admit(request, num_hit_tokens)
+            plan.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+            plan.take(request, num_new_tokens)
+        return None
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+        if self.policy == "priority":
+            bisect.insort(self.running, request, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            self.running.append(request)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        """Tokens to compute for the request this step: all it has left (one for a decode), or a
+        prefill chunk of what is left of the budget; 0 when it must wait for budget."""
+        remaining = min(request.num_tokens, self.max_request_len) - num_computed
+        if remaining <= token_budget:
+            return remaining
+        # With chunked prefill off, a prefill runs whole. The one exception is a preempted request
+        # whose prompt + outputs outgrew the whole budget: it could never resume otherwise.
+        if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
+            return token_budget
+        return 0
+
+    def _record_waiting_reasons(self, plan: _StepPlan, reason: WaitReason) -> None:
+        """The head of the queue could not be admitted for `reason`; everyone behind it waits
+        for it. Requests preempted in this step keep PREEMPTED."""
+        plan.wait_reasons.setdefault(self.waiting.peek().request_id, reason)
+        for request in self.waiting:
+            plan.wait_reasons.setdefault(request.request_id, WaitReason.HEAD_OF_LINE)
+
+    # ---- update -----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append the sampled tokens, stop finished requests, free their blocks and build the
+        step's outputs. This is the only function that loops over the runner's results."""
+        outputs: list[EngineCoreOutput] = []
+        index = model_runner_output.req_id_to_index
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while the step ran
+            # num_computed_tokens already includes this step, whose K/V are now written.
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            i = index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            new_token_ids = self._append_and_check_stop(request, sampled)
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids or request.is_finished or prompt_logprobs is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=model_runner_output.logprobs.get(req_id) if new_token_ids else None,
+                        new_prompt_logprobs=prompt_logprobs,
+                        finish_reason=request.get_finish_reason(),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+            if request.is_finished:
+                self._free_request(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        for request in self.rejected:
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=request.error,
+                )
+            )
+        self.rejected = []
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(scheduler_output), timestamp=now()
+        )
+
+    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append tokens one at a time; the ones after a stop are dropped."""
+        for n, token_id in enumerate(sampled, 1):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request):
+                return sampled[:n]
+        return sampled
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets the finished status. Order: EOS, stop token ids, max_tokens, max_model_len. EOS
+        and stop tokens do not count before min_tokens (the sampler also masks them until then)."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_tokens >= self.max_request_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    def make_stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
+        """Gauges are the state after this step's update; prefix-cache and preemption counts are
+        cumulative since start."""
+        kv = self.kv_cache_manager
+        so = scheduler_output
+        return SchedulerStats(
+            step=so.step if so is not None else self.step,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_prefill_tokens=so.num_prefill_tokens if so is not None else 0,
+            num_decode_tokens=so.num_decode_tokens if so is not None else 0,
+            token_budget=self.max_num_batched_tokens,
+            num_free_blocks=kv.num_free_blocks,
+            num_used_blocks=kv.num_used_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            num_total_blocks=self.num_kv_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,123 @@
+"""The engine-core client for asyncio callers (`AsyncLLM`).
+
+`AsyncMPClient` is `MPClient` with awaitable I/O: start-up and the ready handshake are inherited
+unchanged (blocking, once, before any event loop needs the engine), then the same two ZMQ sockets
+are shadowed by `zmq.asyncio` sockets so that sending and receiving never block the loop.
+
+Exactly one task may call `get_output_async()` (AsyncLLM's output handler). Utility calls are
+answered on the output socket too, so `call_utility_async()` parks a future that the reader
+resolves; it therefore needs that reader to be running.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import _POLL_MS, EngineDeadError, MPClient
+from tokenloom.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityOutput,
+    UtilityRequest,
+    now,
+)
+
+
+class AsyncMPClient(MPClient):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        # Created on first use: they bind to the event loop that is running then.
+        self._ain: zmq.asyncio.Socket | None = None
+        self._aout: zmq.asyncio.Socket | None = None
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        # Utility call ids continue after the ones the sync client may have used.
+        self._async_call_ids = itertools.count(1_000_000_000)
+
+    def _sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        if self._ain is None or self._aout is None:
+            self._ain = zmq.asyncio.Socket.from_socket(self.input_socket)
+            self._aout = zmq.asyncio.Socket.from_socket(self.output_socket)
+        return self._ain, self._aout
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    async def _send_async(self, kind: EngineCoreRequestType, obj: Any) -> None:
+        self._check_alive()
+        ain, _ = self._sockets()
+        await ain.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        request.sent_time = now()
+        await self._send_async(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead_reason is None:
+            await self._send_async(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        call_id = next(self._async_call_ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        try:
+            await self._send_async(
+                EngineCoreRequestType.UTILITY, UtilityRequest(call_id=call_id, method=method, args=list(args))
+            )
+            util: UtilityOutput = await asyncio.wait_for(future, timeout)
+        finally:
+            self._utility_futures.pop(call_id, None)
+        if util.failure is not None:
+            raise RuntimeError(f"engine core utility call {method!r} failed: {util.failure}")
+        return msgspec.msgpack.decode(util.result)
+
+    # ---- receiving --------------------------------------------------------------------------
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next message that carries request outputs or scheduler stats. Raises
+        `EngineDeadError` (and fails every pending utility call) once the core is gone."""
+        while True:
+            if self._pending:  # parked by a blocking utility call of the sync base class
+                return self._pending.popleft()
+            self._check_alive()
+            _, aout = self._sockets()
+            if await aout.poll(_POLL_MS, zmq.POLLIN):
+                frame = await aout.recv(copy=False)
+                outputs = self.decoder.decode(frame.buffer)
+                if outputs.engine_error is not None:
+                    self._die(outputs.engine_error)
+                util = outputs.utility_output
+                if util is not None:
+                    self._resolve_utility(util)
+                    if not outputs.outputs and outputs.scheduler_stats is None:
+                        continue
+                return outputs
+            code = self.proc.poll()
+            if code is not None:
+                self._die(f"engine core process {self.proc.pid} exited with code {code}")
+
+    def _resolve_utility(self, util: UtilityOutput) -> None:
+        future = self._utility_futures.get(util.call_id)
+        if future is not None and not future.done():
+            future.set_result(util)
+        elif future is None:
+            self._utility_results[util.call_id] = util  # a blocking caller of the base class
+
+    def _die(self, reason: str) -> None:
+        self._dead_reason = reason
+        error = EngineDeadError(reason)
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+        raise error
+
+    def shutdown(self) -> None:
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.cancel()
+        super().shutdown()

@@ -1,0 +1,309 @@
+"""AsyncLLM: the asyncio face of the engine (vLLM's V1 `AsyncLLM`), used by the HTTP server.
+
+Everything runs on one event loop, so no locks:
+- `generate()` tokenizes and validates in the caller, registers a `RequestStream` and sends the
+  request to the core, then yields whatever the stream receives;
+- one background task, the output handler, is the only reader of the core's outputs: it
+  detokenizes them in chunks (yielding to the loop between chunks, so a big batch never stalls
+  the HTTP side), feeds the Prometheus metrics and routes each `RequestOutput` to its stream.
+
+Three ways a request ends early, all of which free its KV blocks in the core:
+- the consumer stops iterating (`aclose()`, cancellation on client disconnect): `generate()`
+  aborts the request before the exception propagates;
+- `abort(request_id)`;
+- the engine core dies: every stream is failed with `EngineDeadError`, which each `generate()`
+  re-raises; `is_dead` turns True and new requests fail fast with the same error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.async_client import AsyncMPClient
+from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenloom.engine.parallel_sampling import ParentRequest
+from tokenloom.engine.processor import InputProcessor
+from tokenloom.messages import EngineCoreOutputs, now
+from tokenloom.metrics.prometheus import PrometheusMetrics
+from tokenloom.model.loader import load_model_config, load_tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Engine-core outputs detokenized per slice of the output handler before it yields to the loop.
+OUTPUT_CHUNK_SIZE = 128
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """One request in flight, as AsyncLLM tracks it: the collector its outputs are put in (which
+    merges them if the consumer falls behind, so there is never a backlog) and how many core-side
+    requests it stands for."""
+
+    request_id: str
+    num_seqs: int  # n
+    collector: RequestOutputCollector
+
+    async def get(self) -> RequestOutput:
+        return await self.collector.get()  # raises the exception that ended the request, if any
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True) -> None:
+        config.validate()
+        self.config = config
+        self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
+        # Only the tokenizer and the architecture facts live here; the weights load in the core.
+        self.tokenizer = load_tokenizer(config.model)
+        self.model_config = load_model_config(config.model)
+        self.engine_core = AsyncMPClient(config)
+        self.max_model_len = self.engine_core.info.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics: PrometheusMetrics | None = PrometheusMetrics(self.model_name) if log_stats else None
+        self._streams: dict[str, RequestStream] = {}
+        self._num_unfinished_seqs = 0
+        self._output_handler: asyncio.Task | None = None
+        self._background_tasks: set[asyncio.Task] = set()
+        self._dead_error: EngineDeadError | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "AsyncLLM":
+        return cls(EngineConfig(**kwargs))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validates and queues one request; its outputs arrive on the returned stream. Raises
+        ValueError for a bad prompt or parameters, EngineDeadError if the core is gone."""
+        self._check_alive()
+        self._ensure_output_handler()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight.")
+        params = params if params is not None else SamplingParams()
+        arrival_time = now()
+        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        n = request.sampling_params.n
+        stream = RequestStream(request_id, n, RequestOutputCollector(request.sampling_params.output_kind))
+        if n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            children = [request]
+        else:
+            # n > 1: n child requests share the prompt (and its KV blocks via the prefix cache);
+            # the output processor folds their outputs back into one RequestOutput.
+            parent = ParentRequest(request_id, request.sampling_params)
+            children = []
+            for index, (child_id, child_params) in enumerate(parent.child_requests()):
+                child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+                self.output_processor.add_request(child, prompt_text, parent, index)
+                children.append(child)
+        self._streams[request_id] = stream
+        self._num_unfinished_seqs += n
+        try:
+            for child in children:
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self.abort_nowait(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the request's outputs (cumulative, delta or final only, as
+        `sampling_params.output_kind` says) until the finished one. Closing or cancelling the
+        generator before then aborts the request in the core."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        outputs = self.stream_outputs(stream)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # its abort is synchronous: this never suspends
+
+    async def stream_outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a request queued with `add_request()`, up to the finished one. Raises
+        EngineDeadError if the core dies first. Ending early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        except EngineDeadError:
+            finished = True  # nothing left to abort
+            raise
+        finally:
+            if not finished:
+                # Synchronous on purpose: under a cancelled anyio scope (a disconnected HTTP
+                # client) any await here would itself be cancelled before it ran.
+                self.abort_nowait(stream.request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.abort_nowait(*ids)
+
+    def abort_nowait(self, *request_ids: str) -> None:
+        """Aborts unfinished requests (unknown or finished ids are ignored). A consumer still
+        waiting gets a final output with finish_reason "abort"; the core is told to free their
+        blocks from a task, so this can run where awaiting cannot."""
+        live = [rid for rid in request_ids if rid in self._streams]
+        if not live:
+            return
+        streams = {rid: self._streams.pop(rid) for rid in live}
+        for stream in streams.values():
+            self._num_unfinished_seqs -= stream.num_seqs
+        final_outputs, core_ids = self.output_processor.abort_requests(live)
+        for out in final_outputs:
+            self._record_finished(out)
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.collector.put(out)
+        if core_ids and self._dead_error is None:
+            self._spawn(self.engine_core.abort_requests_async(list(core_ids)))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+
+    # ---- the output handler -----------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="tokenloom-output-handler"
+            )
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                await self._handle_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_everything(e)
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave callers hanging forever
+            logger.exception("tokenloom output handler failed")
+            self._fail_everything(EngineDeadError(f"output handler failed: {e!r}"))
+            self.engine_core.shutdown()
+
+    async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None and self.metrics is not None:
+            self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+        core_outputs = outputs.outputs
+        for start in range(0, len(core_outputs), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)
+            processed = self.output_processor.process_outputs(core_outputs[start : start + OUTPUT_CHUNK_SIZE])
+            self._route(processed.request_outputs)
+            if processed.reqs_to_abort:  # e.g. stop strings found by the detokenizer
+                await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+
+    def _route(self, request_outputs: list[RequestOutput]) -> None:
+        # The processor returns its outputs instead of putting them into the collectors itself so
+        # that finishing (the unfinished count, the metrics) is accounted for here, once, even for
+        # a request whose consumer has not read its final output yet.
+        for out in request_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._num_unfinished_seqs -= stream.num_seqs
+                self._record_finished(out)
+            stream.collector.put(out)
+
+    def _record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if self.metrics is None or m is None:
+            return
+        reasons = [c.finish_reason for c in out.outputs if c.finish_reason is not None]
+        e2e = m.e2e_latency if m.e2e_latency is not None else now() - m.arrival_time
+        self.metrics.record_finished_request(
+            reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e, m.time_to_first_token
+        )
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        self._dead_error = error
+        logger.error("engine core is dead: %s", error)
+        try:
+            for out in self.output_processor.fail_all(str(error)):
+                if out.request_id in self._streams:
+                    self._record_finished(out)  # counted as finished_reason="error"
+        except Exception:  # noqa: BLE001 - the streams below must be failed regardless
+            logger.exception("OutputProcessor.fail_all failed")
+        for stream in self._streams.values():
+            stream.collector.put(error)
+        self._streams.clear()
+        self._num_unfinished_seqs = 0
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        if self.engine_core.is_dead:
+            raise EngineDeadError(self.engine_core._dead_reason or "engine core is dead")
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None or self.engine_core.is_dead or self.engine_core.proc.poll() is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests accepted and not finished, counted on the caller side (parents, not n)."""
+        return len(self._streams)
+
+    def get_num_unfinished_seqs(self) -> int:
+        """Core-side requests accepted and not finished (a request with n=4 counts 4)."""
+        return self._num_unfinished_seqs
+
+    async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        self._check_alive()
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async(method, *args, timeout=timeout)
+
+    async def get_state(self, timeout: float | None = None) -> dict:
+        """The core's `get_state()`: num_running, num_waiting, num_requests, num_free_blocks,
+        num_total_blocks."""
+        return await self.call_utility("get_state", timeout=timeout)
+
+    async def refresh_metrics(self, timeout: float = 2.0) -> None:
+        """Brings the gauges up to date before a scrape (an idle core sends no steps)."""
+        if self.metrics is None or self.is_dead:
+            return
+        try:
+            self.metrics.record_core_state(await self.get_state(timeout=timeout))
+        except (EngineDeadError, asyncio.TimeoutError, RuntimeError) as e:
+            logger.warning("could not refresh metrics from the engine core: %s", e)
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        for stream in self._streams.values():
+            stream.collector.put(EngineDeadError("the engine was shut down"))
+        self._streams.clear()
+        self.engine_core.shutdown()

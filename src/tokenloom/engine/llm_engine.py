@@ -1,0 +1,104 @@
+"""LLMEngine: the synchronous caller-side engine (vLLM's V1 `LLMEngine`).
+
+`add_request` tokenizes and validates in the caller, then sends an `EngineCoreRequest` to the core;
+`step` pulls whatever the core has produced since (it does not drive the core: in the default
+multiprocess mode the core runs its own busy loop), detokenizes it and returns `RequestOutput`s.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.parallel_sampling import ParentRequest
+from tokenloom.engine.processor import InputProcessor
+from tokenloom.messages import now
+from tokenloom.model.loader import load_model_config, load_tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
+        config.validate()
+        self.config = config
+        # The caller needs only the tokenizer and the architecture facts; the weights are loaded
+        # (and dequantized) once, in the engine core.
+        self.tokenizer = load_tokenizer(config.model)
+        self.model_config = load_model_config(config.model)
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self.max_model_len = self.engine_core.info.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._dead_error: EngineDeadError | None = None
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, multiprocess: bool = True, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs), multiprocess=multiprocess)
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        params = params if params is not None else SamplingParams()
+        arrival_time = now() if arrival_time is None else arrival_time
+        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        if request.sampling_params.n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        # n > 1: n child requests share the prompt (and so its KV blocks, via the prefix cache);
+        # the output processor folds their outputs back into one RequestOutput.
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index, (child_id, child_params) in enumerate(parent.child_requests()):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs, core_ids = self.output_processor.abort_requests(request_ids)
+        if self._dead_error is None:
+            self.engine_core.abort_requests(core_ids)
+        return outputs
+
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Outputs produced since the last call. If the engine core has died, every request in
+        flight is returned once, finished with finish_reason "error"; later calls raise."""
+        if self._dead_error is not None:
+            raise self._dead_error
+        try:
+            core_outputs = self.engine_core.get_output(timeout)
+        except EngineDeadError as e:
+            self._dead_error = e
+            return self.output_processor.fail_all(str(e))
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,192 @@
+"""The caller's side of the input path: a prompt and SamplingParams in, an `EngineCoreRequest` out.
+
+Everything that can be wrong with a request is found here, in the caller, with an error that names
+the field and the limit, before anything is queued in the engine core.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from tokenloom.messages import EngineCoreRequest
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, model_config: ModelArchConfig, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.vocab_size = model_config.vocab_size
+        # The primary EOS is the tokenizer's (the one chat templates end a turn with); a model may
+        # list more (Llama 3: end_of_text, eom, eot) and must stop at any of them.
+        eos_ids = list(model_config.eos_token_ids)
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
+            eos_ids.insert(0, tokenizer_eos)
+        self.eos_token_id: int | None = tokenizer_eos if tokenizer_eos is not None else (eos_ids[0] if eos_ids else None)
+        self.eos_token_ids: list[int] = eos_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Tokenizes and validates one request. Returns the request for the engine core and the
+        prompt text (None when the prompt was given as token ids only). `params` is not changed:
+        the request carries a copy completed with max_tokens and the token-id caches."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
+        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
+                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
+                "to leave room for at least one generated token."
+            )
+        params = self._complete_params(params, prompt_len)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time,
+            priority=priority,
+        )
+        return request, prompt_text
+
+    def apply_chat_template(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        add_generation_prompt: bool = True,
+    ) -> str | list[str]:
+        """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
+        of prompt texts of a list of conversations, by the tokenizer's chat template."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("The tokenizer has no chat template; pass prompts as text or token ids.")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations.")
+        single = isinstance(messages[0], dict)
+        conversations: Sequence[Conversation] = [messages] if single else messages  # type: ignore[list-item]
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
+                raise ValueError("each conversation must be a list of {'role': ..., 'content': ...} dicts.")
+            prompts.append(
+                self.tokenizer.apply_chat_template(
+                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            )
+        return prompts[0] if single else prompts
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        prompt_text: str | None = None
+        token_ids: Any = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise ValueError(
+                    f"A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key, got keys {sorted(prompt)!r}."
+                )
+            token_ids = prompt.get("prompt_token_ids")
+            prompt_text = prompt.get("prompt")
+            if prompt_text is not None and not isinstance(prompt_text, str):
+                raise ValueError(f"prompt must be a str, got {type(prompt_text).__name__}.")
+        elif isinstance(prompt, str):
+            prompt_text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = prompt
+        else:
+            raise ValueError(
+                f"A prompt is a str, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'; "
+                f"got {type(prompt).__name__}."
+            )
+        if token_ids is None:
+            assert prompt_text is not None
+            if not prompt_text:
+                raise ValueError("prompt must not be empty.")
+            token_ids = self._encode_prompt(prompt_text)
+            if not token_ids:
+                raise ValueError(f"prompt {prompt_text!r} tokenizes to no tokens.")
+        return prompt_text, self._check_token_ids(token_ids)
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """Tokenizes with the tokenizer's own special tokens (a BOS where it adds one), but not a
+        second BOS in front of a prompt that already starts with it (a chat template's output)."""
+        ids = list(self.tokenizer.encode(text))
+        bos_id = getattr(self.tokenizer, "bos_token_id", None)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if bos_id is not None and bos and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
+            ids = ids[1:]
+        return ids
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        requirement = f"a non-empty list of token ids in [0, {self.vocab_size}) (vocab_size={self.vocab_size})"
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be {requirement}, got {type(token_ids).__name__}.")
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty.")
+        ids: list[int] = []
+        for t in token_ids:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"prompt_token_ids must be {requirement}, got an element {t!r}.") from None
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            shown = ", ".join(f"{t} at position {i}" for i, t in bad[:8])
+            raise ValueError(
+                f"prompt_token_ids must hold token ids in [0, {self.vocab_size}) "
+                f"(vocab_size={self.vocab_size}); got out-of-vocabulary id(s): {shown}."
+            )
+        return ids
+
+    def _complete_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        changes: dict[str, Any] = {}
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - prompt_len
+        eos_ids = [] if params.ignore_eos else self.eos_token_ids
+        stop_token_ids = list(params.stop_token_ids or ())
+        extra_eos = [t for t in eos_ids if t != self.eos_token_id and t not in stop_token_ids]
+        if extra_eos:
+            # The core stops at `eos_token_id` and at `stop_token_ids`; the model's other EOS ids
+            # join the latter (as in vLLM), and are reported as the stop_reason.
+            changes["stop_token_ids"] = stop_token_ids + extra_eos
+        changes["_all_stop_token_ids"] = sorted(set(eos_ids) | set(stop_token_ids))
+        if params.bad_words:
+            changes["_bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
+        params = params.clone(**changes)
+        params.verify_against_vocab(self.vocab_size)
+        return params
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as it reads at the start of a text and after a space: the two often
+        tokenize differently (BPE folds the space into the word's first token). A spaced variant
+        that is only the plain one behind separate space tokens adds nothing and is left out."""
+        result: list[list[int]] = []
+        for word in bad_words:
+            word = word.lstrip()
+            if not word:
+                continue
+            plain = list(self.tokenizer.encode(word, add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word, add_special_tokens=False))
+            for ids in (plain, spaced):
+                if not ids or ids in result:
+                    continue
+                if ids is spaced and plain and spaced[-len(plain) :] == plain:
+                    continue
+                result.append(ids)
+        return result

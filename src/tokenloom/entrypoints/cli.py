@@ -1,0 +1,77 @@
+"""The `tokenloom` command: `tokenloom generate | serve | bench | explain ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tokenloom.entrypoints.bench import add_bench_parser
+from tokenloom.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenloom.entrypoints.openai import add_serve_parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts given on the command line")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    llm = LLM(**{f: getattr(config, f) for f in config.__struct_fields__}, multiprocess=args.multiprocess)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(args.prompts, outputs):
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+        else:
+            print(f"### {prompt}\n{c.text}\n")
+    return 0
+
+
+# Each entry adds one subcommand; modules are imported only when listed here.
+_SUBCOMMANDS = [
+    _add_generate,
+    add_serve_parser,  # tokenloom.entrypoints.openai
+    add_bench_parser,  # tokenloom.entrypoints.bench (a group: bench serve | ...)
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="tokenloom: LLM inference with a ledger")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tokenloom: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Engine options shared by every CLI command that starts an engine (generate, serve, bench)."""
+from __future__ import annotations
+
+import argparse
+
+from tokenloom.config import EngineConfig
+
+_DEFAULTS = EngineConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=_DEFAULTS.device)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
+    g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy, choices=["fcfs", "priority"])
+    g.add_argument("--attention-backend", default=_DEFAULTS.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    fields = EngineConfig.__struct_fields__
+    config = EngineConfig(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
+    config.validate()
+    return config

@@ -1,0 +1,167 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """An engine for offline batched inference.
+
+    `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file or a
+    Hugging Face directory. `dtype="auto"` is float32 on CPU (this CPU has no AMX: bfloat16
+    matmuls run at about half float32 speed) and bfloat16 on CUDA. `multiprocess=True` runs the
+    engine core in a child process; `False` runs it in this process (debugging).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        scheduling_policy: str = "fcfs",
+        attention_backend: str = "auto",
+        multiprocess: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
+            attention_backend=attention_backend,  # type: ignore[arg-type]
+        )
+        self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), SamplingParams())
+        prio_list = _broadcast("priority", priority, len(prompt_list), 0, per_item=True)
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params, prio in zip(prompt_list, params_list, prio_list):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, params, priority=prio)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt mid-list: nothing earlier stays queued
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.llm_engine.input_processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        index = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        num_in = num_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    results[index[out.request_id]] = out
+                    num_in += len(out.prompt_token_ids or ())
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s"
+                    )
+        except BaseException:
+            engine.abort_request([rid for rid, r in zip(ids, results) if r is None])
+            raise
+        finally:
+            bar.close()
+        if engine.is_dead:
+            errors = [r for r in results if r is not None and getattr(r, "error", None)]
+            reason = errors[0].error if errors else "engine core died"
+            raise EngineDeadError(f"the engine core died while {len(errors)} request(s) were in flight: {reason}")
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty.")
+    return prompts
+
+
+def _broadcast(name: str, value: Any, n: int, default: Any, per_item: bool = False) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, SamplingParams) or (per_item and not isinstance(value, (list, tuple))):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts.")
+    return value

@@ -1,0 +1,41 @@
+"""The OpenAI-compatible HTTP server (`tokenloom serve`).
+
+This module stays light (argparse only): the CLI builds every subcommand's parser at start-up,
+and the server's heavy imports (FastAPI, the engine) happen only when `serve` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from tokenloom.entrypoints.engine_args import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENLOOM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API routes (default: $TOKENLOOM_API_KEY); "
+        "/health, /version and /metrics stay open",
+    )
+    p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (default: the model path)")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 when admitting a request would leave more than N requests waiting "
+        "(counted on the caller side as unfinished requests beyond --max-num-seqs); default: no limit",
+    )
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.openai.api_server import run_serve
+
+    return run_serve(args)

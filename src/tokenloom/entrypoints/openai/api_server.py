@@ -1,0 +1,216 @@
+"""`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, GET /metrics. Every error leaves in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import tokenloom
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIServingError,
+    bad_request,
+    unix_time,
+)
+from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
+from tokenloom.metrics.prometheus import CONTENT_TYPE
+
+logger = logging.getLogger("tokenloom.serve")
+
+# Paths that stay open when --api-key is set: probes and scrapers carry no key.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+
+def _error_response(e: OpenAIServingError) -> Response:
+    return json_response(e.to_dict(), status_code=e.status_code)
+
+
+def _validation_error(e: pydantic.ValidationError | RequestValidationError) -> OpenAIServingError:
+    """The first pydantic error as a 400 naming the field (`param` is its dotted path)."""
+    errors = e.errors()
+    if not errors:
+        return bad_request("invalid request body.")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) if loc else None
+    # For a union type pydantic reports one error per member; the field and first reason suffice.
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+    if "input" in first and param:
+        message += f" (got {json.dumps(first['input'], default=str)[:200]})"
+    extra = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return bad_request(message + extra, param=loc[0] if loc else None)
+
+
+async def _parse_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise _validation_error(e) from None
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware): it only gates requests and passes `receive` through
+    untouched, so client disconnects still reach the endpoints."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        # Constant time in the key's content: no early exit on the first differing byte.
+        if not hmac.compare_digest(given, self.expected):
+            error = OpenAIServingError("Invalid or missing API key.", 401, "invalid_request_error", None, "invalid_api_key")
+            return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+) -> FastAPI:
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None)
+    completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
+    chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests)
+
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIServingError)
+    async def _openai_error(_: Request, e: OpenAIServingError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, e: RequestValidationError) -> Response:
+        return _error_response(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIServingError(str(e.detail), e.status_code, kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> Response:
+        logger.exception("internal error")
+        return _error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = await _parse_body(request, CompletionRequest)
+        return await completions.create_completion(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = await _parse_body(request, ChatCompletionRequest)
+        return await chat.create_chat_completion(req, request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        created = unix_time()
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "tokenloom",
+                "root": engine.config.model or "SmolLM2-135M-Instruct",
+                "max_model_len": engine.max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_dead:
+            return _error_response(engine_dead_error(engine.dead_error))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": tokenloom.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics is None:
+            return Response(status_code=404)
+        await engine.refresh_metrics()
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.state.engine = engine
+    return app
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenloom.entrypoints.engine_args import engine_config_from_args
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}.")
+        args.model = args.model_tag
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
+    if not getattr(args, "multiprocess", True):
+        raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
+    engine = AsyncLLM(config, model_name=names[0])
+    app = build_app(engine, served_model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    )
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
+        await task
+
+    # SIGTERM is handled by uvicorn (graceful shutdown); the engine core goes with us either way.
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1
+

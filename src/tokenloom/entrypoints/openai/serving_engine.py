@@ -1,0 +1,285 @@
+"""What both OpenAI endpoints share: request fields -> SamplingParams, admission (model name,
+capacity, a live engine), usage and logprobs in OpenAI's shapes, SSE framing, and running
+requests against the engine with client disconnects turned into aborts."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tokenloom.engine.async_llm import AsyncLLM, RequestStream
+from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
+from tokenloom.outputs import Logprob, RequestOutput
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()  # encodes -inf logprobs as null instead of emitting invalid JSON
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+) (?:must|has|is)\b")
+
+
+def json_response(obj: Any, status_code: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status_code, media_type="application/json")
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def engine_dead_error(e: BaseException | None = None) -> OpenAIServingError:
+    detail = f": {str(e).splitlines()[0]}" if e is not None and str(e) else ""
+    return OpenAIServingError(
+        f"The engine core is dead{detail}", 503, "service_unavailable_error", None, "engine_dead"
+    )
+
+
+def error_from_value_error(e: ValueError, field_names: dict[str, str] | None = None, prompt_param: str = "prompt") -> OpenAIServingError:
+    """A ValueError from SamplingParams or the input processor, as a 400 whose `param` is the
+    request field the message names (`field_names` maps SamplingParams names to request names)."""
+    message = str(e)
+    match = _FIELD_IN_MESSAGE.match(message)
+    param: str | None = None
+    if match:
+        name = match.group(1)
+        if not name.startswith("_"):
+            param = (field_names or {}).get(name, name)
+            message = param + message[len(name) :]  # the request's own name for the field
+    elif "max_model_len" in message or "prompt" in message.lower():
+        param = prompt_param
+    return bad_request(message, param=param)
+
+
+class OpenAIServing:
+    """Base of the two endpoint handlers."""
+
+    # Request field -> SamplingParams field where the names differ.
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting_requests: int | None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_waiting_requests = max_waiting_requests
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model == "":
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIServingError(
+                f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.",
+                404,
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return model
+
+    def check_capacity(self, num_new_seqs: int) -> None:
+        """503 when the engine is dead, or when admitting `num_new_seqs` more core requests would
+        leave more than `max_waiting_requests` of them waiting. Counted on the caller side: the
+        unfinished requests minus the `max_num_seqs` the scheduler can run at once."""
+        if self.engine.is_dead:
+            raise engine_dead_error(self.engine.dead_error)
+        if self.max_waiting_requests is None:
+            return
+        waiting = self.engine.get_num_unfinished_seqs() + num_new_seqs - self.engine.config.max_num_seqs
+        if waiting > self.max_waiting_requests:
+            raise OpenAIServingError(
+                f"The server is overloaded: more than {self.max_waiting_requests} requests would be waiting "
+                f"(--max-waiting-requests). Retry later.",
+                503,
+                "service_unavailable_error",
+                None,
+                "server_overloaded",
+            )
+
+    # ---- request fields -> SamplingParams -----------------------------------------------------
+
+    def sampling_params(
+        self,
+        req: _SamplingFields,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        field_names: dict[str, str],
+    ) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            "n": req.n,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "seed": req.seed,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "min_tokens": req.min_tokens,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens,
+            "logit_bias": req.logit_bias,
+            "allowed_token_ids": req.allowed_token_ids,
+            "bad_words": req.bad_words,
+            "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        }
+        for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise error_from_value_error(e, field_names) from None
+
+    # ---- running requests -----------------------------------------------------------------------
+
+    async def add_requests(
+        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int, prompt_param: str
+    ) -> list[RequestStream]:
+        """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+        except ValueError as e:
+            self.engine.abort_nowait(*[s.request_id for s in streams])
+            raise error_from_value_error(e, prompt_param=prompt_param) from None
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from None
+        except BaseException:
+            self.engine.abort_nowait(*[s.request_id for s in streams])
+            raise
+        return streams
+
+    async def merged_outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every stream, in arrival order. Closing it early (or an
+        error in one stream) aborts the requests that have not finished."""
+        if len(streams) == 1:
+            gen = self.engine.stream_outputs(streams[0])
+            try:
+                async for out in gen:
+                    yield 0, out
+            finally:
+                await gen.aclose()  # runs its abort synchronously: safe under cancellation
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        gens = [self.engine.stream_outputs(s) for s in streams]
+
+        async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+            try:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.engine.abort_nowait(*[s.request_id for s in streams])
+
+    async def collect_final(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in self.merged_outputs(streams):
+                if finals[i] is None or out.finished:
+                    finals[i] = out
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from None
+        for out in finals:
+            assert out is not None
+            check_output_error(out)
+        return finals  # type: ignore[return-value]
+
+
+def check_output_error(out: RequestOutput) -> None:
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        raise OpenAIServingError(
+            f"The engine failed this request: {out.error or 'unknown error'}", 500, "server_error", None, "engine_error"
+        )
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its requests however it ends, even if the body iterator never
+    started (a client gone before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def run_until_disconnected(request: Request, work: Any) -> Any:
+    """Awaits `work` unless the HTTP client goes away first; then `work` is cancelled (which
+    aborts its engine requests) and None is returned (there is nobody to answer)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone
+            pass
+        return None
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at one position, most likely first."""
+    return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]

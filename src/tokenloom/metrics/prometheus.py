@@ -1,0 +1,122 @@
+"""Prometheus exposition for one engine: vLLM's metric names with the `tokenloom:` prefix.
+
+Every engine owns its `CollectorRegistry`, so several servers (or engines in one test process)
+never collide on metric names. Fed from two places only:
+- `record_scheduler_stats()`: the `SchedulerStats` of each engine step (and, at scrape time, a
+  fresh `get_state()` of the core, because an idle core sends no more steps after the last one);
+- `record_finished_request()`: one call per finished request, with the latencies the caller
+  measured.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenloom.messages import SchedulerStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Bucket bounds in seconds, a little wider than vLLM's at the slow end: a CPU engine is slow.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class PrometheusMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._last_totals: dict[str, int] = {}
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenloom:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set of the scheduler.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        self.num_kv_blocks_used = gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
+        self.num_kv_blocks_free = gauge("num_kv_blocks_free", "KV cache blocks free (including cached free blocks).")
+        self.num_kv_blocks_total = gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
+
+        self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        success = Counter(
+            "tokenloom:request_success", "Finished requests, by finish reason.", labels + ["finished_reason"], registry=r
+        )
+        self._request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first generated token.", _TTFT_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the final output.", _E2E_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self._set_blocks(stats.num_free_blocks, stats.num_total_blocks)
+        # The core reports these three as running totals; a counter takes the increase.
+        for counter, name in (
+            (self.num_preemptions, "num_preemptions"),
+            (self.prefix_cache_queries, "prefix_cache_queries"),
+            (self.prefix_cache_hits, "prefix_cache_hits"),
+        ):
+            total = getattr(stats, name)
+            last = self._last_totals.get(name, 0)
+            increase = total - last if total >= last else total  # a smaller total: it was reset
+            if increase:
+                counter.inc(increase)
+            self._last_totals[name] = total
+
+    def record_core_state(self, state: dict) -> None:
+        """A `get_state()` snapshot of the core (see EngineCore.get_state)."""
+        self.num_requests_running.set(state.get("num_running", 0))
+        self.num_requests_waiting.set(state.get("num_waiting", 0))
+        if "num_free_blocks" in state and "num_total_blocks" in state:
+            self._set_blocks(state["num_free_blocks"], state["num_total_blocks"])
+
+    def _set_blocks(self, num_free: int, num_total: int) -> None:
+        if num_total <= 0:
+            return
+        self.num_kv_blocks_total.set(num_total)
+        self.num_kv_blocks_free.set(num_free)
+        self.num_kv_blocks_used.set(num_total - num_free)
+        self.kv_cache_usage_perc.set((num_total - num_free) / num_total)
+
+    def record_finished_request(
+        self,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        e2e_s: float,
+        ttft_s: float | None,
+    ) -> None:
+        counter = self._request_success.get(finish_reason)
+        if counter is not None:
+            counter.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+        self.e2e_request_latency.observe(e2e_s)
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+            if num_generation_tokens > 1:
+                self.time_per_output_token.observe((e2e_s - ttft_s) / (num_generation_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

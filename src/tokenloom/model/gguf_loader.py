@@ -1,0 +1,231 @@
+"""GGUF (llama.cpp) checkpoints: architecture config from the metadata, and the tensors,
+dequantized, renamed to HF's names and with llama.cpp's q/k row order undone.
+
+Every tensor is checked (present, of a type we can dequantize, of the shape the config implies)
+before any is dequantized, so a bad file fails in milliseconds with a message naming the tensor.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.errors import ModelLoadError
+from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
+from tokenloom.model.registry import GGUF_ARCHITECTURES
+
+# Types we dequantize. gguf-py knows more (IQ*, TQ*, MXFP4, ...), but these are the ones the
+# llama.cpp quantizers produce for ordinary Llama/Qwen files and the ones tests cover.
+SUPPORTED_GGML_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+_SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_GGML_TYPES)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        suffix = _LAYER_NAMES.get(rest)
+        if suffix is not None and layer.isdigit():
+            return f"model.layers.{layer}.{suffix}"
+    return None  # e.g. rope_freqs.weight (read into the config), or tensors we do not use
+
+
+def hf_to_gguf_name(name: str) -> str:
+    if name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)  # model.layers.N.<rest>
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[rest]}"
+
+
+# ------------------------------------------------------------------------------------ config
+def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
+    md, path = g.metadata, g.path
+    gguf_arch = g.architecture
+    arch = GGUF_ARCHITECTURES.get(gguf_arch)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {gguf_arch!r} "
+                             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+
+    def get(key: str, default=None, required: bool = False):
+        full = f"{gguf_arch}.{key}"
+        if full not in md:
+            if required:
+                raise ModelLoadError(f"{path}: missing GGUF metadata key {full!r}")
+            return default
+        return md[full]
+
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rot_dim = get("rope.dimension_count")
+    if rot_dim is not None and int(rot_dim) != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embedding ({gguf_arch}.rope.dimension_count="
+                             f"{rot_dim}, head_dim={head_dim}) is not supported")
+
+    vocab = get("vocab_size")
+    if vocab is None:
+        embd = g.tensors.get("token_embd.weight")
+        vocab = embd.shape[0] if embd is not None else len(md.get("tokenizer.ggml.tokens", []))
+
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = md.get(f"tokenizer.ggml.{key}")
+        if tid is not None and int(tid) not in eos_ids:
+            eos_ids.append(int(tid))
+    bos = md.get("tokenizer.ggml.bos_token_id")
+
+    return ModelArchConfig(
+        architecture=arch,
+        num_hidden_layers=int(get("block_count", required=True)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", required=True)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        rope_scaling=_rope_scaling(g, get),
+        attention_bias="blk.0.attn_q.bias" in g.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope_scaling(g: GGUFFile, get) -> dict | None:
+    # llama.cpp writes Llama 3.1's scaling as per-pair frequency divisors in a `rope_freqs`
+    # tensor rather than as metadata; 64-odd float32s, cheap to read here.
+    freqs = g.tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        values = _to_torch(g, freqs).to(torch.float32).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": values.tolist()}
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict = {"rope_type": str(kind)}
+    factor = get("rope.scaling.factor")
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    original = get("rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        value = get(f"rope.scaling.{key}")
+        if value is not None:
+            scaling[key] = float(value)
+    return scaling
+
+
+# ----------------------------------------------------------------------------------- tensors
+def _to_torch(g: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
+    """The tensor as stored, dequantized: float32, or float16/bfloat16 for those types."""
+    raw = g.raw(info)
+    if info.ggml_type == Q.F32:
+        return torch.from_numpy(raw.view(np.float32).copy())
+    if info.ggml_type == Q.F16:
+        return torch.from_numpy(raw.view(np.float16).copy())
+    if info.ggml_type == Q.BF16:
+        return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(dequantize(raw, Q(info.ggml_type)))
+
+
+def _undo_llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's rows of Llama's q/k from [first half, second
+    half] (HF's rotate-half pairing) to interleaved pairs (row i of each half side by side). Put
+    them back: view the interleaved rows as [head, pair, 2] and swap the last two axes."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def check_gguf_tensors(g: GGUFFile, expected: dict[str, tuple[int, ...]]) -> dict[str, GGUFTensorInfo]:
+    """HF name -> tensor info, for every tensor the model expects; raises on the first missing,
+    unsupported or wrong-shaped one."""
+    found: dict[str, GGUFTensorInfo] = {}
+    for info in g.tensors.values():
+        hf = gguf_to_hf_name(info.name)
+        if hf in expected:
+            found[hf] = info
+    for hf, shape in expected.items():
+        info = found.get(hf)
+        if info is None:
+            raise ModelLoadError(f"{hf_to_gguf_name(hf)}: missing tensor (expected shape {shape}) in {g.path}")
+        if info.ggml_type not in _SUPPORTED_IDS:
+            raise ModelLoadError(
+                f"{info.name}: unsupported tensor type {info.type_name} in {g.path} "
+                f"(supported: {', '.join(t.name for t in SUPPORTED_GGML_TYPES)})")
+        if info.shape != shape:
+            raise ModelLoadError(
+                f"{info.name}: expected shape {shape}, got {info.shape} in {g.path} "
+                f"(row-major order; GGUF ne order is the reverse: got ne={info.ne})")
+    return found
+
+
+def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, tuple[int, ...]],
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype`) for every expected tensor, dequantized on a few threads
+    (numpy releases the GIL in the bulk of `dequantize`), in file order, with at most a small
+    window of dequantized tensors alive at a time."""
+    found = check_gguf_tensors(g, expected)
+    permuted = config.architecture == "llama"
+
+    def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
+        hf, info = item
+        t = _to_torch(g, info)
+        if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in info.name else config.num_key_value_heads
+            t = _undo_llama_permute(t, heads)
+        return hf, t.to(dtype)
+
+    items = sorted(found.items(), key=lambda kv: kv[1].offset)
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequant") as pool:
+        window: deque = deque()
+        it = iter(items)
+        for item in it:
+            window.append(pool.submit(convert, item))
+            if len(window) >= 2 * workers:
+                break
+        while window:
+            result = window.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                window.append(pool.submit(convert, nxt))
+            yield result

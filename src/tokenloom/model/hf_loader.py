@@ -1,0 +1,153 @@
+"""HF model directories: `config.json`, `*.safetensors` (one file or sharded with
+`model.safetensors.index.json`), and the EOS ids of `generation_config.json`."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.model.registry import HF_ARCHITECTURES
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either layout: transformers 5's `rope_parameters` (theta inside) or
+    the older top-level `rope_theta` + `rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def hf_model_config(directory: str) -> ModelArchConfig:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"{directory}: no config.json (expected an HF model directory or a .gguf file)")
+    cfg = _read_json(path)
+    names = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {names or cfg.get('model_type')!r} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ModelLoadError(f"{path}: missing key {key!r}")
+        return cfg[key]
+
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    # Qwen2 always has q/k/v biases (and config.json does not say so). Llama and Qwen3 with
+    # attention_bias=true also put a bias on o_proj, which our decoder does not have.
+    if arch != "qwen2" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {names[0]}")
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    theta, scaling = _rope(cfg)
+    eos = _token_ids(cfg.get("eos_token_id"))
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos = _token_ids(_read_json(gen_path).get("eos_token_id")) or eos
+    return ModelArchConfig(
+        architecture=arch,
+        num_hidden_layers=int(need("num_hidden_layers")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(need("vocab_size")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(need("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+    )
+
+
+def _safetensors_files(directory: str) -> dict[str, str]:
+    """Tensor name -> file holding it."""
+    index = os.path.join(directory, _INDEX_FILE)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map") or {}
+        files = {n: os.path.join(directory, f) for n, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not os.path.isfile(f):
+                raise ModelNotFoundError(f"{f}: shard listed in {index} does not exist")
+        return files
+    paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not paths:
+        raise ModelNotFoundError(f"{directory}: no *.safetensors files (other weight formats are not supported)")
+    files: dict[str, str] = {}
+    for p in paths:
+        with safe_open(p, framework="pt") as f:
+            for name in f.keys():
+                files[name] = p
+    return files
+
+
+def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
+                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor in `dtype`) for every expected tensor, one file at a time. Presence and
+    shapes of all tensors are checked (from the safetensors headers) before any is read."""
+    files = _safetensors_files(directory)
+    by_file: dict[str, list[str]] = {}
+    for name, shape in expected.items():
+        path = files.get(name)
+        if path is None:
+            raise ModelLoadError(f"{name}: missing tensor (expected shape {shape}) in {directory}")
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ModelLoadError(f"{name}: missing tensor (the index names it) in {path}")
+                got = tuple(f.get_slice(name).get_shape())
+                if got != expected[name]:
+                    raise ModelLoadError(f"{name}: expected shape {expected[name]}, got {got} in {path}")
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name).to(dtype)

@@ -1,0 +1,242 @@
+"""One decoder for the Llama family (SmolLM2, TinyLlama, Llama 2/3), Qwen2 and Qwen3.
+
+The three differ in two switches of `ModelArchConfig`: `attention_bias` (Qwen2 has a bias on the
+q/k/v projections) and `qk_norm` (Qwen3 applies a per-head RMSNorm to q and k before the rotary
+embedding). Everything else -- pre-norm residual blocks, grouped-query attention, SwiGLU MLP,
+rotate-half RoPE -- is shared.
+
+The model runs on a flat batch: `input_ids[T]` and `positions[T]` of every scheduled token of
+every request, one after another, with no batch dimension and no padding. Which request a token
+belongs to, and where its context lives in the paged KV cache, only the attention backend needs to
+know; it gets that from `attn_plan`, which the model runner prepares once per step.
+
+q/k/v and gate/up are each one matmul over a fused weight: checkpoints store them apart, and
+`load_weights` copies each part into its rows of the fused parameter.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.attention.backend import AttentionBackend
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.rope import apply_rope, check_rope_scaling, cos_sin_cache
+
+
+class Linear(nn.Module):
+    """`nn.Linear` without the random initialisation: every weight is overwritten by the
+    checkpoint, and initialising 135M+ parameters would cost about a second for nothing."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """`nn.Embedding` without the random initialisation (see `Linear`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32 and casts back before scaling by the weight, as the reference does;
+    in bfloat16 this ordering is what keeps our outputs within rounding of transformers'."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                backend: AttentionBackend, plan: Any) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                backend: AttentionBackend, plan: Any) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, backend, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# Checkpoint (HF) names of the parts that live inside a fused parameter:
+# part suffix -> (fused suffix, index of the part among the fused parts).
+_FUSED_PARTS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 decoder over a flat batch (see the module docstring)."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        check_rope_scaling(config.rope_scaling, f"{config.architecture} model")
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.init_rope_cache()
+
+    def init_rope_cache(self) -> None:
+        """(Re)compute the cos/sin table on the model's device, in float32 whatever the model
+        dtype: it is cast per step after indexing, as the reference casts its float32 cos/sin."""
+        c = self.config
+        with torch.device("cpu"):
+            table = cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        self.cos_sin = table.to(self.embed_tokens.weight.device)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)` would round the float32 table to the model dtype (and before the trig,
+        # not after); rebuild it on whatever device the parameters moved to instead.
+        super()._apply(fn, recurse)
+        self.init_rope_cache()
+        return self
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_backend: AttentionBackend, attn_plan: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.cos_sin.index_select(0, positions).to(h.dtype).unsqueeze(1).chunk(2, dim=-1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_backend, attn_plan)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> float32 [N, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---------------------------------------------------------------- weights
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint must provide, under its HF name, with its shape."""
+        c = self.config
+        H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+        q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H),
+                                              "model.norm.weight": (H,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, H)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+            }
+            if c.attention_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)}
+            if c.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        return shapes
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names, shapes already checked by the loader against
+        `checkpoint_shapes`) into our parameters; returns the names consumed. Names we have no
+        use for (e.g. `lm_head.weight` of a tied model) are skipped."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            ours = name.removeprefix("model.")
+            target_rows = None
+            for part, (fused, index) in _FUSED_PARTS.items():
+                if f".{part}." in f".{ours}":
+                    ours = ours.replace(part, fused)
+                    target_rows = self._fused_rows(fused, index)
+                    break
+            param = params.get(ours)
+            if param is None:
+                continue
+            dst = param if target_rows is None else param[target_rows[0]:target_rows[1]]
+            dst.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _fused_rows(self, fused: str, index: int) -> tuple[int, int]:
+        c = self.config
+        if fused == "self_attn.qkv_proj":
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            starts = (0, q, q + kv, q + 2 * kv)
+        else:
+            starts = (0, c.intermediate_size, 2 * c.intermediate_size)
+        return starts[index], starts[index + 1]

@@ -1,0 +1,142 @@
+"""Tokenizers: built from a GGUF's `tokenizer.ggml.*` metadata, or loaded from an HF directory.
+
+A GGUF carries no `tokenizer.json`, only the vocabulary, merges, token types, special ids and
+chat template under llama.cpp's keys. For byte-level BPE vocabularies (`tokenizer.ggml.model ==
+"gpt2"`: SmolLM2, Llama 3, Qwen) we rebuild the `tokenizers` pipeline the vocabulary was trained
+with and wrap it in `PreTrainedTokenizerFast`. The result encodes, decodes and renders chat
+templates exactly like transformers' own `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
+(tests/model/test_tokenizer.py compares the two), without its cost of parsing the whole file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.model.gguf_file import GGUFFile
+
+# llama.cpp token types (llama_token_type): which vocabulary entries are not ordinary text.
+_TOKEN_CONTROL = 3  # <|im_start|>, <|eot_id|>, ...: special, never produced by splitting text
+_TOKEN_USER_DEFINED = 4  # e.g. <think>: matched whole in text, but decoded like text
+
+# How text is cut into words before BPE, by `tokenizer.ggml.pre`, for vocabularies whose
+# pre-tokenizer is not GPT-2's. Unlisted names (e.g. "smollm", "gpt2") get GPT-2's split, which is
+# what transformers uses for them too.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZER_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: printable Latin-1 bytes stand for
+    themselves, the other 68 are shifted to code points 256+ in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
+    md = g.metadata
+    kind = md.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (no tokenizer.ggml.model key)")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{g.path}: unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', "
+                             "byte-level BPE); use the model's HF directory with its tokenizer.json")
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    token_types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+
+    # Every ordinary token is spelled in the byte alphabet. A few files carry control tokens with
+    # other characters (written as plain UTF-8); spell those through the alphabet so the BPE model
+    # accepts them, and leave them out of the special tokens (as transformers does).
+    byte_map = _byte_alphabet()
+    alphabet = set(byte_map.values())
+
+    def spelled(tok: str) -> bool:
+        return set(tok) <= alphabet
+
+    vocab = {(t if spelled(t) else "".join(byte_map[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False))
+    add_prefix_space = bool(md.get("tokenizer.ggml.add_space_prefix", False))
+    split = _PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_CONTROL and spelled(t)]
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_USER_DEFINED and t in vocab]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+
+    def token_of(key: str) -> str | None:
+        tid = md.get(f"tokenizer.ggml.{key}")
+        return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
+
+    kwargs: dict[str, Any] = {
+        "bos_token": token_of("bos_token_id"),
+        "eos_token": token_of("eos_token_id"),
+        "unk_token": token_of("unknown_token_id"),
+        "pad_token": token_of("padding_token_id"),
+        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in md:
+        kwargs["chat_template"] = md["tokenizer.chat_template"]
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    tok.name_or_path = g.path
+    return tok
+
+
+def hf_tokenizer(directory: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in an HF model directory (`tokenizer.json` + `tokenizer_config.json`,
+    chat template from `chat_template.jinja` when the config has none)."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise ModelNotFoundError(f"{directory}: no tokenizer.json (a fast tokenizer file is required)")
+    # AutoTokenizer, not PreTrainedTokenizerFast: a tokenizer_config.json may name a class with its
+    # own behaviour (BOS handling, cleanup). The path is local, so nothing is fetched.
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - name the directory, keep the cause
+        raise ModelLoadError(f"{directory}: cannot load the tokenizer: {e}") from e
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise ModelLoadError(f"{directory}: tokenizer class {type(tok).__name__} is not a fast tokenizer")
+    if not tok.chat_template:
+        jinja = os.path.join(directory, "chat_template.jinja")
+        template_json = os.path.join(directory, "chat_template.json")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                tok.chat_template = f.read()
+        elif os.path.isfile(template_json):
+            with open(template_json, encoding="utf-8") as f:
+                tok.chat_template = json.load(f).get("chat_template")
+    return tok

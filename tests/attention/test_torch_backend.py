@@ -1,0 +1,132 @@
+"""TorchAttentionBackend against a dense float64 reference (tokenloom.attention.testing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenloom.attention import get_attn_backend
+from tokenloom.attention.testing import make_batch, reference_attention
+from tokenloom.attention.torch_backend import TorchAttentionBackend
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}
+MODES = ["auto", "padded", "per_request"]
+
+
+def check(query_lens, seq_lens, hq=6, hkv=2, d=32, block_size=16, dtype=torch.float32,
+          mode="auto", seed=0, num_padding_rows=0, layers=2):
+    batch = make_batch(query_lens, seq_lens, hq, hkv, d, block_size, dtype=dtype, seed=seed,
+                       num_padding_rows=num_padding_rows)
+    ref, ref_cache = reference_attention(batch)
+    backend = TorchAttentionBackend(prefill_mode=mode)
+    plan = backend.prepare(batch.meta)
+    # Several "layers" share one plan (and the decode buffer); each must be independent.
+    for _ in range(layers):
+        cache = batch.kv_cache.clone()
+        out = backend.forward(batch.query, batch.key, batch.value, cache, plan, batch.scale)
+        T = batch.meta.num_actual_tokens
+        assert out.shape == batch.query.shape and out.dtype == dtype
+        err = (out[:T].double() - ref).abs().max().item()
+        assert err < TOL[dtype], f"max abs error {err}"
+        assert torch.equal(cache, ref_cache.to(cache.dtype)), "KV cache write differs"
+        if num_padding_rows:
+            assert not out[T:].any()
+    return err
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+def test_decode_only(block_size, hq, hkv):
+    # Lengths crossing block boundaries, ending exactly on one, mid-block, and a single token.
+    seq_lens = [1, 15, 16, 17, 31, 32, 33, 64, 100]
+    check([1] * len(seq_lens), seq_lens, hq=hq, hkv=hkv, block_size=block_size)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_only(mode, block_size):
+    check([5, 16, 33, 2], [5, 16, 33, 2], block_size=block_size, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_uniform(mode):
+    check([24] * 4, [24] * 4, hq=9, hkv=3, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_prefill_with_context(mode):
+    # Later chunks of long prompts: the query sits at the end of a context already cached.
+    check([16, 7, 32], [48, 40, 33], block_size=16, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2)])
+def test_mixed(mode, hq, hkv):
+    check([1, 9, 1, 20, 1, 3], [40, 9, 17, 52, 1, 35], hq=hq, hkv=hkv, mode=mode)
+
+
+def test_decodes_not_first():
+    # Decode tokens interleaved with prefills: non-contiguous token index paths.
+    check([3, 1, 6, 1, 1], [10, 20, 6, 1, 70], mode="padded")
+
+
+def test_padding_rows():
+    check([1, 5, 1], [9, 12, 33], num_padding_rows=3)
+
+
+def test_negative_slot_inside_batch_is_skipped():
+    batch = make_batch([1, 1], [5, 9], 4, 2, 16, 16)
+    batch.meta.slot_mapping[1] = -1  # the second token is not written: it reads the stale slot
+    ref, ref_cache = reference_attention(batch)
+    backend = TorchAttentionBackend()
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache,
+                          backend.prepare(batch.meta), batch.scale)
+    assert (out.double() - ref).abs().max() < 2e-5
+    assert torch.equal(batch.kv_cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    check([1, 7, 1, 12], [30, 7, 70, 40], dtype=dtype, hq=9, hkv=3, d=64)
+
+
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_head_dims(d):
+    check([1, 6, 1], [20, 26, 49], hq=9, hkv=3, d=d)
+
+
+def test_selector():
+    assert get_attn_backend("auto", "cpu").name == "torch"
+    assert get_attn_backend("torch").name == "torch"
+    with pytest.raises(ValueError):
+        get_attn_backend("nope")
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 6))
+    query_lens, seq_lens = [], []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["decode", "prefill", "chunk"]))
+        if kind == "decode":
+            q, s = 1, draw(st.integers(1, 80))
+        elif kind == "prefill":
+            q = draw(st.integers(2, 40))
+            s = q
+        else:
+            q = draw(st.integers(2, 30))
+            s = q + draw(st.integers(1, 50))
+        query_lens.append(q)
+        seq_lens.append(s)
+    hkv = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 3, 8]))
+    return dict(query_lens=query_lens, seq_lens=seq_lens, hq=hkv * group, hkv=hkv,
+                block_size=draw(st.sampled_from([16, 32])), mode=draw(st.sampled_from(MODES)),
+                seed=draw(st.integers(0, 1000)), num_padding_rows=draw(st.integers(0, 2)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_random_batches(kw):
+    check(d=16, layers=1, **kw)

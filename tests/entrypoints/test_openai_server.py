@@ -1,0 +1,308 @@
+"""`tokenloom serve` end to end: a real server subprocess, the official `openai` client (sync and
+async), streamed and not, and every error status a client can cause."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+TOKENLOOM = Path(sys.executable).with_name("tokenloom")
+
+SERVER_API_KEY = "test-key-123"
+SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2), "--served-model-name", "tiny", "alias"]
+MODEL = "tiny"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+# ---- basics -------------------------------------------------------------------------------------
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+    assert httpx.get(server.url("/health")).status_code == 200  # open without the key
+    assert httpx.get(server.url("/version")).json()["version"]
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL and r.created > 0
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.text and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 4
+    # Token ids are a prompt too, and the model alias works.
+    r2 = client.completions.create(model="alias", prompt=[504, 3458, 282], max_tokens=2, temperature=0)
+    assert r2.choices[0].text and r2.model == "alias"
+
+
+def test_completion_default_model_and_max_tokens(server):
+    # No model: the first served name. No max_tokens: OpenAI's default of 16.
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == MODEL and body["usage"]["completion_tokens"] == 16
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=1234)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) >= 2
+    assert "".join(texts) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.id == chunks[0].id and c.id.startswith("cmpl-") for c in chunks)
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 6 and usage.total_tokens == usage.prompt_tokens + 6
+
+
+def test_chat_completion_sync_and_async_stream(server, client):
+    messages = [{"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, temperature=1.0, seed=7)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert r.choices[0].finish_reason in ("stop", "length") and 0 < r.usage.completion_tokens <= 5
+
+    async def streamed() -> tuple[list, str]:
+        async with server.async_client() as aclient:
+            stream = await aclient.chat.completions.create(
+                model=MODEL, messages=messages, max_completion_tokens=5, temperature=1.0, seed=7, stream=True
+            )
+            chunks = [c async for c in stream]
+        return chunks, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    chunks, text = asyncio.run(streamed())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert text == msg.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_n2(server, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, seed=3, temperature=1.0)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 8
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, seed=3, temperature=1.0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in r.choices}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2, seed=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_stop_string(client):
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    words = free.split()
+    assert len(words) >= 3, free
+    stop = words[2]
+    cut = free.index(stop)  # the first occurrence ends the text
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == free[:cut]
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=seed).choices[0].text
+
+    first = sample(11)
+    assert sample(11) == first
+    assert any(sample(seed) != first for seed in (12, 13, 14))
+
+
+def test_completion_logprobs_shape(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == choice.text
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    # logprobs=False: none.
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.choices[0].logprobs is None
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_400_invalid_field_names_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=5)
+    err = _error(e.value)
+    assert err["param"] == "temperature" and "temperature" in err["message"] and "2" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
+    assert _error(e.value)["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # a type error, caught by the request model
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"top_k": "many"})
+    assert _error(e.value)["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    assert _error(e.value)["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, echo=True)
+    assert _error(e.value)["param"] == "echo"
+
+
+def test_400_malformed_json(server):
+    r = httpx.post(server.url("/v1/completions"), headers={**server.headers, "Content-Type": "application/json"}, content=b'{"prompt": "x",')
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url("/v1/chat/completions"), headers=server.headers, json=["not", "an", "object"])
+    assert r.status_code == 400
+
+
+def test_400_prompt_too_long(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * 300, max_tokens=2)
+    err = _error(e.value)
+    assert "256" in err["message"] and "max_model_len" in err["message"] and err["param"] == "prompt"
+
+
+def test_401_without_or_with_wrong_key(server):
+    for key in ("wrong-key", "test-key-12"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            server.client(api_key=key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert e.value.status_code == 401 and _error(e.value)["code"] == "invalid_api_key"
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": PROMPT})
+    assert r.status_code == 401
+    assert httpx.get(server.url("/v1/models")).status_code == 401
+
+
+def test_404_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-17", prompt=PROMPT, max_tokens=1)
+    err = _error(e.value)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-17" in err["message"]
+
+
+# ---- load, disconnects and metrics ----------------------------------------------------------------
+
+
+def test_burst_with_disconnects_frees_everything(server):
+    num, quitters = 50, set(range(0, 50, 5))
+
+    async def one(aclient, i: int) -> tuple[str, str | None]:
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=f"{i} little pigs went", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            if i in quitters:
+                await stream.close()  # the client goes away mid-stream
+                return "quit", None
+        return text, finish
+
+    async def burst():
+        async with server.async_client() as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(num)))
+
+    before = server.metrics()
+    results = asyncio.run(burst())
+    for i, (text, finish) in enumerate(results):
+        if i not in quitters:
+            assert text and finish == "length", (i, text, finish)
+    after = server.wait_idle()
+    assert after["tokenloom:num_requests_running"] == 0
+    assert after["tokenloom:num_requests_waiting"] == 0
+    assert after["tokenloom:num_kv_blocks_used"] == 0
+    assert after["tokenloom:num_kv_blocks_free"] == after["tokenloom:num_kv_blocks_total"] > 0
+    assert after["tokenloom:kv_cache_usage_perc"] == 0
+
+    def success(m: dict, reason: str) -> float:
+        return next((v for k, v in m.items() if k.startswith("tokenloom:request_success_total{") and f'finished_reason="{reason}"' in k), 0.0)
+
+    # Quitters that were still generating were aborted; the others ran to max_tokens.
+    assert success(after, "length") - success(before, "length") >= num - len(quitters)
+    assert success(after, "abort") - success(before, "abort") >= 1
+
+
+def test_non_streamed_disconnect_aborts(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.url("/v1/completions"),
+            headers=server.headers,
+            json={"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True},
+            timeout=httpx.Timeout(30, read=1.5),
+        )
+    after = server.wait_idle()
+    assert after["tokenloom:num_requests_running"] == 0 and after["tokenloom:num_kv_blocks_used"] == 0
+    aborted = [k for k in after if k.startswith("tokenloom:request_success_total{") and "abort" in k]
+    assert after[aborted[0]] == before.get(aborted[0], 0) + 1
+
+
+def test_metrics_exposition(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    m = server.metrics()
+    for name in (
+        "tokenloom:num_requests_running",
+        "tokenloom:num_requests_waiting",
+        "tokenloom:kv_cache_usage_perc",
+        "tokenloom:num_kv_blocks_used",
+        "tokenloom:num_kv_blocks_free",
+        "tokenloom:request_success_total",
+        "tokenloom:time_to_first_token_seconds_count",
+        "tokenloom:e2e_request_latency_seconds_count",
+        "tokenloom:prompt_tokens_total",
+        "tokenloom:generation_tokens_total",
+    ):
+        assert name in m, name
+    assert m["tokenloom:time_to_first_token_seconds_count"] >= 1
+    assert m["tokenloom:e2e_request_latency_seconds_sum"] > 0
+
+
+def test_bench_serve_json(server):
+    out = subprocess.run(
+        [str(TOKENLOOM), "bench", "serve", "--base-url", server.base_url, "--api-key", server.api_key, "--num-prompts", "4",
+         "--input-len", "8", "--output-len", "3", "--request-rate", "50", "--seed", "1", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["completed"] == 4 and result["failed"] == 0 and result["model"] == MODEL
+    assert result["total_output_tokens"] == 12 and result["total_input_tokens"] == 32
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0
+    assert result["mean_e2el_ms"] >= result["mean_ttft_ms"] > 0

@@ -1,0 +1,230 @@
+"""Helpers for the model tests: run our model on a flat batch through the real paged KV cache and
+attention backend, compute transformers' reference logits, and write small checkpoints (HF
+directories and GGUF files) from transformers models built from configs."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.attention.torch_backend import TorchAttentionBackend
+
+
+@torch.inference_mode()
+def run_flat_batch(loaded, prompts: Sequence[Sequence[int]], chunk_sizes: int | Sequence[int] | None = None,
+                   block_size: int = 16, scatter: bool = False, backend=None, seed: int = 0) -> torch.Tensor:
+    """Prefill every prompt and return the logits of each one's last position, float32 [B, vocab].
+
+    All prompts advance together, one flat batch per step, as the model runner schedules them:
+    with `chunk_sizes` (one for all, or one per prompt) a prompt is prefilled `chunk` tokens per
+    step, so later chunks read their context back from the paged cache (a chunk of 1 is a
+    decode). `scatter` hands out blocks in a random order from a pool with spare blocks, so no
+    request's blocks are contiguous or in order; the cache starts filled with large finite noise,
+    so reading a slot that was never written shows up in the logits.
+    """
+    model, cfg = loaded.model, loaded.config
+    backend = backend or TorchAttentionBackend()
+    B = len(prompts)
+    lens = [len(p) for p in prompts]
+    assert all(n >= 1 for n in lens)
+    if chunk_sizes is None:
+        chunks = lens
+    elif isinstance(chunk_sizes, int):
+        chunks = [chunk_sizes] * B
+    else:
+        chunks = list(chunk_sizes)
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(blocks_needed) + (7 if scatter else 0)
+    order = torch.randperm(num_blocks, generator=g) if scatter else torch.arange(num_blocks)
+    max_blocks = max(blocks_needed)
+    block_table = torch.zeros(B, max_blocks, dtype=torch.int32)
+    cursor = 0
+    for i, n in enumerate(blocks_needed):
+        block_table[i, :n] = order[cursor:cursor + n].to(torch.int32)
+        cursor += n
+
+    dev, dtype = model.embed_tokens.weight.device, loaded.dtype
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv_caches = [(torch.randn(shape, generator=g) * 50).to(dev, dtype) for _ in range(cfg.num_hidden_layers)]
+
+    computed = [0] * B
+    last_hidden: list[torch.Tensor | None] = [None] * B
+    while any(c < n for c, n in zip(computed, lens)):
+        reqs = [i for i in range(B) if computed[i] < lens[i]]
+        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        for i in reqs:
+            n = min(chunks[i], lens[i] - computed[i])
+            positions = range(computed[i], computed[i] + n)
+            ids.extend(prompts[i][computed[i]:computed[i] + n])
+            pos.extend(positions)
+            slots.extend(int(block_table[i, p // block_size]) * block_size + p % block_size for p in positions)
+            computed[i] += n
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(computed[i])
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int32)
+        meta = AttentionMetadata(
+            num_actual_tokens=len(ids), num_reqs=len(reqs),
+            max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()), max_seq_len=int(seq_t.max()),
+            query_start_loc=qsl_t.to(dev), seq_lens=seq_t.to(dev),
+            block_table=block_table[reqs].to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            block_size=block_size, query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t)
+        plan = backend.prepare(meta)
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv_caches, backend, plan)
+        for row, i in enumerate(reqs):
+            if computed[i] == lens[i]:
+                last_hidden[i] = hidden[qsl[row + 1] - 1]
+    return model.compute_logits(torch.stack(last_hidden))
+
+
+@torch.inference_mode()
+def hf_last_logits(hf_model, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """transformers' logits at each prompt's last position, one unpadded forward per prompt."""
+    rows = [hf_model(torch.tensor([list(p)]), use_cache=False).logits[0, -1].float() for p in prompts]
+    return torch.stack(rows)
+
+
+# ------------------------------------------------------------------------- small checkpoints
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that every layer moves the logits (the default init is nearly
+    silent at 2 layers): matrices ~N(0, 0.08), norms ~1 +- 0.2, biases ~N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+
+
+def tiny_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides):
+    """A 2-layer transformers model of `kind` ("llama" | "qwen2" | "qwen3"), random weights,
+    float32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).to(torch.float32).eval()
+    randomize_(model, seed)
+    return model
+
+
+def save_hf_dir(model, tokenizer, directory: str, max_shard_size: str | None = None,
+                generation_eos: int | list[int] | None = None) -> str:
+    os.makedirs(directory, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    tokenizer.save_pretrained(directory)
+    if generation_eos is not None:
+        import json
+
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": generation_eos}, f)
+    return directory
+
+
+# ------------------------------------------------------------------------------ GGUF files
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama q/k rows: within each head, interleave the two
+    rotary halves (row i of the first half, then row i of the second, ...)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensors_from_hf(model, arch: str) -> dict[str, np.ndarray]:
+    """The model's state dict under llama.cpp's names (float32), permuted as llama.cpp would."""
+    cfg = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = a
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = a
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = a
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_HF_TO_GGUF[rest]}"
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
+                a = llama_cpp_permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+            out[gname] = a
+    return out
+
+
+def byte_vocab() -> list[str]:
+    """A tiny byte-level vocabulary: the 256 byte symbols, then two control tokens."""
+    from tokenloom.model.tokenizer import _byte_alphabet
+
+    return [_byte_alphabet()[b] for b in range(256)] + ["<|s|>", "<|e|>"]
+
+
+def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_count: int, hidden: int,
+               ffn: int, heads: int, kv_heads: int, context: int = 1024, head_dim: int | None = None,
+               qtypes: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None,
+               rope_theta: float = 10000.0, eps: float = 1e-5, with_tokenizer: bool = True) -> str:
+    """Write a GGUF. `qtypes` quantizes named tensors (default F32); `raw` adds tensors as
+    (uint8 bytes shaped [*rows, bytes_per_row], ggml type), e.g. of a type we do not support."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(block_count)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(eps)
+    if with_tokenizer:
+        vocab = byte_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(vocab)
+        w.add_token_types([1] * 256 + [3, 3])
+        w.add_token_merges([])
+        w.add_bos_token_id(256)
+        w.add_eos_token_id(257)
+    for name, a in tensors.items():
+        qtype = gguf.GGMLQuantizationType((qtypes or {}).get(name, gguf.GGMLQuantizationType.F32))
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            q = gguf.quants.quantize(a.astype(np.float32), qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    for name, (data, ggml_type) in (raw or {}).items():
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

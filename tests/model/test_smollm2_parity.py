@@ -1,0 +1,87 @@
+"""Our SmolLM2-135M (from the embedded Q4_1 GGUF) against transformers' LlamaForCausalLM
+dequantized from the same file, float32, through the real paged KV cache and torch attention
+backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import hf_last_logits, run_flat_batch
+
+# Measured on this CPU: max |ours - transformers| over the 7 prompts is ~3e-5 (logits of
+# magnitude ~20); 1e-3 leaves room for other BLAS builds without hiding a real bug (a wrong rope
+# pairing or a missed norm moves logits by whole units).
+PARITY_ATOL = 1e-3
+# Chunked / scattered runs reorder the same float32 sums; measured differences are ~1e-5.
+CHUNK_ATOL = 2e-4
+
+_PARAGRAPH = ("The history of computing is a story of abstraction layered on abstraction: "
+              "from relays to vacuum tubes, from transistors to integrated circuits, each step hid "
+              "the one below it and let programmers think in larger units. ")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[list[int]]:
+    tok = smollm2.tokenizer
+    one = tok("Hello").input_ids
+    assert len(one) == 1
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    texts = [
+        chat,
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+        "Sixteen tokens or so, to sit right at a block boundary here.",
+        _PARAGRAPH * 3,
+        _PARAGRAPH * 8 + "Summarize the above in one line:",
+        _PARAGRAPH * 17 + "In short,",
+    ]
+    out = [one] + [tok(t).input_ids for t in texts]
+    lengths = [len(p) for p in out]
+    assert lengths[0] == 1 and max(lengths) > 600 and len(set(lengths)) == len(lengths), lengths
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_smollm2, prompts) -> torch.Tensor:
+    return hf_last_logits(hf_smollm2, prompts)
+
+
+@pytest.fixture(scope="module")
+def one_shot_logits(smollm2, prompts) -> torch.Tensor:
+    return run_flat_batch(smollm2, prompts)
+
+
+def test_config_and_tokenizer(smollm2):
+    cfg = smollm2.config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim) == ("llama", 30, 576, 9, 3, 64)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+    assert cfg.eos_token_ids == [2] and cfg.bos_token_id == 1
+    assert smollm2.dtype == torch.float32 and smollm2.tokenizer.eos_token_id == 2
+
+
+def test_flat_batch_matches_transformers(prompts, hf_logits, one_shot_logits):
+    """Seven prompts of 1 to 600+ tokens in ONE flat batch."""
+    diff = (one_shot_logits - hf_logits).abs().max().item()
+    print(f"max abs logits diff vs transformers: {diff:.3g} over lengths {[len(p) for p in prompts]}")
+    assert diff <= PARITY_ATOL
+    assert torch.equal(one_shot_logits.argmax(-1), hf_logits.argmax(-1))
+
+
+def test_chunked_prefill_and_scattered_blocks(smollm2, prompts, one_shot_logits):
+    """The same requests prefilled in chunks (context read back from the paged cache; chunk 1 =
+    decode steps), with blocks handed out in shuffled order, and both at once, give the logits of
+    the one-shot prefill."""
+    picked = [0, 1, 2, 4, 6]  # 1 token, the chat prompt, code, ~230 and 600+ tokens
+    sub = [prompts[i] for i in picked]
+    chunks = [5, 1, 7, 64, 150]
+    expected = one_shot_logits[picked]
+    for kwargs in ({"scatter": True}, {"chunk_sizes": chunks}, {"chunk_sizes": chunks, "scatter": True, "seed": 3}):
+        got = run_flat_batch(smollm2, sub, **kwargs)
+        diff = (got - expected).abs().max().item()
+        assert diff <= CHUNK_ATOL, (kwargs, diff)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1)), kwargs
+
+
+def test_block_size_does_not_matter(smollm2, prompts, one_shot_logits):
+    got = run_flat_batch(smollm2, prompts[:4], chunk_sizes=[1, 9, 4, 6], block_size=4, scatter=True)
+    assert (got - one_shot_logits[:4]).abs().max().item() <= CHUNK_ATOL
