@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.attention import get_attn_backend
-from tokenloom.attention.testing import make_batch, reference_attention
+from tokenloom.attention.testing import as_fused_qkv_views, make_batch, reference_attention
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}
@@ -15,9 +15,11 @@ MODES = ["auto", "padded", "per_request"]
 
 
 def check(query_lens, seq_lens, hq=6, hkv=2, d=32, block_size=16, dtype=torch.float32,
-          mode="auto", seed=0, num_padding_rows=0, layers=2):
+          mode="auto", seed=0, num_padding_rows=0, layers=2, fused_qkv=False):
     batch = make_batch(query_lens, seq_lens, hq, hkv, d, block_size, dtype=dtype, seed=seed,
                        num_padding_rows=num_padding_rows)
+    if fused_qkv:
+        as_fused_qkv_views(batch)
     ref, ref_cache = reference_attention(batch)
     backend = TorchAttentionBackend(prefill_mode=mode)
     plan = backend.prepare(batch.meta)
@@ -69,6 +71,11 @@ def test_mixed(mode, hq, hkv):
 def test_decodes_not_first():
     # Decode tokens interleaved with prefills: non-contiguous token index paths.
     check([3, 1, 6, 1, 1], [10, 20, 6, 1, 70], mode="padded")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strided_qkv_views(mode):
+    check([1, 5, 1, 5], [9, 5, 33, 12], hq=9, hkv=3, mode=mode, fused_qkv=True)
 
 
 def test_padding_rows():

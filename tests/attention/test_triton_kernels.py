@@ -1,7 +1,7 @@
 """Triton kernels and TritonAttentionBackend against the float64 reference and the torch backend.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
-kernels are decorated). With CUDA available and TRITON_INTERPRET unset or 0 they run natively
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py
+before anything imports triton: triton reads it when it decorates its own library functions). With CUDA available and TRITON_INTERPRET unset or 0 they run natively
 (benchmarks/gpu_check.sh does that). Sizes are kept small: the interpreter executes every
 program instance in Python.
 """
@@ -14,11 +14,19 @@ import pytest
 import torch
 
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # conftest.py normally did this already
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+
+# Triton's own library functions were decorated when triton was first imported; if that happened
+# before TRITON_INTERPRET was set, interpreted kernels cannot call them. Say so instead of failing
+# in every test with "Cannot call @triton.jit'd outside of the scope of a kernel".
+if (type(triton.language.standard.max).__name__ == "InterpretedFunction") != INTERPRET:
+    pytest.fail(f"triton was imported before TRITON_INTERPRET={int(INTERPRET)} took effect; run "
+                "this module on its own or set TRITON_INTERPRET in the environment",
+                pytrace=False)
 
 from tokenloom.attention import triton_kernels as tk  # noqa: E402
 
@@ -27,7 +35,12 @@ if (type(tk._kv_cache_write_kernel).__name__ == "InterpretedFunction") != INTERP
     tk = importlib.reload(tk)
 
 from tokenloom.attention import get_attn_backend  # noqa: E402
-from tokenloom.attention.testing import make_batch, reference_attention  # noqa: E402
+from tokenloom.attention.testing import (  # noqa: E402
+    as_fused_qkv_views,
+    make_batch,
+    poison_unused_slots,
+    reference_attention,
+)
 from tokenloom.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tokenloom.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
@@ -45,9 +58,11 @@ def _report_errors():
 
 
 def run(query_lens, seq_lens, mode, hq=4, hkv=2, d=32, block_size=16, dtype=torch.float32,
-        seed=0, num_padding_rows=0, **backend_kw):
+        seed=0, num_padding_rows=0, fused_qkv=False, **backend_kw):
     batch = make_batch(query_lens, seq_lens, hq, hkv, d, block_size, dtype=dtype, seed=seed,
                        device=DEVICE, num_padding_rows=num_padding_rows)
+    if fused_qkv:
+        as_fused_qkv_views(batch)
     ref, ref_cache = reference_attention(batch)
     T = batch.meta.num_actual_tokens
     backend_kw = {"tile_n": 16, "flash_block_m": 16, "split_partition_len": 16, **backend_kw}
@@ -95,7 +110,7 @@ def test_decode_only(mode, dtype):
     assert next(iter(plan.paths.values()))[0] == mode
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (16, 2)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
 @pytest.mark.parametrize("mode", ["unified", "split_kv"])
 def test_decode_gqa(mode, hq, hkv):
     run([1, 1, 1], [5, 33, 48], mode, hq=hq, hkv=hkv)
@@ -108,7 +123,7 @@ def test_prefill_only(mode, dtype):
     assert next(iter(plan.paths.values()))[0] == mode
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (16, 2)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
 def test_varlen_gqa(hq, hkv):
     run([7, 20], [7, 20], "varlen", hq=hq, hkv=hkv)
 
@@ -119,10 +134,17 @@ def test_mixed_with_chunked_context(dtype):
     run([1, 9, 1, 12, 5, 1], [40, 9, 17, 44, 37, 1], "unified", dtype=dtype, num_padding_rows=2)
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (16, 2)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_unified_gqa_block_sizes(block_size, hq, hkv):
     run([1, 6, 1, 10], [31, 6, 33, 45], "unified", hq=hq, hkv=hkv, block_size=block_size)
+
+
+@pytest.mark.parametrize("mode", ["unified", "split_kv", "varlen"])
+def test_strided_qkv_views(mode):
+    q_lens, seq_lens = {"unified": ([1, 5, 1], [9, 12, 33]), "split_kv": ([1, 1], [9, 33]),
+                        "varlen": ([5, 7], [5, 7])}[mode]
+    run(q_lens, seq_lens, mode, hq=6, hkv=2, fused_qkv=True, num_padding_rows=1)
 
 
 @pytest.mark.parametrize("d", [64, 80, 128])
@@ -151,6 +173,22 @@ def test_plan_shared_by_layers():
         out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), plan,
                               batch.scale)
         assert (out.cpu().double() - ref).abs().max() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("mode", ["unified", "split_kv", "varlen"])
+def test_never_reads_outside_context(mode):
+    # Slots no request owns (block tails past seq_len, stale block-table columns) hold NaN.
+    prefill = mode == "varlen"
+    q_lens, seq_lens = ([5, 18], [5, 18]) if prefill else ([1, 1, 1], [3, 17, 40])
+    if mode == "unified":
+        q_lens, seq_lens = [1, 6, 1], [3, 20, 40]
+    batch = make_batch(q_lens, seq_lens, 4, 2, 32, 16, device=DEVICE)
+    poison_unused_slots(batch)
+    backend = TritonAttentionBackend(mode=mode, tile_n=16, flash_block_m=16,
+                                     split_partition_len=16)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache,
+                          backend.prepare(batch.meta), batch.scale)
+    assert torch.isfinite(out).all()
 
 
 def test_selector_triton():

@@ -19,7 +19,8 @@ def _triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def get_attn_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
+def get_attn_backend(name: str = "auto",
+                     device: torch.device | str | None = None) -> AttentionBackend:
     """`auto`: the Triton kernels on CUDA when triton is importable, the PyTorch backend otherwise.
     `triton` off CUDA is only allowed under `TRITON_INTERPRET=1` (the kernels' CPU test mode)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")

@@ -140,3 +140,29 @@ def reference_attention(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tens
             scores = scores.masked_fill(pos.unsqueeze(0) > q_pos, float("-inf"))
             out[start:end, h] = torch.softmax(scores, dim=-1) @ vh
     return out, cache
+
+
+def poison_unused_slots(batch: AttentionBatch) -> None:
+    """Fill every cache slot outside the requests' contexts with NaN (in place): a kernel that
+    reads past `seq_lens` or through a stale block-table entry then produces NaN."""
+    meta = batch.meta
+    _, nb, bs, _, _ = batch.kv_cache.shape
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    bt = meta.block_table.cpu().long()
+    for i, s in enumerate(meta.seq_lens.cpu().tolist()):
+        pos = torch.arange(s)
+        used[bt[i, pos // bs] * bs + pos % bs] = True
+    flat = batch.kv_cache.view(2, nb * bs, -1)
+    flat[:, (~used).nonzero().squeeze(1).to(flat.device)] = float("nan")
+
+
+def as_fused_qkv_views(batch: AttentionBatch) -> None:
+    """Replace query/key/value (in place) by strided views of one fused [T, (Hq + 2 Hkv) * D]
+    tensor, the way a model's QKV projection hands them over."""
+    rows, hq, d = batch.query.shape
+    hkv = batch.key.shape[1]
+    qkv = torch.cat([batch.query.reshape(rows, -1), batch.key.reshape(rows, -1),
+                     batch.value.reshape(rows, -1)], dim=1)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    batch.query, batch.key, batch.value = q.view(rows, hq, d), k.view(rows, hkv, d), v.view(
+        rows, hkv, d)

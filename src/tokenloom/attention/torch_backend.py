@@ -9,8 +9,14 @@ softmax.
 Decodes are attended together: each request's blocks are gathered whole (one `index_select` of
 `block_size * num_kv_heads * head_dim` contiguous rows per block, K and V in the same call) into a
 padded `[B, num_blocks * block_size, Hkv, D]` buffer, and an additive `-inf` bias hides the
-positions past `seq_lens`. Query heads are grouped per KV head (`[B, Hkv, group, D]`), so grouped
-query attention never repeats K/V.
+positions past `seq_lens`. Query heads are grouped per KV head (`[B, Hkv, group, D]`) and that
+group is handed to SDPA as the query-length axis, so grouped-query attention never repeats K/V
+and the fused CPU kernel reads the strided K/V views in place. Measured on 2 cores, this is ~3x
+faster than gather + matmul + softmax (the matmuls copy the strided views).
+
+Because the padded positions are multiplied by a probability of exactly 0 rather than skipped,
+the cache must hold finite values everywhere a block table can point: allocate it with
+`torch.zeros`, not `torch.empty` (0 * NaN would be NaN). The Triton kernels do not need this.
 
 Prefill chunks are attended with `scaled_dot_product_attention`, either batched in one padded call
 or one call per request; `prepare` picks the cheaper by the padding it would waste (see
@@ -27,10 +33,11 @@ from tokenloom.attention.backend import AttentionBackend
 from tokenloom.attention.metadata import AttentionMetadata
 
 # Padded prefill runs one SDPA over [P, Lq_max, Lk_max]; per-request prefill runs P calls over the
-# exact sizes. A call costs roughly 30-60 us of fixed overhead on CPU, so padding is worth it
-# until the padded work exceeds the exact work by this factor (measured in
-# benchmarks/torch_attention.py, see the report in tests/attention/README or the lead's notes).
-_PADDED_PREFILL_MAX_WASTE = 1.5
+# exact sizes. Padding wins while the padded work stays under about twice the exact work: on 2
+# cores (single-thread CPU time, SmolLM2 shapes) padded was 1.3x faster for 64 x 128-token
+# prompts (waste 1.0), 3x for 8 x 32 (1.0), even at 2.3x waste (16 prompts of 16..128 tokens),
+# and 1.2x slower at 2.5x waste (8 prompts of 8..256). tests/attention/bench_torch_backend.py.
+_PADDED_PREFILL_MAX_WASTE = 2.0
 
 
 @dataclass(slots=True)
@@ -377,7 +384,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[pp.token_index] = o
 
     @staticmethod
-    def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale, out) -> None:
+    def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale,
+                         out) -> None:
         q = query[rp.start:rp.end].transpose(0, 1)  # [Hq, q_len, D]
         Hq, Hkv = q.shape[0], key.shape[1]
         if rp.context_len == 0:
