@@ -23,6 +23,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # The ledger (tokenloom.metrics): per-request timelines and per-step stats. On by default;
+    # off sends no timing with the outputs and keeps no caller-side bookkeeping.
+    enable_ledger: bool = True
+    # Chrome trace JSON written by the caller at shutdown; the core then also keeps each
+    # request's phases (not only their totals).
+    trace_path: str | None = None
 
     def validate(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -39,6 +45,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}.")
+        if self.trace_path is not None and not self.enable_ledger:
+            raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
 
 # Default KV cache size on CPU: 2 GiB holds ~45k tokens of SmolLM2-135M in float32.

@@ -50,6 +50,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     # Set just before the request is encoded; the core's receive time minus this is "IPC in".
     sent_time: float = 0.0
+    # Core-local, never sent: stamped by the engine core's input thread when it decoded this.
+    received_time: float = 0.0
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -72,6 +74,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Error text when finish_reason is ERROR (e.g. the prompt can never fit the KV cache).
     error: str | None = None
+    # The ledger: set on a request's final output only (None when the ledger is off).
+    timing: RequestTiming | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,6 +99,20 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # The step profile, in seconds (appended fields; 0 when not measured). schedule -> execute
+    # (prepare inputs, forward incl. logits, sample) -> update (the runner's bookkeeping after
+    # sampling plus the scheduler's update_from_output). `loop_time` is the busy loop's time
+    # between the end of the previous step and the start of this one (inputs drained, outputs
+    # queued); `serialize_time` is what the output thread spent encoding and sending since the
+    # previous step (it overlaps the step on the other core, but shares the CPU and the GIL).
+    schedule_time: float = 0.0
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
+    sample_time: float = 0.0
+    update_time: float = 0.0
+    step_time: float = 0.0
+    loop_time: float = 0.0
+    serialize_time: float = 0.0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -110,6 +128,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     # Set once, on the last message of a dying engine core.
     engine_error: str | None = None
+    # Caller-local, never sent: stamped by the client when it decoded this message.
+    received_time: float = 0.0
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -131,3 +151,41 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     dtype: str
     attention_backend: str
     pid: int
+
+
+class LedgerBucket(enum.IntEnum):
+    """Where the engine core spent a request's time; indexes `RequestTiming.seconds`.
+
+    Each step's whole duration (from its start to the next step's start) goes to one bucket per
+    live request: the kind of tokens it computed in the step, or why it was left waiting
+    (`SchedulerOutput.wait_reasons`). Head-of-line waits are kept apart by what blocked the head.
+    """
+
+    STEP_BOUNDARY = 0  # received, not yet considered: the step in flight must end first
+    TOKEN_BUDGET = 1
+    MAX_NUM_SEQS = 2
+    NO_KV_BLOCKS = 3
+    HOL_TOKEN_BUDGET = 4  # behind a waiting request blocked by the token budget
+    HOL_MAX_NUM_SEQS = 5
+    HOL_NO_KV_BLOCKS = 6
+    PREFILL = 7
+    DECODE = 8
+    PREEMPTED = 9  # from a preemption until it decodes again: waiting to resume, then recompute
+
+
+class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """The engine core's ledger of one request, sent once, with its final output. All times are
+    on the `now()` clock; `seconds` (one float per LedgerBucket) adds up to
+    finished_time - received_time."""
+
+    sent_time: float  # EngineCoreRequest.sent_time, echoed
+    received_time: float
+    queued_time: float  # added to the scheduler
+    first_scheduled_time: float  # start of the first step that computed tokens for it (0: never)
+    first_token_time: float  # end of the step that produced its first token (0: none)
+    finished_time: float  # end of the step that finished it
+    seconds: list[float]
+    num_preemptions: int = 0
+    # Only when tracing: its phases in order, (bucket, start, end), end to end consecutive.
+    segments: list[tuple[int, float, float]] = []
+    num_segments_dropped: int = 0

@@ -5,7 +5,11 @@ so they are plain dataclasses, not msgspec Structs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenloom.messages import RequestTiming
 
 
 @dataclass(slots=True)
@@ -31,8 +35,11 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 class RequestMetrics:
     """A request's timeline as the caller sees it, on the ledger's clock (`messages.now()`).
 
-    Only what the caller can observe is here: when the request arrived and when its tokens came
-    back. The core-side stamps (queued, scheduled, preempted) join later, from the ledger.
+    The caller's stamps: arrival, tokenized, each message of tokens received (first/last token,
+    inter-token latencies), final output received (`finished_time`), detokenized, returned.
+    With the ledger on, the engine core's account of the request (`core`: received, queued,
+    scheduled, seconds per step bucket) arrives with its final output, and `parts` decomposes
+    the end-to-end latency into named parts that add up to it (tokenloom.metrics.timeline).
     """
 
     arrival_time: float
@@ -41,12 +48,22 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    tokenized_time: float | None = None
+    detokenized_time: float | None = None  # its final output was built (text and all)
+    returned_time: float | None = None  # handed to the caller (LLMEngine.step, AsyncLLM stream)
+    core: RequestTiming | None = None
+    # One per generated token after the first (0.0 for tokens that arrived in the same message).
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     def record_tokens(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:
             return
         if self.first_token_time is None:
             self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)  # type: ignore[operator]
+        if num_new_tokens > 1:
+            self.inter_token_latencies.extend([0.0] * (num_new_tokens - 1))
         self.last_token_time = now
         self.num_generation_tokens += num_new_tokens
 
@@ -55,8 +72,40 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (TPOT)."""
+        n = self.num_generation_tokens
+        if n < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (n - 1)
+
+    @property
     def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
+        """Returned (or, before that, final output received) minus arrival."""
+        end = self.returned_time if self.returned_time is not None else self.finished_time
+        return None if end is None else end - self.arrival_time
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """The end-to-end latency in named parts that add up to it ({} until finished)."""
+        from tokenloom.metrics.timeline import decompose
+
+        return decompose(self)
+
+    @property
+    def wait_by_cause(self) -> dict[str, float]:
+        """Seconds waited in the core by root cause (head-of-line waits go to what blocked the
+        head): token_budget, max_num_seqs, no_kv_blocks, preempted."""
+        from tokenloom.metrics.timeline import wait_by_cause
+
+        return wait_by_cause(self.core)
+
+    @property
+    def dominant_wait(self) -> str | None:
+        """The cause it waited longest for, or None if it never waited."""
+        from tokenloom.metrics.timeline import dominant_wait
+
+        return dominant_wait(self.wait_by_cause)
 
 
 @dataclass(slots=True)

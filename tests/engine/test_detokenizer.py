@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer
 
+from tokenloom.engine import detokenizer as detokenizer_module
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.sampling_params import SamplingParams
 
@@ -145,6 +146,27 @@ def test_cost_per_step_does_not_grow_with_the_output(tokenizer):
     assert time.perf_counter() - start < 10.0
     detok.update([], finished=True)
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_recovers_when_the_decode_stream_rejects_its_prefix(tokenizer, monkeypatch):
+    # Some decoders are not prefix-stable and make DecodeStream raise; the request must go on.
+    real = detokenizer_module.DecodeStream
+    calls = []
+
+    class FlakyStream:
+        def __init__(self, *args, **kwargs):
+            self._stream = real(*args, **kwargs)
+
+        def step(self, tok, token_id):
+            calls.append(token_id)
+            if len(calls) == 3:
+                raise Exception("Invalid prefix encountered")
+            return self._stream.step(tok, token_id)
+
+    monkeypatch.setattr(detokenizer_module, "DecodeStream", FlakyStream)
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    assert "".join(stream(detok, ids)[0]) == " one two three four"
 
 
 def test_stop_token_text_is_left_out(tokenizer):

@@ -145,7 +145,10 @@ def test_outputs_of_several_requests_in_one_step(processor, tokenizer):
     add(processor, tokenizer, "a")
     add(processor, tokenizer, "b", output_kind=DELTA)
     result = processor.process_outputs(
-        [EngineCoreOutput("a", ids_of(tokenizer, " x")), EngineCoreOutput("b", ids_of(tokenizer, " y"), finish_reason=FinishReason.LENGTH)]
+        [
+            EngineCoreOutput("a", ids_of(tokenizer, " x")),
+            EngineCoreOutput("b", ids_of(tokenizer, " y"), finish_reason=FinishReason.LENGTH),
+        ]
     )
     assert [(o.request_id, o.outputs[0].text, o.finished) for o in result.request_outputs] == [
         ("a", " x", False),
@@ -334,10 +337,12 @@ def test_n2_cumulative_aggregates_into_one_output(processor, tokenizer):
 def test_n2_delta_carries_only_new_parts(processor, tokenizer):
     add_parent(processor, tokenizer, n=2, output_kind=DELTA)
     a, b = ids_of(tokenizer, " one two"), ids_of(tokenizer, " three four")
-    outs = []
-    outs += processor.process_outputs([EngineCoreOutput("0_p", a[:1]), EngineCoreOutput("1_p", b[:1])]).request_outputs
-    outs += processor.process_outputs([EngineCoreOutput("1_p", b[1:], finish_reason=FinishReason.LENGTH)]).request_outputs
-    outs += processor.process_outputs([EngineCoreOutput("0_p", a[1:], finish_reason=FinishReason.LENGTH)]).request_outputs
+    steps = [
+        [EngineCoreOutput("0_p", a[:1]), EngineCoreOutput("1_p", b[:1])],
+        [EngineCoreOutput("1_p", b[1:], finish_reason=FinishReason.LENGTH)],
+        [EngineCoreOutput("0_p", a[1:], finish_reason=FinishReason.LENGTH)],
+    ]
+    outs = [o for step in steps for o in processor.process_outputs(step).request_outputs]
     assert [[(c.index, c.text) for c in o.outputs] for o in outs] == [
         [(0, " one"), (1, " three")],
         [(1, " four")],
@@ -400,7 +405,9 @@ def test_fail_all_finishes_everything_once(processor, tokenizer):
     add(processor, tokenizer, "a")
     add(processor, tokenizer, "b", output_kind=FINAL_ONLY)
     add_parent(processor, tokenizer, "p", n=2, output_kind=DELTA)
-    processor.process_outputs([EngineCoreOutput("a", [100]), EngineCoreOutput("0_p", [100], finish_reason=FinishReason.LENGTH)])
+    processor.process_outputs(
+        [EngineCoreOutput("a", [100]), EngineCoreOutput("0_p", [100], finish_reason=FinishReason.LENGTH)]
+    )
     outputs = processor.fail_all("engine core died (exit code -9)")
     assert sorted(o.request_id for o in outputs) == ["a", "b", "p"]
     for o in outputs:

@@ -138,7 +138,7 @@ def test_all_stop_token_ids(tokenizer, processor):
 
 
 def test_a_models_other_eos_ids_become_stop_token_ids(tokenizer):
-    processor = InputProcessor(tokenizer, smollm2_config(eos_token_ids=[EOS, 0]), MAX_MODEL_LEN)
+    processor = InputProcessor(tokenizer, smollm2_config(eos_token_ids=[0, EOS]), MAX_MODEL_LEN)
     request, _ = processor.process("r", "hi", SamplingParams(stop_token_ids=[9]), 0.0)
     params = request.sampling_params
     assert request.eos_token_id == EOS
@@ -168,7 +168,8 @@ def test_apply_chat_template(processor):
     without = processor.apply_chat_template(conversation, add_generation_prompt=False)
     assert without == prompt[: -len("<|im_start|>assistant\n")]
     prompts = processor.apply_chat_template([conversation, [{"role": "user", "content": "Hi"}]])
-    assert isinstance(prompts, list) and prompts[0] == prompt and prompts[1].endswith("Hi<|im_end|>\n<|im_start|>assistant\n")
+    assert isinstance(prompts, list) and prompts[0] == prompt
+    assert prompts[1].endswith("Hi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="conversation"):
         processor.apply_chat_template([["not a message"]])
 

@@ -28,10 +28,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def prompt_ids(llm_tokenizer) -> list[list[int]]:
-    return [
-        llm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+    texts = [
+        llm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in QUESTIONS
     ]
+    return [llm_tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 @pytest.fixture(scope="module")

@@ -34,24 +34,42 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url("/version")).json()["version"]
 
 
-def test_completion(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+def test_completion(server):
+    async def run():
+        async with server.async_client() as aclient:
+
+            async def streamed_batch():
+                stream = await aclient.completions.create(model=MODEL, prompt=["A", "B", "C"], max_tokens=2, n=2, stream=True)
+                return [chunk async for chunk in stream]
+
+            return await asyncio.gather(
+                aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0),
+                # Token ids are a prompt too, and the alias names the same model.
+                aclient.completions.create(model="alias", prompt=[504, 3458, 282], max_tokens=2, temperature=0),
+                # No max_tokens: OpenAI's default of 16.
+                aclient.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}),
+                # A batch of prompts: choice index = prompt index * n + completion index.
+                aclient.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=2, n=2, extra_body={"ignore_eos": True}),
+                streamed_batch(),
+            )
+
+    r, r_ids, r_default, r_batch, batch_chunks = asyncio.run(run())
+    assert sorted(c.index for c in r_batch.choices) == [0, 1, 2, 3] and r_batch.usage.completion_tokens == 8
+    finished = sorted(c.index for chunk in batch_chunks for c in chunk.choices if c.finish_reason)
+    assert finished == [0, 1, 2, 3, 4, 5]
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL and r.created > 0
     (choice,) = r.choices
     assert choice.index == 0 and choice.text and choice.finish_reason == "length"
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 4
-    # Token ids are a prompt too, and the model alias works.
-    r2 = client.completions.create(model="alias", prompt=[504, 3458, 282], max_tokens=2, temperature=0)
-    assert r2.choices[0].text and r2.model == "alias"
+    assert r_ids.choices[0].text and r_ids.model == "alias" and r_ids.usage.prompt_tokens == 3
+    assert r_default.usage.completion_tokens == 16
 
 
-def test_completion_default_model_and_max_tokens(server):
-    # No model: the first served name. No max_tokens: OpenAI's default of 16.
-    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True}, timeout=120)
+def test_no_model_means_the_first_served_name(server):
+    r = httpx.post(server.url("/v1/completions"), headers=server.headers, json={"prompt": PROMPT, "max_tokens": 1}, timeout=120)
     assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["model"] == MODEL and body["usage"]["completion_tokens"] == 16
+    assert r.json()["model"] == MODEL
 
 
 def test_streamed_completion_equals_non_streamed(client):
@@ -91,17 +109,34 @@ def test_chat_completion_sync_and_async_stream(server, client):
 
 
 def test_n2(server, client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, seed=3, temperature=1.0)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, seed=3, temperature=1.0)
+    r = client.completions.create(**kwargs)
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert r.usage.completion_tokens == 8
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, seed=3, temperature=1.0, stream=True)
+    assert r.usage.completion_tokens == 6
+    # Streamed, the same seed gives the same two texts.
     texts = {0: "", 1: ""}
-    for chunk in stream:
+    for chunk in client.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == {c.index: c.text for c in r.choices}
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2, seed=3)
-    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+    async def chat():
+        chat_kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2, seed=3)
+        async with server.async_client() as aclient:
+
+            async def chunks():
+                return [c async for c in await aclient.chat.completions.create(stream=True, **chat_kwargs)]
+
+            return await asyncio.gather(aclient.chat.completions.create(**chat_kwargs), chunks())
+
+    full, chunks = asyncio.run(chat())
+    assert sorted(c.index for c in full.choices) == [0, 1] and all(c.message.content for c in full.choices)
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert all(streamed.values())
+    assert {c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason} <= {"stop", "length"}
 
 
 def test_stop_string(client):
@@ -115,13 +150,16 @@ def test_stop_string(client):
     assert r.choices[0].text == free[:cut]
 
 
-def test_seed_reproducibility(client):
-    def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=seed).choices[0].text
+def test_seed_reproducibility(server, client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0)
+    first = client.completions.create(seed=11, **kwargs).choices[0].text
+    assert client.completions.create(seed=11, **kwargs).choices[0].text == first
 
-    first = sample(11)
-    assert sample(11) == first
-    assert any(sample(seed) != first for seed in (12, 13, 14))
+    async def others():
+        async with server.async_client() as aclient:
+            return await asyncio.gather(*(aclient.completions.create(seed=seed, **kwargs) for seed in (12, 13, 14)))
+
+    assert any(r.choices[0].text != first for r in asyncio.run(others()))
 
 
 def test_completion_logprobs_shape(client):
@@ -221,7 +259,7 @@ def test_burst_with_disconnects_frees_everything(server):
 
     async def one(aclient, i: int) -> tuple[str, str | None]:
         stream = await aclient.completions.create(
-            model=MODEL, prompt=f"{i} little pigs went", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=f"{i} little pigs went", max_tokens=4, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
         text, finish = "", None
         async for chunk in stream:

@@ -85,7 +85,8 @@ def run_flat_batch(loaded, prompts: Sequence[Sequence[int]], chunk_sizes: int | 
 @torch.inference_mode()
 def hf_last_logits(hf_model, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
     """transformers' logits at each prompt's last position, one unpadded forward per prompt."""
-    rows = [hf_model(torch.tensor([list(p)]), use_cache=False).logits[0, -1].float() for p in prompts]
+    rows = [hf_model(torch.tensor([list(p)]), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+            for p in prompts]
     return torch.stack(rows)
 
 
@@ -107,14 +108,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 def tiny_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides):
     """A 2-layer transformers model of `kind` ("llama" | "qwen2" | "qwen3"), random weights,
     float32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     common.update(overrides)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    # Only the one kind's classes: each transformers model module costs seconds to import.
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).to(torch.float32).eval()
     randomize_(model, seed)

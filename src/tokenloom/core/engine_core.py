@@ -14,6 +14,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
+from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import load_model
 from tokenloom.worker.model_runner import ModelRunner
 
@@ -48,13 +49,20 @@ class EngineCore:
             attention_backend=self.model_runner.attn_backend.name,
             pid=os.getpid(),
         )
+        # Where each request's time goes, step by step (see metrics/core_ledger.py).
+        self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        received = request.received_time or now()  # the in-process client has no input thread
         self.scheduler.add_request(Request.from_engine_core_request(request))
+        if self.ledger is not None:
+            self.ledger.add(request.request_id, request.sent_time, received, now())
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.ledger is not None:
+            self.ledger.drop(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -62,10 +70,31 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=now())
+        step_start = now()
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self.ledger is not None:
+            self.ledger.on_schedule(scheduler_output, self.scheduler.requests, step_start)
+        t1 = time.perf_counter()
         runner_output = self.model_runner.execute_model(scheduler_output)
+        t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        t3 = time.perf_counter()
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            # The step profile (a few perf_counter calls: cheap enough to leave on). What
+            # execute_model spent after sampling (appending tokens, building its output) is
+            # bookkeeping of the results, so it counts as update.
+            ro = runner_output
+            stats.schedule_time = t1 - t0
+            stats.prepare_time = ro.prepare_time
+            stats.forward_time = ro.forward_time
+            stats.sample_time = ro.sample_time
+            stats.update_time = (t2 - t1 - ro.prepare_time - ro.forward_time - ro.sample_time) + (t3 - t2)
+            stats.step_time = t3 - t0
         outputs.timestamp = now()
+        if self.ledger is not None:
+            self.ledger.on_update(outputs.outputs, outputs.timestamp)
         return outputs
 
     # ---- utility calls (msgpack-able results) -----------------------------------------------

@@ -33,6 +33,7 @@ from tokenloom.messages import (
     EngineCoreRequestType,
     UtilityOutput,
     UtilityRequest,
+    now,
 )
 
 logger = logging.getLogger("tokenloom.engine_core")
@@ -69,6 +70,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.encoder = msgspec.msgpack.Encoder()
+        self.serialize_time_total = 0.0
         threading.Thread(target=self._output_thread, name="output", daemon=True).start()
         try:
             from tokenloom.core.engine_core import EngineCore
@@ -94,7 +96,9 @@ class EngineCoreProc:
             kind_frame, payload = self.in_sock.recv_multipart(copy=False)
             kind = EngineCoreRequestType(bytes(kind_frame.buffer))
             if kind is EngineCoreRequestType.ADD:
-                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+                request = add_decoder.decode(payload.buffer)
+                request.received_time = now()  # the ledger's "received by core"
+                self.input_queue.put((kind, request))
             elif kind is EngineCoreRequestType.ABORT:
                 self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
             elif kind is EngineCoreRequestType.UTILITY:
@@ -108,7 +112,10 @@ class EngineCoreProc:
             item = self.output_queue.get()
             if item is _SHUTDOWN:
                 return
+            t0 = time.perf_counter()
             self.out_sock.send(self.encoder.encode(item), copy=False)
+            # Only this thread writes the total; the busy loop reads deltas of it (no lock).
+            self.serialize_time_total += time.perf_counter() - t0
 
     def _send_fatal(self, message: str) -> None:
         logger.error(message)
@@ -141,18 +148,29 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         engine = self.engine
+        perf_counter = time.perf_counter
+        step_end = None  # None after an idle wait: the wait is not loop time
+        serialized = 0.0
         while True:
             # Block only when there is nothing to step: an idle core costs no CPU.
             if not engine.has_unfinished_requests():
+                step_end = None
                 if not self._handle(*self.input_queue.get()):
                     break
             while not self.input_queue.empty():
                 if not self._handle(*self.input_queue.get_nowait()):
                     return self._shutdown()
             if engine.has_unfinished_requests():
+                step_start = perf_counter()
                 outputs = engine.step()
-                if outputs.outputs or outputs.scheduler_stats is not None:
+                stats = outputs.scheduler_stats
+                if stats is not None:
+                    total = self.serialize_time_total
+                    stats.serialize_time, serialized = total - serialized, total
+                    stats.loop_time = 0.0 if step_end is None else step_start - step_end
+                if outputs.outputs or stats is not None:
                     self.output_queue.put(outputs)
+                step_end = perf_counter()
         self._shutdown()
 
     def _shutdown(self) -> None:

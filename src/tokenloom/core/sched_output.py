@@ -61,6 +61,9 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     step: int = 0
+    # Why the head of the waiting queue was not admitted (None: nobody was left waiting). The
+    # requests behind it wait with HEAD_OF_LINE; this says what they are really waiting for.
+    blocked_reason: WaitReason | None = None
 
     @property
     def is_empty(self) -> bool:

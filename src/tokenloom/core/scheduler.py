@@ -175,6 +175,7 @@ class Scheduler:
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
             step=self.step,
+            blocked_reason=blocked if self.waiting else None,
         )
         self.finished_req_ids = set()
         for req_id, num_new_tokens in plan.num_scheduled_tokens.items():

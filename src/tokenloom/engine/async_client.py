@@ -29,6 +29,8 @@ from tokenloom.messages import (
     now,
 )
 
+_FIRST_ASYNC_CALL_ID = 1 << 40
+
 
 class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig) -> None:
@@ -37,8 +39,8 @@ class AsyncMPClient(MPClient):
         self._ain: zmq.asyncio.Socket | None = None
         self._aout: zmq.asyncio.Socket | None = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        # Utility call ids continue after the ones the sync client may have used.
-        self._async_call_ids = itertools.count(1_000_000_000)
+        # Apart from the sync client's ids, so a late answer to a timed-out async call is dropped.
+        self._async_call_ids = itertools.count(_FIRST_ASYNC_CALL_ID)
 
     def _sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         if self._ain is None or self._aout is None:
@@ -89,6 +91,7 @@ class AsyncMPClient(MPClient):
             if await aout.poll(_POLL_MS, zmq.POLLIN):
                 frame = await aout.recv(copy=False)
                 outputs = self.decoder.decode(frame.buffer)
+                outputs.received_time = now()
                 if outputs.engine_error is not None:
                     self._die(outputs.engine_error)
                 util = outputs.utility_output
@@ -103,9 +106,10 @@ class AsyncMPClient(MPClient):
 
     def _resolve_utility(self, util: UtilityOutput) -> None:
         future = self._utility_futures.get(util.call_id)
-        if future is not None and not future.done():
-            future.set_result(util)
-        elif future is None:
+        if future is not None:
+            if not future.done():
+                future.set_result(util)
+        elif util.call_id < _FIRST_ASYNC_CALL_ID:
             self._utility_results[util.call_id] = util  # a blocking caller of the base class
 
     def _die(self, reason: str) -> None:
@@ -120,4 +124,13 @@ class AsyncMPClient(MPClient):
         for future in self._utility_futures.values():
             if not future.done():
                 future.cancel()
+        # The asyncio shadows registered the sockets' fds as readers in their event loop; unhook
+        # them before the base class closes the sockets, or a loop that keeps running would hold
+        # stale fds. (pyzmq's own close() does this, but would also close the shared sockets
+        # before the base class sends SHUTDOWN on them.)
+        for sock in (self._ain, self._aout):
+            clear = getattr(sock, "_clear_io_state", None)
+            if clear is not None:
+                clear()
+        self._ain = self._aout = None
         super().shutdown()

@@ -178,12 +178,15 @@ class AsyncLLM:
             if stream is not None:
                 stream.collector.put(out)
         if core_ids and self._dead_error is None:
-            self._spawn(self.engine_core.abort_requests_async(list(core_ids)))
+            task = asyncio.get_running_loop().create_task(self._send_abort(list(core_ids)))
+            self._background_tasks.add(task)  # a task nobody references may be collected early
+            task.add_done_callback(self._background_tasks.discard)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background_tasks.add(task)
-        task.add_done_callback(self._background_tasks.discard)
+    async def _send_abort(self, core_ids: list[str]) -> None:
+        try:
+            await self.engine_core.abort_requests_async(core_ids)
+        except EngineDeadError:
+            pass  # a dead core holds no blocks; the output handler fails the rest
 
     # ---- the output handler -----------------------------------------------------------------
 

@@ -78,13 +78,16 @@ class InprocClient(EngineCoreClient):
         self.info = self.engine_core.info
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        request.sent_time = now()
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        outputs = self.engine_core.step()
+        outputs.received_time = now()
+        return outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
         result = getattr(self.engine_core, method)(*args)
@@ -179,6 +182,7 @@ class MPClient(EngineCoreClient):
             wait_ms = _POLL_MS if deadline is None else max(0, min(_POLL_MS, int((deadline - now()) * 1000)))
             if self.output_socket.poll(wait_ms):
                 outputs = self.decoder.decode(self.output_socket.recv(copy=False).buffer)
+                outputs.received_time = now()
                 if outputs.engine_error is not None:
                     self._mark_dead(outputs.engine_error)
                 return outputs

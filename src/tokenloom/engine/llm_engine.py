@@ -17,6 +17,8 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import now
+from tokenloom.metrics.ledger import FrontendLedger
+from tokenloom.metrics.stats import Metric
 from tokenloom.model.loader import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -36,6 +38,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
+        # The caller's half of the ledger: metrics (get_metrics) and the trace file.
+        self.ledger: FrontendLedger | None = None
+        if config.enable_ledger:
+            model_name = config.model or "SmolLM2-135M-Instruct"
+            self.ledger = FrontendLedger(config, model_name, self.engine_core.info)
 
     @classmethod
     def from_kwargs(cls, multiprocess: bool = True, **kwargs: Any) -> "LLMEngine":
@@ -73,6 +80,9 @@ class LLMEngine:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)
         if self._dead_error is None:
             self.engine_core.abort_requests(core_ids)
+        if self.ledger is not None:
+            for out in outputs:
+                self.ledger.record_finished(out)
         return outputs
 
     def step(self, timeout: float | None = None) -> list[RequestOutput]:
@@ -85,7 +95,10 @@ class LLMEngine:
         except EngineDeadError as e:
             self._dead_error = e
             return self.output_processor.fail_all(str(e))
-        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        # Token times are when the message was received (not when it was processed).
+        processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.received_time or None)
+        if self.ledger is not None:
+            self.ledger.record(core_outputs, processed.request_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -100,5 +113,18 @@ class LLMEngine:
     def is_dead(self) -> bool:
         return self._dead_error is not None
 
+    def get_metrics(self) -> list[Metric]:
+        """Every `tokenloom:` metric, as plain objects (vLLM's `LLM.get_metrics()`)."""
+        if self.ledger is None:
+            raise RuntimeError("metrics are off: the engine was built with enable_ledger=False.")
+        return self.ledger.get_metrics()
+
+    def flush_trace(self) -> str | None:
+        """Writes the trace file now (it is also written at shutdown); returns its path."""
+        return None if self.ledger is None else self.ledger.flush()
+
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        try:
+            self.flush_trace()
+        finally:
+            self.engine_core.shutdown()

@@ -161,7 +161,10 @@ class RequestState:
         self.prompt_logprobs_sent = False
         self.num_tokens_sent = 0
         self.num_logprobs_sent = 0
-        self.metrics = RequestMetrics(request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids))
+        # Registered right after tokenizing and validating: the ledger's "tokenized" stamp.
+        self.metrics = RequestMetrics(
+            request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now()
+        )
         self.num_cached_tokens = 0
         self.queue = queue
         self.error: str | None = None
@@ -243,6 +246,8 @@ class OutputProcessor:
         if request_id in self.request_states:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
         params = request.sampling_params
+        if parent is not None and not 0 <= request_index < parent.n:
+            raise ValueError(f"request_index must be in [0, {parent.n}) (the parent's n), got {request_index}.")
         if params.detokenize and self.tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer; this OutputProcessor has none.")
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids)
@@ -254,7 +259,9 @@ class OutputProcessor:
             if parent.metrics is None:
                 parent.prompt = prompt
                 parent.prompt_token_ids = request.prompt_token_ids
-                parent.metrics = RequestMetrics(request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids))
+                parent.metrics = RequestMetrics(
+                    request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now()
+                )
             if queue is not None:
                 self._parent_queues[parent.request_id] = queue
         self.request_states[request_id] = state
@@ -305,6 +312,8 @@ class OutputProcessor:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             if out.error is not None:
                 state.error = out.error
+            if out.timing is not None:
+                state.metrics.core = out.timing
 
             completion = state.make_completion_output(finish_reason, stop_reason, bool(new_token_ids))
             if finish_reason is not None:
@@ -320,7 +329,7 @@ class OutputProcessor:
             self._emit_parent(parent, result.request_outputs, t)
         return result
 
-    def abort_requests(self, request_ids: Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
+    def abort_requests(self, request_ids: str | Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
         """Finishes the given requests with finish_reason "abort".
 
         Accepts user-facing ids (a parent id aborts all its children) and engine-core ids.
@@ -328,6 +337,8 @@ class OutputProcessor:
         instead) and the engine-core ids the core must abort. Unknown ids are ignored: the
         request already finished and had its final output.
         """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
         return self._finish_requests(request_ids, FinishReason.ABORT, None)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -373,7 +384,15 @@ class OutputProcessor:
 
     def _finish(self, state: RequestState, t: float) -> None:
         del self.request_states[state.request_id]
-        state.metrics.finished_time = t
+        metrics = state.metrics
+        metrics.finished_time = t
+        metrics.detokenized_time = now()  # its final completion has just been built
+        parent = state.parent
+        if parent is not None and parent.metrics is not None:
+            # The child that finishes last is the parent's critical path: its stamps are the
+            # parent's (the others ran alongside it).
+            parent.metrics.core = metrics.core
+            parent.metrics.detokenized_time = metrics.detokenized_time
 
     def _add_to_parent(self, state: RequestState, completion: CompletionOutput) -> None:
         parent = state.parent
@@ -409,7 +428,8 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
         )
-        queue = self._parent_queues.pop(parent.request_id, None) if finished else self._parent_queues.get(parent.request_id)
+        queues = self._parent_queues
+        queue = queues.pop(parent.request_id, None) if finished else queues.get(parent.request_id)
         self._emit(output, queue, sink)
 
     def _request_output(self, state: RequestState, completions: list[CompletionOutput]) -> RequestOutput:

@@ -24,11 +24,10 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         # The primary EOS is the tokenizer's (the one chat templates end a turn with); a model may
         # list more (Llama 3: end_of_text, eom, eot) and must stop at any of them.
-        eos_ids = list(model_config.eos_token_ids)
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-        if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
-            eos_ids.insert(0, tokenizer_eos)
-        self.eos_token_id: int | None = tokenizer_eos if tokenizer_eos is not None else (eos_ids[0] if eos_ids else None)
+        eos_ids = [tokenizer_eos] if tokenizer_eos is not None else []
+        eos_ids += [t for t in model_config.eos_token_ids if t != tokenizer_eos]
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.eos_token_ids: list[int] = eos_ids
 
     def process(

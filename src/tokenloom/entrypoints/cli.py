@@ -8,6 +8,7 @@ import sys
 from tokenloom.entrypoints.bench import add_bench_parser
 from tokenloom.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenloom.entrypoints.openai import add_serve_parser
+from tokenloom.metrics.explain import add_explain_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +54,7 @@ _SUBCOMMANDS = [
     _add_generate,
     add_serve_parser,  # tokenloom.entrypoints.openai
     add_bench_parser,  # tokenloom.entrypoints.bench (a group: bench serve | ...)
+    add_explain_parser,  # tokenloom.metrics.explain
 ]
 
 

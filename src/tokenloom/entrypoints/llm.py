@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.metrics.stats import Metric
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -42,6 +44,8 @@ class LLM:
         scheduling_policy: str = "fcfs",
         attention_backend: str = "auto",
         multiprocess: bool = True,
+        enable_ledger: bool = True,
+        trace_path: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -58,11 +62,25 @@ class LLM:
             seed=seed,
             scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
             attention_backend=attention_backend,  # type: ignore[arg-type]
+            enable_ledger=enable_ledger,
+            trace_path=trace_path,
         )
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
+        if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
+            weakref.finalize(self, self.llm_engine.flush_trace)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's `tokenloom:` metrics (counters, gauges, histograms) as plain objects:
+        vLLM's basic set plus the ledger's (wait seconds by reason, budget spent per step,
+        blocks by state, latency parts). Needs enable_ledger=True."""
+        return self.llm_engine.get_metrics()
+
+    def flush_trace(self) -> str | None:
+        """Writes the trace file now (`trace_path`); returns its path, None when not tracing."""
+        return self.llm_engine.flush_trace()
 
     def generate(
         self,

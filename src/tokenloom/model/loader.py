@@ -64,6 +64,7 @@ def default_model_path() -> str:
 
 def _resolve(path: str | None) -> tuple[str, str]:
     """(absolute path, "gguf" | "hf")."""
+    given = path
     path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -75,7 +76,9 @@ def _resolve(path: str | None) -> tuple[str, str]:
             if f.read(4) == b"GGUF":
                 return path, "gguf"
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
-    raise ModelNotFoundError(f"model path does not exist: {path}")
+    raise ModelNotFoundError(f"model path does not exist: {path}" + (
+        f" (given as {given!r}; nothing is downloaded from a model hub: pass a local HF directory or "
+        ".gguf file)" if given != path else ""))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:

@@ -5,7 +5,7 @@ per-row parameters as `[n]` tensors. None loops over the vocabulary, and a row's
 depend on the other rows of the block.
 
 Sampling is by inverse CDF: a row's token is where one uniform number `u` lands in the cumulative
-sum of its (unnormalised) weights. One uniform per row, instead of a noise value per vocabulary
+sum of its (unnormalised) weights (`draw`). One uniform per row, instead of a noise value per vocabulary
 entry (Gumbel-max / exponential race), is what lets a seeded request draw from its own stream
 without a generator per row: its `u` is a hash of (seed, step) computed on the host, vectorised.
 """
@@ -33,53 +33,107 @@ def apply_penalties(
     divided by the penalty when positive and multiplied by it when negative, so a penalty > 1
     always pushes it down. frequency and presence (output tokens only, as in OpenAI's API):
     subtract `count * frequency` and `(count > 0) * presence`. The neutral values (1, 0, 0) leave
-    a logit exactly unchanged, so rows that do not use a penalty can share the block.
+    a logit unchanged, so rows that do not use a penalty can share the block.
+
+    No `torch.where` over the block: on a CPU a select on an unpredictable mask costs ten times an
+    arithmetic pass. The repetition factor is written as rep ** (-sign(x) * seen) instead, which
+    is 1/rep, rep or 1 as the rule says, and keeps a -inf logit (a masked token) -inf.
     """
-    in_output = output_counts > 0
+    counts = output_counts.to(logits.dtype)
+    in_output = counts.sign()  # counts are >= 0: 1 where the token was generated, else 0
     if repetition is not None:
-        rep = repetition.unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(in_output | prompt_mask, penalised, logits)
+        seen = torch.add(in_output, prompt_mask).clamp_max_(1.0)
+        factor = logits.sign().mul_(seen).mul_(-repetition.log().unsqueeze(1)).exp_()
+        logits = logits * factor
+    else:
+        logits = logits.clone()
     if frequency is not None:
-        logits = logits - output_counts.to(logits.dtype) * frequency.unsqueeze(1)
+        logits.addcmul_(counts, -frequency.unsqueeze(1))
     if presence is not None:
-        logits = logits - in_output.to(logits.dtype) * presence.unsqueeze(1)
+        logits.addcmul_(in_output, -presence.unsqueeze(1))
     return logits
 
 
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Masks (in place) tokens whose probability is below `min_p` times the top token's:
-    p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p), so no softmax is needed."""
-    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
-    return logits.masked_fill_(logits < threshold, _NEG_INF)
+def apply_min_p(weights: Tensor, min_p: Tensor) -> Tensor:
+    """Zeroes (in place) the weights of tokens whose probability is below `min_p` times the top
+    token's. `weights` are relative to the row's top token (`temperature_weights`: the top one is
+    exactly 1), so the rule reads w < min_p; min_p = 0 zeroes nothing."""
+    return weights.mul_(weights >= min_p.unsqueeze(1))
 
 
-def weights_of(logits: Tensor) -> Tensor:
-    """Unnormalised probabilities exp(logit - max); -inf logits get weight 0. (A row with every
-    logit -inf, which contradictory constraints can make, gets all zeros rather than NaNs.)"""
+def temperature_weights(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Unnormalised probabilities exp((x - max) / T), the division and shift in one fused pass.
+    -inf logits get weight 0; a row with every logit -inf (contradictory constraints can make
+    one) gets all zeros rather than NaNs."""
     top = logits.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(logits.dtype).min)
-    return (logits - top).exp_()
+    inv_t = temperature.reciprocal().unsqueeze(1)
+    return torch.addcmul(-top * inv_t, logits, inv_t).exp_()
 
 
 def cumulative(weights: Tensor) -> Tensor:
-    """The CDF of each row in float64 (float32 loses the tail over a 150k vocabulary)."""
+    """The CDF of each row, in float64."""
     return weights.double().cumsum_(dim=-1)  # (cumsum(dtype=float64) is 3x slower on CPU)
 
 
 def inverse_cdf(cdf: Tensor, u: Tensor) -> Tensor:
     """Position where `u` (uniform in [0, 1), float64) lands in each row's `cdf`. A weight of 0
     leaves the CDF flat, so a zero-weight position is never returned."""
+    return _search(cdf, u * cdf[:, -1])
+
+
+def _search(cdf: Tensor, x: Tensor) -> Tensor:
+    """First position whose cdf exceeds x ([n]); x is kept below the row's total, which it can
+    round up to, so the answer is a position of positive weight."""
     total = cdf[:, -1:]
-    # u * total can round up to total; the largest double below it still lands on a positive weight.
-    x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    # clamp: an all-zero row (see weights_of) would land past the end.
+    x = torch.minimum(x.unsqueeze(1), torch.nextafter(total, torch.zeros_like(total)))
+    # clamp: an all-zero row (see temperature_weights) would land past the end.
     return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_max_(cdf.shape[-1] - 1)
 
 
-def sample_top_k_top_p(logits: Tensor, k: Tensor, p: Tensor | None, window: int, u: Tensor) -> Tensor:
+# Two-level draw over a whole vocabulary: block sums, then a cumulative sum of one block per row.
+_BLOCK = 256
+
+
+def block_cdf(weights: Tensor) -> Tensor:
+    """`[n, ceil(V / _BLOCK)]` float64 cumulative sums of the row's weight blocks; the last column
+    is the row's total weight."""
+    n, vocab = weights.shape
+    size = _block_size(vocab)
+    full, rest = divmod(vocab, size)
+    sums = weights[:, : full * size].reshape(n, full, size).sum(dim=-1)
+    if rest:
+        sums = torch.cat([sums, weights[:, full * size :].sum(dim=-1, keepdim=True)], dim=1)
+    return cumulative(sums)
+
+
+def _block_size(vocab: int) -> int:
+    return min(_BLOCK, vocab)
+
+
+def draw(weights: Tensor, blocks: Tensor, u: Tensor) -> Tensor:
+    """Samples a token per row with probability weight / total, from `blocks = block_cdf(weights)`
+    and one uniform per row. The same as an inverse CDF over the whole row, without a cumulative
+    sum (or a float64 copy) of the whole row: find the block where u lands, then the position
+    inside it. Each level sums in float64, so the rarest tokens keep their probability."""
+    n, vocab = weights.shape
+    size = _block_size(vocab)
+    x = u * blocks[:, -1]
+    block = _search(blocks, x)
+    below = torch.where(block > 0, blocks.gather(1, (block - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
+    positions = block.unsqueeze(1) * size + torch.arange(size, device=weights.device)
+    inside = weights.gather(1, positions.clamp_max(vocab - 1))
+    inside.masked_fill_(positions >= vocab, 0.0)  # past the end of a short last block
+    # clamp: only an all-zero row can land on the padding.
+    return (block * size + _search(cumulative(inside), x - below)).clamp_max_(vocab - 1)
+
+
+def sample_top_k_top_p(
+    logits: Tensor, temperature: Tensor, min_p: Tensor | None, k: Tensor, p: Tensor | None, window: int, u: Tensor
+) -> Tensor:
     """Samples rows that all have a top-k (`k` in [1, window]), then top-p over the top k
     renormalised, as vLLM does. Only the `window = max(k)` largest logits are selected (a partial
-    sort), which keeps a typical top_k=50 cheap.
+    sort, on the raw logits: temperature does not change the order), which keeps a typical
+    top_k=50 cheap.
 
     Top-p keeps a token when the mass before it in descending order is < p: the most likely token
     always stays, and ties at the boundary are broken by position.
@@ -87,7 +141,9 @@ def sample_top_k_top_p(logits: Tensor, k: Tensor, p: Tensor | None, window: int,
     values, indices = logits.topk(window, dim=-1, sorted=True)
     positions = torch.arange(window, device=logits.device)
     values.masked_fill_(positions.unsqueeze(0) >= k.unsqueeze(1), _NEG_INF)
-    weights = weights_of(values)
+    weights = temperature_weights(values, temperature)
+    if min_p is not None:  # it commutes with top-k: both keep a most-likely prefix
+        apply_min_p(weights, min_p)
     cdf = cumulative(weights)
     if p is not None:
         mass_before = (cdf - weights) / cdf[:, -1:]
@@ -96,22 +152,24 @@ def sample_top_k_top_p(logits: Tensor, k: Tensor, p: Tensor | None, window: int,
     return indices.gather(1, inverse_cdf(cdf, u).unsqueeze(1)).squeeze(1)
 
 
-def sample_full(logits: Tensor, p: Tensor | None, u: Tensor) -> Tensor:
+def sample_full(logits: Tensor, temperature: Tensor, min_p: Tensor | None, p: Tensor | None, u: Tensor) -> Tensor:
     """Samples rows without a top-k, with a top-p for rows where `p` < 1 (p None: none do).
 
     Top-p without a top-k would need each row sorted over the whole vocabulary, by far the most
     expensive step on a CPU. Instead: draw from the full distribution, and accept the token if it
     lies in the nucleus (the mass of strictly more likely tokens is < p), else draw again with the
     next uniform. An accepted token is distributed exactly as the nucleus renormalised; a row
-    needs 1/p draws on average, each one masked sum over the row. Rows still rejected after
+    needs 1/p draws on average, each one pass over the row. Rows still rejected after
     `u.shape[1] - 1` draws (small p) sort once and draw from the nucleus with the last uniform.
     """
-    weights = weights_of(logits)
-    cdf = cumulative(weights)
-    tokens = inverse_cdf(cdf, u[:, 0])
+    weights = temperature_weights(logits, temperature)
+    if min_p is not None:
+        apply_min_p(weights, min_p)
+    blocks = block_cdf(weights)
+    tokens = draw(weights, blocks, u[:, 0])
     if p is None:
         return tokens
-    total = cdf[:, -1]
+    total = blocks[:, -1]
     pending = torch.nonzero(p < 1.0).squeeze(1)
     attempts = u.shape[1] - 1
     for attempt in range(1, attempts + 1):
@@ -122,7 +180,7 @@ def sample_full(logits: Tensor, p: Tensor | None, u: Tensor) -> Tensor:
         if pending.numel() == 0:
             return tokens
         if attempt < attempts:
-            tokens[pending] = inverse_cdf(cdf[pending], u[pending, attempt])
+            tokens[pending] = draw(weights[pending], blocks[pending], u[pending, attempt])
     # The rare rows left: the nucleus by sorting, as the definition reads.
     w, order = weights[pending].sort(dim=-1, descending=True)
     sorted_cdf = cumulative(w)

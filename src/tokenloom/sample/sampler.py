@@ -288,20 +288,19 @@ class Sampler:
         return self._process(logits.to(device=self.device, dtype=torch.float32), rows_np, rows_t)
 
     def _process(self, logits: Tensor, rows_np: np.ndarray, rows_t: Tensor) -> Tensor:
-        """Constraints then penalties, written into a copy made only when some row needs one."""
+        """Constraints then penalties, never writing into the caller's tensor."""
         con_pos = np.flatnonzero(self._uses_constraint[rows_np])
         pen_pos = np.flatnonzero(self._uses_penalty[rows_np])
-        if not (con_pos.size or pen_pos.size):
-            return logits
-        logits = logits.clone()
+        copied = False
         if con_pos.size:
+            logits = logits.clone()
+            copied = True
             self._apply_constraints(logits, rows_np, con_pos)
         if pen_pos.size:
             dev = self.device
-            pen_idx = _index(pen_pos, dev)
-            pen_rows = rows_t[pen_idx]
             pen_np = rows_np[pen_pos]
-            logits[pen_idx] = ops.apply_penalties(
+            pen_rows = _rows_of(pen_np, dev)
+            penalised = ops.apply_penalties(  # a new block
                 _take(logits, pen_pos, dev),
                 self.output_token_counts[pen_rows],
                 self.prompt_token_mask[pen_rows],
@@ -309,6 +308,11 @@ class Sampler:
                 self.frequency_penalty[pen_rows] if self._uses_frequency[pen_np].any() else None,
                 self.presence_penalty[pen_rows] if self._uses_presence[pen_np].any() else None,
             )
+            if pen_pos.size == len(rows_np):
+                return penalised
+            if not copied:
+                logits = logits.clone()
+            logits[_index(pen_pos, dev)] = penalised
         return logits
 
     def _apply_constraints(self, logits: Tensor, rows_np: np.ndarray, positions: np.ndarray) -> None:
@@ -359,28 +363,33 @@ class Sampler:
 
     def _sample_random(self, logits: Tensor, rows_np: np.ndarray, positions: np.ndarray) -> Tensor:
         """Temperature, min_p, then top-k/top-p and the draw, for the logits rows at
-        `positions`. Rows with a top-k and rows without one are sampled as two groups."""
+        `positions`. Rows with a top-k and rows without one are sampled as two groups. The
+        temperature is folded into the weights (`ops.temperature_weights`) rather than applied
+        to a copy of the logits."""
         dev = self.device
         rows = rows_np[positions]
         rows_t = torch.from_numpy(rows).to(dev, non_blocking=True)
-        block = _take(logits, positions, dev) / self.temperature[rows_t].unsqueeze(1)
-        if self._uses_min_p[rows].any():
-            ops.apply_min_p(block, self.min_p[rows_t])
+        block = _take(logits, positions, dev)
+        temperature = self.temperature[rows_t]
+        min_p = self.min_p[rows_t] if self._uses_min_p[rows].any() else None
 
         top_k, top_p = self._top_k[rows], self._uses_top_p[rows]
         has_k = top_k > 0
         draws = 1 + TOP_P_DRAWS if (top_p & ~has_k).any() else 1
         u = torch.from_numpy(self._uniforms(rows, draws)).to(dev, non_blocking=True)
         if not has_k.any():
-            return ops.sample_full(block, self.top_p[rows_t] if top_p.any() else None, u)
+            return ops.sample_full(block, temperature, min_p, self.top_p[rows_t] if top_p.any() else None, u)
 
         tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
         k_pos = np.flatnonzero(has_k)
         k_idx = _index(k_pos, dev)
+        k_rows = rows_t[k_idx]
         tokens[k_idx] = ops.sample_top_k_top_p(
             _take(block, k_pos, dev),
-            self.top_k[rows_t[k_idx]],
-            self.top_p[rows_t[k_idx]] if top_p[k_pos].any() else None,
+            temperature[k_idx],
+            None if min_p is None else min_p[k_idx],
+            self.top_k[k_rows],
+            self.top_p[k_rows] if top_p[k_pos].any() else None,
             int(top_k.max()),
             u[k_idx, 0],
         )
@@ -388,7 +397,11 @@ class Sampler:
             f_pos = np.flatnonzero(~has_k)
             f_idx = _index(f_pos, dev)
             tokens[f_idx] = ops.sample_full(
-                block[f_idx], self.top_p[rows_t[f_idx]] if top_p[f_pos].any() else None, u[f_idx]
+                block[f_idx],
+                temperature[f_idx],
+                None if min_p is None else min_p[f_idx],
+                self.top_p[rows_t[f_idx]] if top_p[f_pos].any() else None,
+                u[f_idx],
             )
         return tokens
 
@@ -446,6 +459,15 @@ def _as_numpy(rows: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
 
 def _index(positions: np.ndarray, device: torch.device) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device, non_blocking=True)
+
+
+def _rows_of(rows: np.ndarray, device: torch.device) -> slice | Tensor:
+    """An index for `rows` of a per-row tensor: a slice (a view, no copy) when the rows are
+    consecutive, as they are in a condensed persistent batch; else an index tensor."""
+    n = rows.size
+    if n and rows[-1] - rows[0] == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return _index(rows, device)
 
 
 def _take(t: Tensor, positions: np.ndarray, device: torch.device) -> Tensor:

@@ -11,6 +11,8 @@ import importlib
 
 _BENCH_MODULES = [
     "tokenloom.entrypoints.bench.serve",
+    "tokenloom.entrypoints.bench.throughput",
+    "tokenloom.entrypoints.bench.latency",
 ]
 
 

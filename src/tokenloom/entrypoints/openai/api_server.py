@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
-import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
@@ -103,8 +104,17 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
+    shutdown_engine_on_exit: bool = False,
 ) -> FastAPI:
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Here rather than after uvicorn returns: on SIGTERM uvicorn re-raises the signal once
+        # it has shut down, and the process ends there.
+        if shutdown_engine_on_exit:
+            engine.shutdown()
+
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests)
 
@@ -193,7 +203,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
     engine = AsyncLLM(config, model_name=names[0])
-    app = build_app(engine, served_model_names=names, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(
+        engine,
+        served_model_names=names,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_engine_on_exit=True,
+    )
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     )
@@ -207,10 +223,9 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
         await task
 
-    # SIGTERM is handled by uvicorn (graceful shutdown); the engine core goes with us either way.
     try:
         asyncio.run(serve())
     finally:
-        engine.shutdown()
+        engine.shutdown()  # a second call is harmless; the core also dies with this process
     return 0 if server.started else 1
 

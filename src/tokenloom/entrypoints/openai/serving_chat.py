@@ -100,7 +100,6 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
-        started: set[int] = set()
         prompt_tokens = completion_tokens = 0
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
@@ -108,7 +107,6 @@ class OpenAIServingChat(OpenAIServing):
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(stream.num_seqs)
             ]
-            started.update(range(stream.num_seqs))
             yield sse_event({**base, "choices": first, **extra})
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())

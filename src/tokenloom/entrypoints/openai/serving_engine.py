@@ -62,7 +62,6 @@ def error_from_value_error(e: ValueError, field_names: dict[str, str] | None = N
 class OpenAIServing:
     """Base of the two endpoint handlers."""
 
-    # Request field -> SamplingParams field where the names differ.
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting_requests: int | None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names

@@ -1,0 +1,153 @@
+"""`tokenloom bench latency`: the latency of one batch, prefill and per decode step.
+
+Each iteration generates `--output-len` tokens (greedy, `ignore_eos`) for `--batch-size` new
+random prompts of `--input-len` tokens (new ones every iteration, so the prefix cache never
+helps). From the caller's timeline of each request: prefill = from the first request's arrival
+to the last request's first token; decode = the time after that to the last token, divided by
+`--output-len - 1` (ms per token: one decode step of the whole batch). Median and p90 over the
+iterations after `--warmup`. The transformers baseline (`--baseline hf`) runs the same prompts
+at the same batch size through `generate()`, timed by a logits processor that notes when each
+step's logits are ready.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tokenloom.entrypoints.engine_args import add_engine_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("latency", help="prefill time and per-token decode latency of one batch (vs transformers)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=32, help="prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
+    p.add_argument("--num-iters", type=int, default=5, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate() at the same batch size")
+    p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _iteration_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
+    from tokenloom.entrypoints.bench.common import random_prompt_ids
+    from tokenloom.model.loader import load_model_config, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    vocab = load_model_config(args.model).vocab_size
+    return [
+        random_prompt_ids(tokenizer, vocab, args.batch_size, args.input_len, args.seed + i)
+        for i in range(args.warmup + args.num_iters)
+    ]
+
+
+def _summarize(prefill: list[float], decode: list[float], e2e: list[float]) -> dict[str, Any]:
+    from tokenloom.entrypoints.bench.common import summary_ms
+
+    return {"prefill": summary_ms(prefill), "decode_per_token": summary_ms(decode), "e2e": summary_ms(e2e)}
+
+
+def run_tokenloom(args: argparse.Namespace, batches: list[list[list[int]]]) -> dict[str, Any]:
+    from tokenloom.entrypoints.bench.common import StepRecorder, make_llm, step_profile
+    from tokenloom.sampling_params import SamplingParams
+
+    llm = make_llm(args, max_num_seqs=max(args.max_num_seqs, args.batch_size))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    prefill, decode, e2e = [], [], []
+    try:
+        info = llm.llm_engine.engine_core.info
+        recorder = StepRecorder(llm)
+        for i, prompts in enumerate(batches):
+            recorder.recording = i >= args.warmup
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            if i < args.warmup:
+                continue
+            metrics = [o.metrics for o in outputs]
+            start = min(m.arrival_time for m in metrics)
+            first = max(m.first_token_time for m in metrics)
+            last = max(m.last_token_time for m in metrics)
+            prefill.append(first - start)
+            decode.append((last - first) / max(1, args.output_len - 1))
+            e2e.append(max(m.finished_time for m in metrics) - start)
+    finally:
+        llm.shutdown()
+    result = {"backend": "tokenloom", "dtype": info.dtype, **_summarize(prefill, decode, e2e)}
+    if args.profile:
+        result["profile"] = step_profile(recorder.stats)
+    return result
+
+
+def run_hf(args: argparse.Namespace, batches: list[list[list[int]]]) -> dict[str, Any]:
+    from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model
+    from tokenloom.model.loader import load_tokenizer
+
+    hf, dtype = load_hf_model(args.model, args.dtype, args.device)
+    tokenizer = load_tokenizer(args.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prefill, decode, e2e = [], [], []
+    for i, prompts in enumerate(batches):
+        res = hf_generate(hf, prompts, args.output_len, args.batch_size, pad, args.device)
+        if i < args.warmup:
+            continue
+        batch = res["batches"][0]
+        prefill.append(batch["prefill_s"])
+        steps = batch["decode_step_s"]
+        decode.append(sum(steps) / max(1, len(steps)))
+        e2e.append(res["elapsed_s"])
+    return {"backend": "transformers", "dtype": str(dtype).removeprefix("torch."), **_summarize(prefill, decode, e2e)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.bench.common import positive
+
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        positive(name, getattr(args, name))
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}.")
+    batches = _iteration_prompts(args)
+    result: dict[str, Any] = {
+        "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "warmup": args.warmup,
+        "tokenloom": run_tokenloom(args, batches),
+    }
+    if args.baseline == "hf":
+        result["baseline"] = run_hf(args, batches)
+        ours, base = result["tokenloom"], result["baseline"]
+        # > 1 means tokenloom is faster (the baseline takes that many times as long).
+        result["speedup_decode_per_token"] = base["decode_per_token"]["median_ms"] / ours["decode_per_token"]["median_ms"]
+        result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_report(result)
+    return 0
+
+
+def _print_report(result: dict[str, Any]) -> None:
+    from tokenloom.entrypoints.bench.common import format_profile
+
+    print(f"{' tokenloom bench latency ':=^72}")
+    print(f"model: {result['model']}")
+    print(f"batch {result['batch_size']} x {result['input_len']} input tokens x {result['output_len']} output tokens; "
+          f"{result['num_iters']} iterations after {result['warmup']} warm-up")
+    runs = [result["tokenloom"]] + ([result["baseline"]] if "baseline" in result else [])
+    print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
+    print(f"{'dtype':<28}" + "".join(f"{r['dtype']:>22}" for r in runs))
+    for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end")):
+        for stat in ("median_ms", "p90_ms"):
+            name = f"{label} {stat.split('_')[0]} (ms)"
+            print(f"{name:<28}" + "".join(f"{r[key][stat]:>22.2f}" for r in runs))
+    if "baseline" in result:
+        print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
+              f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x")
+    if "profile" in result["tokenloom"]:
+        for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
+            print(line)
+    print("=" * 72)

@@ -1,0 +1,173 @@
+"""The engine core's half of the ledger: where each request's time went, step by step.
+
+Every live request is in exactly one `LedgerBucket` at any moment. A step's whole duration, from
+its start to the next step's start, belongs to the bucket each request was put in by that step's
+`schedule()`: PREFILL or DECODE if it computed tokens, the reason it was left waiting otherwise.
+Buckets only change at step starts, so a request's time is the telescoping sum of the intervals
+between its bucket changes: from the moment the input thread decoded it (in STEP_BOUNDARY until
+the first step considers it) to the end of the step that finished it. Nothing is sampled and
+nothing is lost; the seconds add up to finished - received exactly.
+
+Cost: per step, one dict lookup and a comparison per scheduled or waiting request (the
+scheduler already loops over both); per request a list of len(LedgerBucket) floats. The totals
+cross the process boundary once, with the request's final output. Phases (bucket, start, end)
+are kept only when tracing, at most `max_segments` per request.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tokenloom.core.sched_output import SchedulerOutput, WaitReason
+from tokenloom.messages import EngineCoreOutput, LedgerBucket, RequestTiming
+
+NUM_BUCKETS = len(LedgerBucket)
+
+_WAIT_BUCKET = {
+    WaitReason.TOKEN_BUDGET: LedgerBucket.TOKEN_BUDGET,
+    WaitReason.MAX_NUM_SEQS: LedgerBucket.MAX_NUM_SEQS,
+    WaitReason.NO_KV_BLOCKS: LedgerBucket.NO_KV_BLOCKS,
+    WaitReason.PREEMPTED: LedgerBucket.PREEMPTED,
+}
+# Head of line, by what blocked the head. A head preempted in this very step is blocked by blocks.
+_HOL_BUCKET = {
+    WaitReason.TOKEN_BUDGET: LedgerBucket.HOL_TOKEN_BUDGET,
+    WaitReason.MAX_NUM_SEQS: LedgerBucket.HOL_MAX_NUM_SEQS,
+    WaitReason.NO_KV_BLOCKS: LedgerBucket.HOL_NO_KV_BLOCKS,
+    WaitReason.PREEMPTED: LedgerBucket.HOL_NO_KV_BLOCKS,
+}
+
+
+class _Entry:
+    __slots__ = (
+        "sent",
+        "received",
+        "queued",
+        "first_scheduled",
+        "first_token",
+        "bucket",
+        "since",
+        "seconds",
+        "preempted",
+        "num_preemptions",
+        "segments",
+        "num_dropped",
+    )
+
+    def __init__(self, sent: float, received: float, queued: float, segments: list | None) -> None:
+        self.sent = sent
+        self.received = received
+        self.queued = queued
+        self.first_scheduled = 0.0
+        self.first_token = 0.0
+        self.bucket = LedgerBucket.STEP_BOUNDARY
+        self.since = received
+        self.seconds = [0.0] * NUM_BUCKETS
+        # Set by a preemption, cleared by the next decode: the time between is the preemption's.
+        self.preempted = False
+        self.num_preemptions = 0
+        self.segments = segments
+        self.num_dropped = 0
+
+
+class CoreLedger:
+    def __init__(self, record_segments: bool = False, max_segments: int = 4096) -> None:
+        self.record_segments = record_segments
+        self.max_segments = max_segments
+        self.entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, request_id: str, sent_time: float, received_time: float, queued_time: float) -> None:
+        """A request the scheduler accepted (or rejected: its error output still needs timing)."""
+        sent = sent_time if 0.0 < sent_time <= received_time else received_time
+        self.entries[request_id] = _Entry(sent, received_time, queued_time, [] if self.record_segments else None)
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Aborted requests: the caller already gave them their final output."""
+        for req_id in request_ids:
+            self.entries.pop(req_id, None)
+
+    def _switch(self, e: _Entry, bucket: LedgerBucket, t: float) -> None:
+        e.seconds[e.bucket] += t - e.since
+        segments = e.segments
+        if segments is not None and t > e.since:
+            if len(segments) < self.max_segments:
+                segments.append((int(e.bucket), e.since, t))
+            else:
+                e.num_dropped += 1
+        e.bucket = bucket
+        e.since = t
+
+    def on_schedule(self, so: SchedulerOutput, requests: Mapping[str, Any], step_start: float) -> None:
+        """Puts every request the step mentions in its bucket for this step. `requests`: the
+        scheduler's live requests, after `schedule()` advanced their num_computed_tokens."""
+        entries = self.entries
+        switch = self._switch
+        t = step_start
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            e = entries.get(req_id)
+            if e is None:
+                continue
+            if e.first_scheduled == 0.0:
+                e.first_scheduled = t
+            r = requests[req_id]
+            # A decode computes exactly the latest sampled token (num_computed_tokens already
+            # includes this step). A resumed request's recompute is a prefill with outputs.
+            if num_tokens == 1 and r.num_output_tokens and r.num_computed_tokens == r.num_tokens:
+                e.preempted = False
+                bucket = LedgerBucket.DECODE
+            else:
+                bucket = LedgerBucket.PREEMPTED if e.preempted else LedgerBucket.PREFILL
+            if bucket != e.bucket:
+                switch(e, bucket, t)
+        if not so.wait_reasons:
+            return
+        hol = _HOL_BUCKET.get(so.blocked_reason, LedgerBucket.HOL_TOKEN_BUDGET)  # type: ignore[arg-type]
+        for req_id, reason in so.wait_reasons.items():
+            e = entries.get(req_id)
+            if e is None:
+                continue
+            if reason == WaitReason.PREEMPTED:
+                e.preempted = True
+                e.num_preemptions += 1
+                bucket = LedgerBucket.PREEMPTED
+            elif e.preempted:
+                bucket = LedgerBucket.PREEMPTED
+            elif reason == WaitReason.HEAD_OF_LINE:
+                bucket = hol
+            else:
+                bucket = _WAIT_BUCKET[reason]
+            if bucket != e.bucket:
+                switch(e, bucket, t)
+
+    def on_update(self, outputs: list[EngineCoreOutput], step_end: float) -> None:
+        """Stamps first tokens and attaches the timing to every final output of the step."""
+        entries = self.entries
+        for out in outputs:
+            e = entries.get(out.request_id)
+            if e is None:
+                continue
+            if e.first_token == 0.0 and out.new_token_ids:
+                e.first_token = step_end
+            if out.finish_reason is not None:
+                del entries[out.request_id]
+                out.timing = self._finish(e, step_end)
+
+    def _finish(self, e: _Entry, t: float) -> RequestTiming:
+        self._switch(e, e.bucket, t)
+        timing = RequestTiming(
+            sent_time=e.sent,
+            received_time=e.received,
+            queued_time=e.queued,
+            first_scheduled_time=e.first_scheduled,
+            first_token_time=e.first_token,
+            finished_time=t,
+            seconds=e.seconds,
+            num_preemptions=e.num_preemptions,
+        )
+        if e.segments is not None:
+            timing.segments = e.segments
+            timing.num_segments_dropped = e.num_dropped
+        return timing

@@ -1,0 +1,235 @@
+"""`tokenloom explain TRACE [--top 5] [--json] [--plot out.png]`: where a traced run's time went.
+
+Reads a trace written with `LLM(trace_path=...)` / `--trace PATH` and reports:
+- the latency distribution: mean, p50, p90, p99 of e2e, TTFT and TPOT;
+- the slowest requests, each with its decomposition (the parts add up to its e2e) and the cause
+  it waited longest for;
+- a verdict for the run.
+
+The verdict rule: every finished request's latency is split into groups (timeline.group_seconds)
+and summed over all requests; the verdict is the group with the largest total:
+
+| verdict | the group's seconds |
+|---|---|
+| budget-bound | waiting for token budget (directly, or behind a head of line that was) |
+| block-bound | waiting for KV blocks (directly or behind the head), and preempted time (wait + recompute) |
+| seq-limit-bound | waiting because max_num_seqs requests were running (directly or behind the head) |
+| compute-bound | prefill and decode steps, and waiting for the step in flight to end |
+| frontend-bound | tokenize, detokenize, IPC in and out, and the caller's other work |
+
+Summing seconds (not counting requests) weights each cause by how much latency it cost. The
+shares of every group are reported with the verdict, so a close call is visible as one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from tokenloom.metrics.timeline import VERDICT_GROUPS, group_seconds
+
+
+def add_explain_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="explain where the time of a traced run went (see --trace)")
+    p.add_argument("trace", metavar="TRACE", help="a trace file written with --trace / LLM(trace_path=...)")
+    p.add_argument("--top", type=int, default=5, help="how many of the slowest requests to show (default: 5)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--plot", metavar="PNG", default=None, help="also draw budget, blocks, queue and latency over time")
+    p.set_defaults(func=_run_explain)
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    from tokenloom.metrics.trace import load_trace
+
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0, got {args.top}.")
+    try:
+        trace = load_trace(args.trace)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{args.trace} is not a JSON trace: {e}") from None
+    report = analyze(trace, top=args.top)
+    if args.plot is not None:
+        from tokenloom.metrics.plot import plot_trace
+
+        report["plot"] = plot_trace(trace, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_report(report))
+    return 0
+
+
+# ---- reading a trace ------------------------------------------------------------------------
+
+
+def trace_requests(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary of every request in the trace (the args of its `request` slice), with
+    `finish_ts` (seconds from the trace's origin) added."""
+    requests = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "request" and e.get("ph") == "X":
+            args = dict(e.get("args") or {})
+            args["finish_ts"] = (e["ts"] + e.get("dur", 0)) / 1e6
+            requests.append(args)
+    return requests
+
+
+def trace_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every engine step (the args of its `step` slice), with `ts` and `dur` in seconds."""
+    steps = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "step" and e.get("ph") == "X":
+            args = dict(e.get("args") or {})
+            args["ts"], args["dur"] = e["ts"] / 1e6, e.get("dur", 0) / 1e6
+            steps.append(args)
+    return steps
+
+
+def trace_config(trace: dict[str, Any]) -> dict[str, Any]:
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "config":
+            return dict(e.get("args") or {})
+    return {}
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def distribution(values: list[float]) -> dict[str, float | int | None]:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    return {
+        "count": len(values),
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 0.5),
+        "p90": percentile(values, 0.9),
+        "p99": percentile(values, 0.99),
+        "max": values[-1],
+    }
+
+
+def verdict_of(requests: list[dict[str, Any]]) -> tuple[str, dict[str, float], dict[str, float]]:
+    """(verdict, seconds per group, share per group) over the given request summaries."""
+    totals = dict.fromkeys(VERDICT_GROUPS, 0.0)
+    for r in requests:
+        for group, seconds in group_seconds(r.get("parts") or {}, r.get("wait_by_cause") or {}).items():
+            totals[group] += seconds
+    whole = sum(totals.values())
+    if whole <= 0:
+        return "unknown", totals, dict.fromkeys(VERDICT_GROUPS, 0.0)
+    shares = {g: s / whole for g, s in totals.items()}
+    return max(totals, key=totals.__getitem__), totals, shares
+
+
+def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
+    requests = trace_requests(trace)
+    steps = trace_steps(trace)
+    verdict, totals, shares = verdict_of(requests)
+    parts_total: dict[str, float] = {}
+    for r in requests:
+        for name, seconds in (r.get("parts") or {}).items():
+            parts_total[name] = parts_total.get(name, 0.0) + seconds
+    slowest = sorted(requests, key=lambda r: r.get("e2e") or 0.0, reverse=True)[:top]
+    budget_used = [
+        (s.get("prefill", 0) + s.get("decode", 0)) / s["budget"] for s in steps if s.get("budget")
+    ]
+    return {
+        "config": trace_config(trace),
+        "num_requests": len(requests),
+        "num_steps": len(steps),
+        "verdict": verdict,
+        "group_seconds": totals,
+        "group_shares": shares,
+        "parts_seconds": parts_total,
+        "latency": {
+            "e2e": distribution([r.get("e2e") for r in requests]),
+            "ttft": distribution([r.get("ttft") for r in requests]),
+            "tpot": distribution([r.get("tpot") for r in requests]),
+        },
+        "steps": {
+            "mean_budget_used": sum(budget_used) / len(budget_used) if budget_used else None,
+            "mean_prefill_tokens": _mean([s.get("prefill", 0) for s in steps]),
+            "mean_decode_tokens": _mean([s.get("decode", 0) for s in steps]),
+            "min_free_blocks": min((s.get("free", 0) + s.get("cached", 0) for s in steps), default=None),
+            "max_waiting": max((s.get("waiting", 0) for s in steps), default=None),
+            "max_running": max((s.get("running", 0) for s in steps), default=None),
+        },
+        "num_preemptions": sum(r.get("num_preemptions", 0) for r in requests),
+        "slowest": [
+            {
+                "request_id": r.get("request_id"),
+                "e2e": r.get("e2e"),
+                "ttft": r.get("ttft"),
+                "tpot": r.get("tpot"),
+                "dominant_wait": r.get("dominant_wait"),
+                "wait_by_cause": r.get("wait_by_cause"),
+                "num_preemptions": r.get("num_preemptions", 0),
+                "parts": {k: v for k, v in (r.get("parts") or {}).items() if v > 0},
+            }
+            for r in slowest
+        ],
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"{report['num_requests']} requests, {report['num_steps']} steps"
+        + (
+            f"; budget {cfg.get('max_num_batched_tokens')} tokens/step, max_num_seqs {cfg.get('max_num_seqs')}, "
+            f"{cfg.get('num_kv_blocks')} KV blocks of {cfg.get('block_size')}"
+            if cfg
+            else ""
+        ),
+        "",
+        f"verdict: {report['verdict']}",
+        "  share of all requests' time: "
+        + ", ".join(f"{g} {s:.0%}" for g, s in sorted(report["group_shares"].items(), key=lambda kv: -kv[1])),
+        "",
+        f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}",
+    ]
+    for name, d in report["latency"].items():
+        lines.append(f"{name:<14}" + "".join(f"{_ms(d[k]):>10}" for k in ("mean", "p50", "p90", "p99", "max")))
+    st = report["steps"]
+    if report["num_steps"]:
+        lines += [
+            "",
+            f"steps: budget used {st['mean_budget_used']:.0%} on average "
+            f"({st['mean_prefill_tokens']:.1f} prefill + {st['mean_decode_tokens']:.1f} decode tokens), "
+            f"min free blocks {st['min_free_blocks']}, max waiting {st['max_waiting']}, "
+            f"preemptions {report['num_preemptions']}",
+        ]
+    if report["slowest"]:
+        lines += ["", f"slowest {len(report['slowest'])} requests (parts in ms, they add up to e2e):"]
+        for r in report["slowest"]:
+            lines.append(
+                f"  {r['request_id']}: e2e {_ms(r['e2e'])}  ttft {_ms(r['ttft'])}  tpot {_ms(r['tpot'])}  "
+                f"waited most for: {r['dominant_wait'] or 'nothing'}"
+                + (f"  preempted {r['num_preemptions']}x" if r["num_preemptions"] else "")
+            )
+            lines.append("      " + "  ".join(f"{k} {_ms(v)}" for k, v in r["parts"].items()))
+    if "plot" in report:
+        lines += ["", f"plot: {report['plot']}"]
+    return "\n".join(lines)

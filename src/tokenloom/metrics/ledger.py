@@ -1,0 +1,114 @@
+"""The caller's half of the ledger, one object per engine (LLMEngine or AsyncLLM).
+
+It sees every message from the engine core (its `SchedulerStats`) and every finished
+`RequestOutput` as it is handed to the caller (stamping `returned_time`), and feeds the
+Prometheus metrics (`LedgerMetrics`, plus the basic vLLM set of `PrometheusMetrics` for the
+offline engine) and, when a trace path is set, the `TraceRecorder`. The per-request accounting
+itself happens in the core (core_ledger.py) and in `RequestMetrics` (timeline.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
+from tokenloom.metrics.stats import LedgerMetrics, Metric, read_metrics
+from tokenloom.metrics.trace import TraceRecorder
+
+if TYPE_CHECKING:
+    from tokenloom.config import EngineConfig
+    from tokenloom.metrics.prometheus import PrometheusMetrics
+    from tokenloom.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class FrontendLedger:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        info: EngineInfo | None = None,
+        registry: CollectorRegistry | None = None,
+        basic_metrics: bool = True,
+    ) -> None:
+        """`registry`: share one (e.g. the server's, so /metrics shows both); `basic_metrics`:
+        also keep vLLM's basic set (`PrometheusMetrics`) here. Leave it False where someone
+        else already feeds that set into the registry."""
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.basic: PrometheusMetrics | None = None
+        if basic_metrics:
+            from tokenloom.metrics.prometheus import PrometheusMetrics
+
+            self.basic = PrometheusMetrics(model_name, self.registry)
+        self.metrics = LedgerMetrics(self.registry, model_name)
+        self.trace: TraceRecorder | None = None
+        if config.trace_path is not None:
+            self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
+
+    def record_step(self, outputs: EngineCoreOutputs) -> None:
+        stats = outputs.scheduler_stats
+        if stats is None:
+            return
+        if self.basic is not None:
+            self.basic.record_scheduler_stats(stats)
+        self.metrics.record_scheduler_stats(stats)
+        if self.trace is not None:
+            self.trace.record_step(outputs)
+
+    def record_finished(self, output: RequestOutput, t: float | None = None) -> None:
+        """A finished output, as it is handed to the caller."""
+        m = output.metrics
+        if m is not None and m.returned_time is None:
+            m.returned_time = now() if t is None else t
+        if self.basic is not None and m is not None:
+            reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
+            e2e = m.e2e_latency
+            self.basic.record_finished_request(
+                reasons[0] if reasons else "stop",
+                m.num_prompt_tokens,
+                m.num_generation_tokens,
+                e2e if e2e is not None else 0.0,
+                m.time_to_first_token,
+            )
+        self.metrics.record_finished(output)
+        if self.trace is not None:
+            self.trace.record_request(output)
+
+    def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput]) -> None:
+        """One message from the core and what the caller got from it (LLMEngine.step)."""
+        self.record_step(outputs)
+        t = None
+        for out in request_outputs:
+            if out.finished:
+                t = now() if t is None else t
+                self.record_finished(out, t)
+
+    def get_metrics(self) -> list[Metric]:
+        return read_metrics(self.registry)
+
+    def flush(self) -> str | None:
+        """Writes the trace file (if tracing); returns its path."""
+        if self.trace is None:
+            return None
+        path = self.trace.write()
+        logger.info("tokenloom trace written to %s", path)
+        return path
+
+
+def _run_config(config: EngineConfig, model_name: str, info: EngineInfo | None) -> dict[str, Any]:
+    run: dict[str, Any] = {
+        "model": model_name,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "block_size": config.block_size,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "scheduling_policy": config.scheduling_policy,
+    }
+    if info is not None:
+        run.update(num_kv_blocks=info.num_kv_blocks, max_model_len=info.max_model_len, device=config.device, dtype=info.dtype)
+    return run

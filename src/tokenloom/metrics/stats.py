@@ -1,0 +1,216 @@
+"""The ledger's Prometheus metrics, and `get_metrics()`'s plain metric objects.
+
+`LedgerMetrics` registers into a given `CollectorRegistry` only names that
+`metrics/prometheus.py` (the server's basic vLLM set: running/waiting, kv_cache_usage_perc,
+TTFT, TPOT, e2e, ...) does not, so both can share one registry and one `/metrics`. It is fed
+from the same two places: each step's `SchedulerStats`, and each finished `RequestOutput`.
+
+vLLM's names where the meaning is the same (`request_queue_time_seconds`,
+`request_prefill_time_seconds`, `request_decode_time_seconds`, `request_inference_time_seconds`,
+`inter_token_latency_seconds`, `iteration_tokens_total`), and the ledger's own:
+
+- `request_wait_seconds{reason}`: per finished request, seconds left waiting in the core, by
+  the scheduler's reason (token_budget, max_num_seqs, no_kv_blocks, head_of_line, preempted);
+- `request_part_seconds_total{part}`: seconds of finished requests per decomposition part
+  (their rates' shares are the live form of `tokenloom explain`'s verdict);
+- `requests_by_dominant_wait_total{reason}`: finished requests by the cause they waited longest
+  for (head-of-line resolved to what blocked the head; "none" if they never waited);
+- `step_budget_tokens{kind=prefill|decode|unused}`: per step, the token budget spent and left;
+- `kv_blocks{state=free|cached|used}`: blocks empty, free but holding a cached prefix, held;
+- `step_duration_seconds{phase=schedule|execute|update}` and `engine_steps_total`;
+- `serialize_seconds_total`: what the core's output thread spent encoding and sending.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenloom.messages import SchedulerStats
+from tokenloom.metrics.timeline import PART_NAMES, WAIT_CAUSES
+
+if TYPE_CHECKING:
+    from tokenloom.outputs import RequestOutput
+
+PREFIX = "tokenloom:"
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+WAIT_REASONS = ("token_budget", "max_num_seqs", "no_kv_blocks", "head_of_line", "preempted")
+_WAIT_REASON_PART = dict(zip(WAIT_REASONS, ("queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line", "preempted")))
+_QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line")
+
+
+class LedgerMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom") -> None:
+        self.registry = registry
+        r, m = registry, model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple, extra: str | None = None, values: tuple = ()) -> dict | Histogram:
+            h = Histogram(PREFIX + name, doc, labels + ([extra] if extra else []), buckets=buckets, registry=r)
+            return {v: h.labels(m, v) for v in values} if extra else h.labels(m)
+
+        def counter(name: str, doc: str, extra: str | None = None, values: tuple = ()) -> dict | Counter:
+            c = Counter(PREFIX + name, doc, labels + ([extra] if extra else []), registry=r)
+            return {v: c.labels(m, v) for v in values} if extra else c.labels(m)
+
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.", _SECONDS_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Seconds of steps in which a request computed prompt tokens.", _SECONDS_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Seconds of steps in which a request computed decode tokens.", _SECONDS_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Prefill + decode + preempted seconds of a request.", _SECONDS_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens, as the caller got them.", _ITL_BUCKETS
+        )
+        self.wait_seconds = histogram(
+            "request_wait_seconds",
+            "Seconds a finished request was left waiting in the engine core, by the scheduler's reason.",
+            _SECONDS_BUCKETS,
+            "reason",
+            WAIT_REASONS,
+        )
+        self.part_seconds = counter(
+            "request_part_seconds",
+            "Seconds of finished requests per part of the end-to-end decomposition (the parts add up to e2e).",
+            "part",
+            PART_NAMES,
+        )
+        self.dominant_wait = counter(
+            "requests_by_dominant_wait",
+            "Finished requests by the cause they waited longest for (head-of-line resolved to its cause).",
+            "reason",
+            WAIT_CAUSES + ("none",),
+        )
+        self.step_budget = histogram(
+            "step_budget_tokens",
+            "Per engine step: tokens of the token budget spent on prefills, on decodes, and left unused.",
+            _TOKEN_BUCKETS,
+            "kind",
+            ("prefill", "decode", "unused"),
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS
+        )
+        self.step_duration = histogram(
+            "step_duration_seconds",
+            "Duration of each phase of an engine step.",
+            _STEP_BUCKETS,
+            "phase",
+            ("schedule", "execute", "update"),
+        )
+        self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.serialize_seconds = counter(
+            "serialize_seconds", "Seconds the engine core's output thread spent encoding and sending outputs."
+        )
+        kv = Gauge(PREFIX + "kv_blocks", "KV cache blocks by state: free (empty), cached (free, holding a cached prefix), used.", labels + ["state"], registry=r)
+        self.kv_blocks = {s: kv.labels(m, s) for s in ("free", "cached", "used")}
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        prefill, decode = stats.num_prefill_tokens, stats.num_decode_tokens
+        budget = self.step_budget
+        budget["prefill"].observe(prefill)  # type: ignore[index]
+        budget["decode"].observe(decode)  # type: ignore[index]
+        budget["unused"].observe(max(stats.token_budget - prefill - decode, 0))  # type: ignore[index]
+        self.iteration_tokens.observe(prefill + decode)  # type: ignore[union-attr]
+        self.engine_steps.inc()  # type: ignore[union-attr]
+        if stats.step_time:
+            durations = self.step_duration
+            durations["schedule"].observe(stats.schedule_time)  # type: ignore[index]
+            durations["execute"].observe(stats.prepare_time + stats.forward_time + stats.sample_time)  # type: ignore[index]
+            durations["update"].observe(stats.update_time)  # type: ignore[index]
+        if stats.serialize_time > 0:
+            self.serialize_seconds.inc(stats.serialize_time)  # type: ignore[union-attr]
+        if stats.num_total_blocks:
+            cached = stats.num_cached_free_blocks
+            self.kv_blocks["free"].set(stats.num_free_blocks - cached)
+            self.kv_blocks["cached"].set(cached)
+            self.kv_blocks["used"].set(stats.num_total_blocks - stats.num_free_blocks)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m is None:
+            return
+        for itl in m.inter_token_latencies:
+            self.inter_token_latency.observe(itl)  # type: ignore[union-attr]
+        parts = m.parts
+        if not parts:
+            return
+        part_seconds = self.part_seconds
+        for name, seconds in parts.items():
+            if seconds > 0:
+                part_seconds[name].inc(seconds)  # type: ignore[index]
+        if m.core is None:
+            return
+        for reason, part in _WAIT_REASON_PART.items():
+            self.wait_seconds[reason].observe(parts[part])  # type: ignore[index]
+        self.queue_time.observe(sum(parts[p] for p in _QUEUE_PARTS))  # type: ignore[union-attr]
+        self.prefill_time.observe(parts["prefill"])  # type: ignore[union-attr]
+        self.decode_time.observe(parts["decode"])  # type: ignore[union-attr]
+        self.inference_time.observe(parts["prefill"] + parts["decode"] + parts["preempted"])  # type: ignore[union-attr]
+        self.dominant_wait[m.dominant_wait or "none"].inc()  # type: ignore[index]
+
+
+# ---- get_metrics(): plain objects, as vLLM's `LLM.get_metrics()` returns ---------------------
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class CounterMetric(Metric):
+    value: float
+
+
+@dataclass
+class GaugeMetric(Metric):
+    value: float
+
+
+@dataclass
+class HistogramMetric(Metric):
+    count: float
+    sum: float
+    buckets: dict[str, float]  # upper bound ("+Inf" last) -> cumulative count
+
+
+def read_metrics(registry: CollectorRegistry) -> list[Metric]:
+    """Every `tokenloom:` sample in the registry, one object per label set."""
+    result: list[Metric] = []
+    for family in registry.collect():
+        if not family.name.startswith(PREFIX):
+            continue
+        if family.type == "counter":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    result.append(CounterMetric(family.name, dict(s.labels), s.value))
+        elif family.type == "gauge":
+            result.extend(GaugeMetric(family.name, dict(s.labels), s.value) for s in family.samples)
+        elif family.type == "histogram":
+            by_labels: dict[tuple, HistogramMetric] = {}
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "le"}
+                key = tuple(sorted(labels.items()))
+                h = by_labels.get(key)
+                if h is None:
+                    h = by_labels[key] = HistogramMetric(family.name, labels, 0, 0.0, {})
+                if s.name.endswith("_bucket"):
+                    h.buckets[s.labels["le"]] = s.value
+                elif s.name.endswith("_count"):
+                    h.count = s.value
+                elif s.name.endswith("_sum"):
+                    h.sum = s.value
+            result.extend(by_labels.values())
+    return result

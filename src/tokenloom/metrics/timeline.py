@@ -1,0 +1,191 @@
+"""A request's end-to-end latency, decomposed into named parts that add up to it.
+
+The parts are consecutive segments of the request's critical path, all stamped on the one clock
+(`messages.now()`, CLOCK_MONOTONIC, shared by the caller and the engine-core process), so their
+sum is the measured latency by construction, not by fitting:
+
+    arrival ──tokenize──> tokenized ──frontend_other──> sent ──ipc_in──> received by core
+      ──[engine core: every step's whole duration goes to one bucket, see core_ledger.py]──>
+    finished in core ──ipc_out──> final output received ──detokenize──> detokenized
+      ──frontend_other──> returned
+
+| part | from → to | what it is |
+|---|---|---|
+| tokenize | arrival → tokenized | tokenizing and validating the prompt |
+| ipc_in | sent → received by core | encode, socket, decode in the core's input thread |
+| queue_step_boundary | core buckets | waiting for the step in flight to end (admission is between steps) |
+| queue_token_budget | core buckets | left waiting: the step's token budget was spent |
+| queue_max_num_seqs | core buckets | left waiting: max_num_seqs requests were running |
+| queue_no_kv_blocks | core buckets | left waiting: no KV blocks for it |
+| queue_head_of_line | core buckets | queued behind a waiting request that could not be admitted |
+| prefill | core buckets | steps in which it computed prompt tokens |
+| decode | core buckets | steps in which it computed a decode token |
+| preempted | core buckets | from a preemption until it decodes again (waiting + recompute) |
+| ipc_out | finished in core → received by caller | output queue, encode, socket, decode, and any time the caller was busy elsewhere |
+| detokenize | received → detokenized | output processing up to its final output (including the outputs before it in that message) |
+| frontend_other | tokenized → sent, detokenized → returned | registration, and the rest of the message's outputs before the caller got it |
+| core_unattributed | sent → received by caller | only when the core sent no timing (ledger off, aborted, finished by a stop string in the caller) |
+
+A step's duration runs from its start to the next step's start, so the busy loop's time between
+steps (inputs drained, outputs queued) is part of the step, and prefill/decode are compute as
+the request experienced it. Head-of-line waits are also split by what blocked the head
+(`wait_by_cause`): a request behind a head that lacks token budget is waiting for budget.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenloom.messages import LedgerBucket, RequestTiming
+
+if TYPE_CHECKING:
+    from tokenloom.outputs import RequestMetrics
+
+PART_NAMES = (
+    "tokenize",
+    "ipc_in",
+    "queue_step_boundary",
+    "queue_token_budget",
+    "queue_max_num_seqs",
+    "queue_no_kv_blocks",
+    "queue_head_of_line",
+    "prefill",
+    "decode",
+    "preempted",
+    "ipc_out",
+    "detokenize",
+    "frontend_other",
+    "core_unattributed",
+)
+WAIT_PARTS = ("queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line", "preempted")
+WAIT_CAUSES = ("token_budget", "max_num_seqs", "no_kv_blocks", "preempted")
+
+BUCKET_PART = {
+    LedgerBucket.STEP_BOUNDARY: "queue_step_boundary",
+    LedgerBucket.TOKEN_BUDGET: "queue_token_budget",
+    LedgerBucket.MAX_NUM_SEQS: "queue_max_num_seqs",
+    LedgerBucket.NO_KV_BLOCKS: "queue_no_kv_blocks",
+    LedgerBucket.HOL_TOKEN_BUDGET: "queue_head_of_line",
+    LedgerBucket.HOL_MAX_NUM_SEQS: "queue_head_of_line",
+    LedgerBucket.HOL_NO_KV_BLOCKS: "queue_head_of_line",
+    LedgerBucket.PREFILL: "prefill",
+    LedgerBucket.DECODE: "decode",
+    LedgerBucket.PREEMPTED: "preempted",
+}
+BUCKET_CAUSE = {
+    LedgerBucket.TOKEN_BUDGET: "token_budget",
+    LedgerBucket.HOL_TOKEN_BUDGET: "token_budget",
+    LedgerBucket.MAX_NUM_SEQS: "max_num_seqs",
+    LedgerBucket.HOL_MAX_NUM_SEQS: "max_num_seqs",
+    LedgerBucket.NO_KV_BLOCKS: "no_kv_blocks",
+    LedgerBucket.HOL_NO_KV_BLOCKS: "no_kv_blocks",
+    LedgerBucket.PREEMPTED: "preempted",
+}
+# How a bucket is drawn on a request's trace track.
+BUCKET_PHASE = {
+    LedgerBucket.STEP_BOUNDARY: "queued: step boundary",
+    LedgerBucket.TOKEN_BUDGET: "queued: token_budget",
+    LedgerBucket.MAX_NUM_SEQS: "queued: max_num_seqs",
+    LedgerBucket.NO_KV_BLOCKS: "queued: no_kv_blocks",
+    LedgerBucket.HOL_TOKEN_BUDGET: "queued: head_of_line (token_budget)",
+    LedgerBucket.HOL_MAX_NUM_SEQS: "queued: head_of_line (max_num_seqs)",
+    LedgerBucket.HOL_NO_KV_BLOCKS: "queued: head_of_line (no_kv_blocks)",
+    LedgerBucket.PREFILL: "prefill",
+    LedgerBucket.DECODE: "decode",
+    LedgerBucket.PREEMPTED: "preempted",
+}
+
+# The verdict of a run (see explain.py): which group of parts holds the most request time.
+VERDICT_GROUPS = ("budget-bound", "block-bound", "seq-limit-bound", "compute-bound", "frontend-bound")
+
+
+def critical_path(m: RequestMetrics) -> list[tuple[str, float, float]]:
+    """The request's path as consecutive (name, start, end) segments, arrival to returned;
+    core buckets appear as one segment per part in bucket order (their totals, not their
+    phases: the phases are in `m.core.segments` when tracing). [] until it has finished."""
+    received_by_caller = m.finished_time
+    if received_by_caller is None:
+        return []
+    arrival = m.arrival_time
+    tokenized = max(m.tokenized_time if m.tokenized_time is not None else arrival, arrival)
+    detokenized = max(m.detokenized_time if m.detokenized_time is not None else received_by_caller, received_by_caller)
+    returned = max(m.returned_time if m.returned_time is not None else detokenized, detokenized)
+    path = [("tokenize", arrival, tokenized)]
+    core = m.core
+    if core is None:
+        path.append(("core_unattributed", tokenized, received_by_caller))
+    else:
+        sent = min(max(core.sent_time, tokenized), core.received_time)
+        path.append(("frontend_other", tokenized, sent))
+        path.append(("ipc_in", sent, core.received_time))
+        t = core.received_time
+        for bucket, seconds in enumerate(core.seconds):
+            if seconds:
+                path.append((BUCKET_PART[LedgerBucket(bucket)], t, t + seconds))
+                t += seconds
+        path.append(("ipc_out", core.finished_time, received_by_caller))
+    path.append(("detokenize", received_by_caller, detokenized))
+    path.append(("frontend_other", detokenized, returned))
+    return path
+
+
+def decompose(m: RequestMetrics) -> dict[str, float]:
+    """Part name -> seconds, every part of PART_NAMES present; they add up to the request's
+    e2e latency (returned - arrival). {} until the request has finished."""
+    path = critical_path(m)
+    if not path:
+        return {}
+    parts = dict.fromkeys(PART_NAMES, 0.0)
+    for name, start, end in path:
+        parts[name] += end - start
+    return parts
+
+
+def wait_by_cause(core: RequestTiming | None) -> dict[str, float]:
+    causes = dict.fromkeys(WAIT_CAUSES, 0.0)
+    if core is not None:
+        for bucket, cause in BUCKET_CAUSE.items():
+            causes[cause] += core.seconds[bucket]
+    return causes
+
+
+def dominant_wait(causes: dict[str, float]) -> str | None:
+    cause = max(causes, key=causes.__getitem__) if causes else None
+    return cause if cause is not None and causes[cause] > 0.0 else None
+
+
+def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str, float]:
+    """Seconds of one request per verdict group. Waits count for their root cause (head-of-line
+    waits for what blocked the head); waiting for the step in flight counts as compute (it is
+    the length of that step); core_unattributed counts for no group."""
+    return {
+        "budget-bound": causes.get("token_budget", 0.0),
+        "block-bound": causes.get("no_kv_blocks", 0.0) + causes.get("preempted", 0.0),
+        "seq-limit-bound": causes.get("max_num_seqs", 0.0),
+        "compute-bound": parts.get("prefill", 0.0) + parts.get("decode", 0.0) + parts.get("queue_step_boundary", 0.0),
+        "frontend-bound": sum(
+            parts.get(p, 0.0) for p in ("tokenize", "ipc_in", "ipc_out", "detokenize", "frontend_other")
+        ),
+    }
+
+
+def summarize(request_id: str, m: RequestMetrics, finish_reason: str | None = None) -> dict[str, Any]:
+    """A finished request as plain JSON values: what the trace stores and explain reads."""
+    parts = decompose(m)
+    causes = wait_by_cause(m.core)
+    core = m.core
+    itl = m.inter_token_latencies
+    return {
+        "request_id": request_id,
+        "e2e": m.e2e_latency,
+        "ttft": m.time_to_first_token,
+        "tpot": m.time_per_output_token,
+        "itl_mean": sum(itl) / len(itl) if itl else None,
+        "itl_max": max(itl) if itl else None,
+        "num_prompt_tokens": m.num_prompt_tokens,
+        "num_generation_tokens": m.num_generation_tokens,
+        "num_preemptions": core.num_preemptions if core is not None else 0,
+        "finish_reason": finish_reason,
+        "parts": parts,
+        "wait_by_cause": causes,
+        "dominant_wait": dominant_wait(causes),
+    }

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def make_llm() -> Callable:
+    """Builds LLMs on the embedded model with a small KV cache, and shuts them down after the
+    module. Their engine cores run single-threaded unless OMP_NUM_THREADS says otherwise: these
+    tests measure the ledger, not the model, and on a small shared machine OpenMP's spinning
+    threads make every step many times slower."""
+    from tokenloom import LLM
+
+    llms = []
+
+    def make(**kwargs):
+        kwargs.setdefault("kv_cache_memory_bytes", 64 * 1024**2)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+            llm = LLM(**kwargs)
+        llms.append(llm)
+        return llm
+
+    yield make
+    for llm in llms:
+        llm.shutdown()
