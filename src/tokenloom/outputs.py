@@ -81,7 +81,8 @@ class RequestMetrics:
 
     @property
     def e2e_latency(self) -> float | None:
-        """Returned (or, before that, final output received) minus arrival."""
+        """Returned minus arrival (final output received minus arrival until it is returned, and
+        when the ledger is off)."""
         end = self.returned_time if self.returned_time is not None else self.finished_time
         return None if end is None else end - self.arrival_time
 

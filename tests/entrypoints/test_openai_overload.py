@@ -10,7 +10,8 @@ import time
 import httpx
 import openai
 
-SERVER_ARGS = ["--max-num-seqs", "2", "--max-waiting-requests", "1", "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 * 1024**2)]
+# Kept up after its engine core dies (the default is to exit, see tests/reliability/test_engine_death.py).
+SERVER_ARGS = ["--max-num-seqs", "2", "--max-waiting-requests", "1", "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 * 1024**2), "--keep-alive-on-engine-death"]
 
 
 def _error(exc: openai.APIStatusError) -> dict:

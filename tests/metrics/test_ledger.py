@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenloom import SamplingParams
@@ -127,7 +126,7 @@ def test_get_metrics_and_prometheus_text(mixed):
     parts_total = sum(m.value for m in by_name["tokenloom:request_part_seconds"])
     assert parts_total == pytest.approx(sum(o.metrics.e2e_latency for o in outputs), rel=1e-6)
 
-    text = generate_latest(llm.llm_engine.ledger.registry).decode()
+    text = llm.llm_engine.ledger.metrics.render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
         "tokenloom:num_requests_waiting",
@@ -163,12 +162,12 @@ def test_trace_file(mixed):
 # ---- planted bottlenecks ------------------------------------------------------------------------
 
 PLANTED = {
-    # 10 prompts of 32 tokens, 16 tokens of budget per step: each prefill takes 2 steps, and the
+    # 12 prompts of 32 tokens, 16 tokens of budget per step: each prefill takes 2 steps, and the
     # others wait behind it for budget (the wait grows with the square of the queue).
     "budget-bound": (
         dict(max_num_batched_tokens=16),
-        [prompt(i, 32) for i in range(10)],
-        SamplingParams(max_tokens=2, ignore_eos=True),
+        [prompt(i, 32) for i in range(12)],
+        SamplingParams(max_tokens=1, ignore_eos=True),
         {"token_budget"},
     ),
     # 2 blocks of 16 tokens, 8 requests growing to 32 tokens (2 blocks): one fits at a time, the

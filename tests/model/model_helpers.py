@@ -182,6 +182,34 @@ def gguf_tensors_from_hf(model, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
+# The tiny Llama of the GGUF error / tokenizer tests.
+HIDDEN, HEADS, KV, FFN, LAYERS = 64, 4, 2, 96, 2
+
+
+def llama_tensors(vocab: int = 258, layers: int = LAYERS) -> dict[str, np.ndarray]:
+    """Random float32 tensors of a tiny Llama under llama.cpp's names."""
+    H = HIDDEN
+    rng = np.random.default_rng(0)
+    D = H // HEADS
+    t = {"token_embd.weight": rng.standard_normal((vocab, H), dtype=np.float32),
+         "output_norm.weight": np.ones(H, np.float32)}
+    for i in range(layers):
+        p = f"blk.{i}."
+        t |= {p + "attn_norm.weight": np.ones(H, np.float32), p + "ffn_norm.weight": np.ones(H, np.float32),
+              p + "attn_q.weight": rng.standard_normal((HEADS * D, H), dtype=np.float32),
+              p + "attn_k.weight": rng.standard_normal((KV * D, H), dtype=np.float32),
+              p + "attn_v.weight": rng.standard_normal((KV * D, H), dtype=np.float32),
+              p + "attn_output.weight": rng.standard_normal((H, HEADS * D), dtype=np.float32),
+              p + "ffn_gate.weight": rng.standard_normal((FFN, H), dtype=np.float32),
+              p + "ffn_up.weight": rng.standard_normal((FFN, H), dtype=np.float32),
+              p + "ffn_down.weight": rng.standard_normal((H, FFN), dtype=np.float32)}
+    return t
+
+
+SENTENCEPIECE_VOCAB = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+                       + ["\u2581", "h", "e", "l", "o", "\u2581h", "\u2581he", "ll", "\u2581hell", "\u2581hello"])
+
+
 def byte_vocab() -> list[str]:
     """A tiny byte-level vocabulary: the 256 byte symbols, then two control tokens."""
     from tokenloom.model.tokenizer import _byte_alphabet
@@ -192,7 +220,7 @@ def byte_vocab() -> list[str]:
 def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_count: int, hidden: int,
                ffn: int, heads: int, kv_heads: int, context: int = 1024, head_dim: int | None = None,
                qtypes: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None,
-               rope_theta: float = 10000.0, eps: float = 1e-5, with_tokenizer: bool = True) -> str:
+               rope_theta: float = 10000.0, eps: float = 1e-5, tokenizer: str | None = "gpt2") -> str:
     """Write a GGUF. `qtypes` quantizes named tensors (default F32); `raw` adds tensors as
     (uint8 bytes shaped [*rows, bytes_per_row], ggml type), e.g. of a type we do not support."""
     import gguf
@@ -209,14 +237,22 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
         w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(eps)
-    if with_tokenizer:
-        vocab = byte_vocab()
+    if tokenizer == "gpt2":
         w.add_tokenizer_model("gpt2")
-        w.add_token_list(vocab)
+        w.add_token_list(byte_vocab())
         w.add_token_types([1] * 256 + [3, 3])
         w.add_token_merges([])
         w.add_bos_token_id(256)
         w.add_eos_token_id(257)
+    elif tokenizer == "llama":  # sentencepiece: byte fallback tokens, a few pieces with scores
+        tokens = SENTENCEPIECE_VOCAB
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
+        w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
     for name, a in tensors.items():
         qtype = gguf.GGMLQuantizationType((qtypes or {}).get(name, gguf.GGMLQuantizationType.F32))
         if qtype == gguf.GGMLQuantizationType.F32:

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import byte_vocab, llama_cpp_permute, save_hf_dir, tiny_hf_model, write_gguf
+from model_helpers import (FFN, HEADS, HIDDEN, KV, LAYERS, byte_vocab, llama_cpp_permute, llama_tensors,
+                           save_hf_dir, tiny_hf_model, write_gguf)
 from safetensors.torch import load_file, save_file
 
 from tokenloom.model import loader
@@ -18,26 +19,8 @@ from tokenloom.model.gguf_file import read_gguf
 from tokenloom.model.gguf_loader import _undo_llama_permute
 from tokenloom.model.loader import load_model, load_model_config, load_tokenizer
 
-H, HEADS, KV, FFN, LAYERS = 64, 4, 2, 96, 2
+H = HIDDEN
 Q = gguf.GGMLQuantizationType
-
-
-def llama_tensors(vocab: int = 258, layers: int = LAYERS) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    D = H // HEADS
-    t = {"token_embd.weight": rng.standard_normal((vocab, H), dtype=np.float32),
-         "output_norm.weight": np.ones(H, np.float32)}
-    for i in range(layers):
-        p = f"blk.{i}."
-        t |= {p + "attn_norm.weight": np.ones(H, np.float32), p + "ffn_norm.weight": np.ones(H, np.float32),
-              p + "attn_q.weight": rng.standard_normal((HEADS * D, H), dtype=np.float32),
-              p + "attn_k.weight": rng.standard_normal((KV * D, H), dtype=np.float32),
-              p + "attn_v.weight": rng.standard_normal((KV * D, H), dtype=np.float32),
-              p + "attn_output.weight": rng.standard_normal((H, HEADS * D), dtype=np.float32),
-              p + "ffn_gate.weight": rng.standard_normal((FFN, H), dtype=np.float32),
-              p + "ffn_up.weight": rng.standard_normal((FFN, H), dtype=np.float32),
-              p + "ffn_down.weight": rng.standard_normal((H, FFN), dtype=np.float32)}
-    return t
 
 
 def tiny_gguf(path, tensors=None, arch="llama", **kw) -> str:

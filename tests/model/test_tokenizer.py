@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from model_helpers import FFN, HEADS, HIDDEN, KV, LAYERS, SENTENCEPIECE_VOCAB, llama_tensors, write_gguf
 from transformers import PreTrainedTokenizerFast
 
 from tokenloom.model.loader import load_tokenizer
@@ -62,3 +63,16 @@ def test_tokenizer_is_cheap(smollm2_path):
     start = time.perf_counter()
     load_tokenizer(smollm2_path)
     assert time.perf_counter() - start < 10  # ~0.3 s idle; generous for a loaded 2-core box
+
+
+def test_sentencepiece_gguf_goes_through_transformers(tmp_path):
+    """A non-BPE GGUF vocabulary (sentencepiece, as in TinyLlama) is built by transformers' own
+    conversion: BOS added, pieces merged, byte fallback for the rest."""
+    path = write_gguf(str(tmp_path / "sp.gguf"), "llama", llama_tensors(vocab=len(SENTENCEPIECE_VOCAB)),
+                      block_count=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV, tokenizer="llama")
+    tok = load_tokenizer(path)
+    hello = SENTENCEPIECE_VOCAB.index("\u2581hello")
+    ids = tok("hello hello").input_ids
+    assert ids == [1, hello, hello]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello hello"
+    assert tok("é").input_ids == [1, SENTENCEPIECE_VOCAB.index("\u2581"), 3 + 0xC3, 3 + 0xA9]

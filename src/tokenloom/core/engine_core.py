@@ -63,6 +63,14 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if self.ledger is not None:
             self.ledger.drop(request_ids)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """The runner learns of finished requests with the next schedule(); when no next step is
+        coming (the core goes idle), hand them over now so no request state outlives its request."""
+        if self.scheduler.finished_req_ids and not self.scheduler.has_unfinished_requests():
+            self.model_runner.remove_requests(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -95,6 +103,7 @@ class EngineCore:
         outputs.timestamp = now()
         if self.ledger is not None:
             self.ledger.on_update(outputs.outputs, outputs.timestamp)
+        self._release_if_idle()
         return outputs
 
     # ---- utility calls (msgpack-able results) -----------------------------------------------
@@ -114,6 +123,7 @@ class EngineCore:
             "num_waiting": len(s.waiting),
             "num_requests": len(s.requests),
             "num_free_blocks": pool.get_num_free_blocks(),
+            "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,
             "num_total_blocks": self.model_runner.num_kv_blocks,
             "num_runner_requests": len(self.model_runner.input_batch),
             "prefix_cache_queries": s.kv_cache_manager.prefix_cache_queries,

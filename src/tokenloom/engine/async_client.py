@@ -32,6 +32,13 @@ from tokenloom.messages import (
 _FIRST_ASYNC_CALL_ID = 1 << 40
 
 
+def _ignore_send_result(future: asyncio.Future) -> None:
+    # A send that failed (the socket closed under a dying core) needs no handling: the output
+    # handler reports the death. Retrieving the exception keeps asyncio from logging it.
+    if not future.cancelled():
+        future.exception()
+
+
 class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -62,6 +69,16 @@ class AsyncMPClient(MPClient):
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self._dead_reason is None:
             await self._send_async(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        """Sends an abort without awaiting. pyzmq's asyncio sockets send at once when they can and
+        otherwise queue in call order, so this abort reaches the core before any message sent
+        after it returns (see `AsyncLLM.abort_nowait`)."""
+        if not request_ids or self._dead_reason is not None:
+            return
+        ain, _ = self._sockets()
+        sent = ain.send_multipart((EngineCoreRequestType.ABORT.value, self.encoder.encode(list(request_ids))), copy=False)
+        sent.add_done_callback(_ignore_send_result)
 
     async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         call_id = next(self._async_call_ids)

@@ -31,6 +31,7 @@ from tokenloom.engine.output_processor import OutputProcessor, RequestOutputColl
 from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
+from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.loader import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
@@ -66,13 +67,19 @@ class AsyncLLM:
         self.model_config = load_model_config(config.model)
         self.engine_core = AsyncMPClient(config)
         self.max_model_len = self.engine_core.info.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        info = self.engine_core.info
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics: PrometheusMetrics | None = PrometheusMetrics(self.model_name) if log_stats else None
+        # The ledger's caller side: returned stamps, and the trace file (`--trace`).
+        self.ledger: FrontendLedger | None = None
+        if config.enable_ledger:
+            self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics)
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
         self._output_handler: asyncio.Task | None = None
-        self._background_tasks: set[asyncio.Task] = set()
         self._dead_error: EngineDeadError | None = None
 
     @classmethod
@@ -106,6 +113,11 @@ class AsyncLLM:
             # n > 1: n child requests share the prompt (and its KV blocks via the prefix cache);
             # the output processor folds their outputs back into one RequestOutput.
             parent = ParentRequest(request_id, request.sampling_params)
+            # All or nothing: a child id already in flight (a request named "1_<id>") must fail
+            # this request before any of its children is registered.
+            taken = [cid for cid in parent.child_ids if cid in self.output_processor.request_states]
+            if taken:
+                raise ValueError(f"request_id {request_id!r} clashes with request {taken[0]!r}, which is in flight.")
             children = []
             for index, (child_id, child_params) in enumerate(parent.child_requests()):
                 child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
@@ -178,15 +190,9 @@ class AsyncLLM:
             if stream is not None:
                 stream.collector.put(out)
         if core_ids and self._dead_error is None:
-            task = asyncio.get_running_loop().create_task(self._send_abort(list(core_ids)))
-            self._background_tasks.add(task)  # a task nobody references may be collected early
-            task.add_done_callback(self._background_tasks.discard)
-
-    async def _send_abort(self, core_ids: list[str]) -> None:
-        try:
-            await self.engine_core.abort_requests_async(core_ids)
-        except EngineDeadError:
-            pass  # a dead core holds no blocks; the output handler fails the rest
+            # Queued on the socket now, not from a task: a client may reuse a request_id as soon
+            # as this returns, and its ADD must not reach the core before this ABORT.
+            self.engine_core.abort_requests_nowait(list(core_ids))
 
     # ---- the output handler -----------------------------------------------------------------
 
@@ -213,11 +219,14 @@ class AsyncLLM:
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None and self.metrics is not None:
             self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+        if self.ledger is not None:
+            self.ledger.record_step(outputs)
         core_outputs = outputs.outputs
+        received = outputs.received_time or None  # token times: when the message arrived
         for start in range(0, len(core_outputs), OUTPUT_CHUNK_SIZE):
             if start:
                 await asyncio.sleep(0)
-            processed = self.output_processor.process_outputs(core_outputs[start : start + OUTPUT_CHUNK_SIZE])
+            processed = self.output_processor.process_outputs(core_outputs[start : start + OUTPUT_CHUNK_SIZE], received)
             self._route(processed.request_outputs)
             if processed.reqs_to_abort:  # e.g. stop strings found by the detokenizer
                 await self.engine_core.abort_requests_async(processed.reqs_to_abort)
@@ -237,6 +246,8 @@ class AsyncLLM:
             stream.collector.put(out)
 
     def _record_finished(self, out: RequestOutput) -> None:
+        if self.ledger is not None:
+            self.ledger.record_finished(out)  # first: it stamps returned_time, the end of e2e
         m = out.metrics
         if self.metrics is None or m is None:
             return
@@ -245,6 +256,7 @@ class AsyncLLM:
         self.metrics.record_finished_request(
             reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e, m.time_to_first_token
         )
+        self.metrics.record_request_output(out)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead_error = error
@@ -309,4 +321,8 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.collector.put(EngineDeadError("the engine was shut down"))
         self._streams.clear()
-        self.engine_core.shutdown()
+        try:
+            if self.ledger is not None:
+                self.ledger.flush()  # the trace file, if tracing
+        finally:
+            self.engine_core.shutdown()

@@ -34,7 +34,10 @@ class LLMEngine:
         self.model_config = load_model_config(config.model)
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self.max_model_len = self.engine_core.info.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        info = self.engine_core.info
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
@@ -71,6 +74,11 @@ class LLMEngine:
         # n > 1: n child requests share the prompt (and so its KV blocks, via the prefix cache);
         # the output processor folds their outputs back into one RequestOutput.
         parent = ParentRequest(request_id, request.sampling_params)
+        # All or nothing: a child id already in flight (a request named "1_<id>") must fail
+        # this request before any of its children is registered.
+        taken = [cid for cid in parent.child_ids if cid in self.output_processor.request_states]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} clashes with request {taken[0]!r}, which is in flight.")
         for index, (child_id, child_params) in enumerate(parent.child_requests()):
             child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
             self.output_processor.add_request(child, prompt_text, parent, index)

@@ -17,10 +17,22 @@ Conversation = list[dict[str, Any]]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model_config: ModelArchConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_config: ModelArchConfig,
+        max_model_len: int,
+        *,
+        num_kv_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
+        # The whole KV cache, in tokens (None: unknown, not checked). The scheduler would reject a
+        # longer prompt too, but only once it is queued; here the caller gets a ValueError.
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
         self.vocab_size = model_config.vocab_size
         # The primary EOS is the tokenizer's (the one chat templates end a turn with); a model may
         # list more (Llama 3: end_of_text, eom, eot) and must stop at any of them.
@@ -51,6 +63,14 @@ class InputProcessor:
                 f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
                 "to leave room for at least one generated token."
             )
+        if self.num_kv_blocks is not None and self.block_size is not None:
+            capacity = self.num_kv_blocks * self.block_size
+            if prompt_len > capacity:
+                raise ValueError(
+                    f"The prompt is {prompt_len} tokens long but the KV cache holds only {capacity} tokens "
+                    f"(num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size}): it could never be "
+                    "scheduled. Shorten the prompt or give the KV cache more memory."
+                )
         params = self._complete_params(params, prompt_len)
         request = EngineCoreRequest(
             request_id=request_id,

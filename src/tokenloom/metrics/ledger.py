@@ -2,9 +2,9 @@
 
 It sees every message from the engine core (its `SchedulerStats`) and every finished
 `RequestOutput` as it is handed to the caller (stamping `returned_time`), and feeds the
-Prometheus metrics (`LedgerMetrics`, plus the basic vLLM set of `PrometheusMetrics` for the
-offline engine) and, when a trace path is set, the `TraceRecorder`. The per-request accounting
-itself happens in the core (core_ledger.py) and in `RequestMetrics` (timeline.py).
+Prometheus metrics (`PrometheusMetrics`: vLLM's basic set plus the ledger's `LedgerMetrics`)
+and, when a trace path is set, the `TraceRecorder`. The per-request accounting itself happens in
+the core (core_ledger.py) and in `RequestMetrics` (timeline.py).
 """
 from __future__ import annotations
 
@@ -12,15 +12,13 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
-
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
-from tokenloom.metrics.stats import LedgerMetrics, Metric, read_metrics
+from tokenloom.metrics.prometheus import PrometheusMetrics
+from tokenloom.metrics.stats import Metric, read_metrics
 from tokenloom.metrics.trace import TraceRecorder
 
 if TYPE_CHECKING:
     from tokenloom.config import EngineConfig
-    from tokenloom.metrics.prometheus import PrometheusMetrics
     from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -32,19 +30,12 @@ class FrontendLedger:
         config: EngineConfig,
         model_name: str,
         info: EngineInfo | None = None,
-        registry: CollectorRegistry | None = None,
-        basic_metrics: bool = True,
+        metrics: PrometheusMetrics | None = None,
     ) -> None:
-        """`registry`: share one (e.g. the server's, so /metrics shows both); `basic_metrics`:
-        also keep vLLM's basic set (`PrometheusMetrics`) here. Leave it False where someone
-        else already feeds that set into the registry."""
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.basic: PrometheusMetrics | None = None
-        if basic_metrics:
-            from tokenloom.metrics.prometheus import PrometheusMetrics
-
-            self.basic = PrometheusMetrics(model_name, self.registry)
-        self.metrics = LedgerMetrics(self.registry, model_name)
+        """`metrics`: an engine's existing `PrometheusMetrics`, which its owner already feeds
+        (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine)."""
+        self._feeds_metrics = metrics is None
+        self.metrics = metrics if metrics is not None else PrometheusMetrics(model_name)
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
             self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
@@ -53,9 +44,8 @@ class FrontendLedger:
         stats = outputs.scheduler_stats
         if stats is None:
             return
-        if self.basic is not None:
-            self.basic.record_scheduler_stats(stats)
-        self.metrics.record_scheduler_stats(stats)
+        if self._feeds_metrics:
+            self.metrics.record_scheduler_stats(stats)
         if self.trace is not None:
             self.trace.record_step(outputs)
 
@@ -64,17 +54,17 @@ class FrontendLedger:
         m = output.metrics
         if m is not None and m.returned_time is None:
             m.returned_time = now() if t is None else t
-        if self.basic is not None and m is not None:
+        if self._feeds_metrics and m is not None:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             e2e = m.e2e_latency
-            self.basic.record_finished_request(
+            self.metrics.record_finished_request(
                 reasons[0] if reasons else "stop",
                 m.num_prompt_tokens,
                 m.num_generation_tokens,
                 e2e if e2e is not None else 0.0,
                 m.time_to_first_token,
             )
-        self.metrics.record_finished(output)
+            self.metrics.record_request_output(output)
         if self.trace is not None:
             self.trace.record_request(output)
 
@@ -88,7 +78,7 @@ class FrontendLedger:
                 self.record_finished(out, t)
 
     def get_metrics(self) -> list[Metric]:
-        return read_metrics(self.registry)
+        return read_metrics(self.metrics.registry)
 
     def flush(self) -> str | None:
         """Writes the trace file (if tracing); returns its path."""

@@ -5,13 +5,20 @@ never collide on metric names. Fed from two places only:
 - `record_scheduler_stats()`: the `SchedulerStats` of each engine step (and, at scrape time, a
   fresh `get_state()` of the core, because an idle core sends no more steps after the last one);
 - `record_finished_request()`: one call per finished request, with the latencies the caller
-  measured.
+  measured (and `record_request_output()` with the output itself, for the ledger's metrics:
+  wait seconds by reason, latency parts, budget per step, blocks by state; see metrics/stats.py).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenloom.messages import SchedulerStats
+from tokenloom.metrics.stats import LedgerMetrics
+
+if TYPE_CHECKING:
+    from tokenloom.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -44,6 +51,13 @@ class PrometheusMetrics:
         self.num_kv_blocks_used = gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.num_kv_blocks_free = gauge("num_kv_blocks_free", "KV cache blocks free (including cached free blocks).")
         self.num_kv_blocks_total = gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
+        # Leak detectors, refreshed at scrape time only (from get_state()): both are 0 when idle.
+        self.num_requests_in_core = gauge(
+            "num_requests_in_engine_core", "Requests the engine core's scheduler holds (waiting, running or preempted)."
+        )
+        self.num_requests_in_runner = gauge(
+            "num_requests_in_model_runner", "Requests holding a row of the model runner's persistent batch."
+        )
 
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -66,6 +80,7 @@ class PrometheusMetrics:
             "Mean time between output tokens after the first, per request.",
             _TOKEN_LATENCY_BUCKETS,
         )
+        self.ledger = LedgerMetrics(r, model_name)  # the ledger's metrics, in the same registry
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -83,13 +98,17 @@ class PrometheusMetrics:
             if increase:
                 counter.inc(increase)
             self._last_totals[name] = total
+        self.ledger.record_scheduler_stats(stats)
 
     def record_core_state(self, state: dict) -> None:
         """A `get_state()` snapshot of the core (see EngineCore.get_state)."""
         self.num_requests_running.set(state.get("num_running", 0))
         self.num_requests_waiting.set(state.get("num_waiting", 0))
+        self.num_requests_in_core.set(state.get("num_requests", 0))
+        self.num_requests_in_runner.set(state.get("num_runner_requests", 0))
         if "num_free_blocks" in state and "num_total_blocks" in state:
             self._set_blocks(state["num_free_blocks"], state["num_total_blocks"])
+        self.ledger.record_core_state(state)
 
     def _set_blocks(self, num_free: int, num_total: int) -> None:
         if num_total <= 0:
@@ -117,6 +136,10 @@ class PrometheusMetrics:
             self.time_to_first_token.observe(ttft_s)
             if num_generation_tokens > 1:
                 self.time_per_output_token.observe((e2e_s - ttft_s) / (num_generation_tokens - 1))
+
+    def record_request_output(self, output: RequestOutput) -> None:
+        """A finished output, for the ledger's metrics."""
+        self.ledger.record_finished(output)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

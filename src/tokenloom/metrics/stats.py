@@ -1,9 +1,11 @@
 """The ledger's Prometheus metrics, and `get_metrics()`'s plain metric objects.
 
-`LedgerMetrics` registers into a given `CollectorRegistry` only names that
-`metrics/prometheus.py` (the server's basic vLLM set: running/waiting, kv_cache_usage_perc,
-TTFT, TPOT, e2e, ...) does not, so both can share one registry and one `/metrics`. It is fed
-from the same two places: each step's `SchedulerStats`, and each finished `RequestOutput`.
+`LedgerMetrics` registers into a given `CollectorRegistry` only names that `PrometheusMetrics`
+(metrics/prometheus.py: vLLM's basic set, running/waiting, kv_cache_usage_perc, TTFT, TPOT,
+e2e, ...) does not; `PrometheusMetrics` builds one into its own registry and forwards to it, so
+one `/metrics` (and one `LLM.get_metrics()`) shows both. It is fed from the same places: each
+step's `SchedulerStats` (and a `get_state()` snapshot at scrape time), and each finished
+`RequestOutput`.
 
 vLLM's names where the meaning is the same (`request_queue_time_seconds`,
 `request_prefill_time_seconds`, `request_decode_time_seconds`, `request_inference_time_seconds`,
@@ -130,11 +132,18 @@ class LedgerMetrics:
             durations["update"].observe(stats.update_time)  # type: ignore[index]
         if stats.serialize_time > 0:
             self.serialize_seconds.inc(stats.serialize_time)  # type: ignore[union-attr]
-        if stats.num_total_blocks:
-            cached = stats.num_cached_free_blocks
-            self.kv_blocks["free"].set(stats.num_free_blocks - cached)
-            self.kv_blocks["cached"].set(cached)
-            self.kv_blocks["used"].set(stats.num_total_blocks - stats.num_free_blocks)
+        self._set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)
+
+    def record_core_state(self, state: dict) -> None:
+        """A `get_state()` snapshot of the core: an idle core sends no more steps."""
+        if "num_free_blocks" in state and "num_total_blocks" in state:
+            self._set_blocks(state["num_free_blocks"], state.get("num_cached_free_blocks", 0), state["num_total_blocks"])
+
+    def _set_blocks(self, num_free: int, num_cached_free: int, num_total: int) -> None:
+        if num_total > 0:
+            self.kv_blocks["free"].set(num_free - num_cached_free)
+            self.kv_blocks["cached"].set(num_cached_free)
+            self.kv_blocks["used"].set(num_total - num_free)
 
     def record_finished(self, output: RequestOutput) -> None:
         m = output.metrics

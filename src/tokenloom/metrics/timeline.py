@@ -24,7 +24,10 @@ sum is the measured latency by construction, not by fitting:
 | ipc_out | finished in core → received by caller | output queue, encode, socket, decode, and any time the caller was busy elsewhere |
 | detokenize | received → detokenized | output processing up to its final output (including the outputs before it in that message) |
 | frontend_other | tokenized → sent, detokenized → returned | registration, and the rest of the message's outputs before the caller got it |
-| core_unattributed | sent → received by caller | only when the core sent no timing (ledger off, aborted, finished by a stop string in the caller) |
+| core_unattributed | tokenized → received by caller | only when the core sent no timing (ledger off, aborted, finished by a stop string in the caller) |
+
+Until a request is returned (and when the ledger is off, which stamps no return), its e2e ends
+when its final output was received, and so do its parts.
 
 A step's duration runs from its start to the next step's start, so the busy loop's time between
 steps (inputs drained, outputs queued) is part of the step, and prefill/decode are compute as
@@ -98,17 +101,21 @@ BUCKET_PHASE = {
 VERDICT_GROUPS = ("budget-bound", "block-bound", "seq-limit-bound", "compute-bound", "frontend-bound")
 
 
-def critical_path(m: RequestMetrics) -> list[tuple[str, float, float]]:
-    """The request's path as consecutive (name, start, end) segments, arrival to returned;
-    core buckets appear as one segment per part in bucket order (their totals, not their
-    phases: the phases are in `m.core.segments` when tracing). [] until it has finished."""
+def critical_path(m: RequestMetrics, phases: bool = False) -> list[tuple[str, float, float]]:
+    """The request's path as consecutive (name, start, end) segments, arrival to returned.
+    The core's time appears as one segment per part, in bucket order (their totals), or with
+    `phases` and a traced request, as the phases it went through, named for the trace
+    (BUCKET_PHASE). [] until it has finished."""
     received_by_caller = m.finished_time
     if received_by_caller is None:
         return []
     arrival = m.arrival_time
     tokenized = max(m.tokenized_time if m.tokenized_time is not None else arrival, arrival)
-    detokenized = max(m.detokenized_time if m.detokenized_time is not None else received_by_caller, received_by_caller)
-    returned = max(m.returned_time if m.returned_time is not None else detokenized, detokenized)
+    if m.returned_time is None:  # not returned yet (or the ledger is off): e2e ends on receipt
+        detokenized = returned = received_by_caller
+    else:
+        returned = max(m.returned_time, received_by_caller)
+        detokenized = min(max(m.detokenized_time or received_by_caller, received_by_caller), returned)
     path = [("tokenize", arrival, tokenized)]
     core = m.core
     if core is None:
@@ -117,11 +124,16 @@ def critical_path(m: RequestMetrics) -> list[tuple[str, float, float]]:
         sent = min(max(core.sent_time, tokenized), core.received_time)
         path.append(("frontend_other", tokenized, sent))
         path.append(("ipc_in", sent, core.received_time))
-        t = core.received_time
-        for bucket, seconds in enumerate(core.seconds):
-            if seconds:
-                path.append((BUCKET_PART[LedgerBucket(bucket)], t, t + seconds))
-                t += seconds
+        if phases and core.segments:
+            path += [(BUCKET_PHASE[LedgerBucket(b)], start, end) for b, start, end in core.segments]
+            if core.segments[-1][2] < core.finished_time:  # more phases than the core kept
+                path.append(("engine core (phases dropped)", core.segments[-1][2], core.finished_time))
+        else:
+            t = core.received_time
+            for bucket, seconds in enumerate(core.seconds):
+                if seconds:
+                    path.append((BUCKET_PART[LedgerBucket(bucket)], t, t + seconds))
+                    t += seconds
         path.append(("ipc_out", core.finished_time, received_by_caller))
     path.append(("detokenize", received_by_caller, detokenized))
     path.append(("frontend_other", detokenized, returned))

@@ -3,9 +3,10 @@
 Layout:
 - process 1 "requests": one track (tid) per request. A slice `request <id>` spans arrival to
   returned, with the whole summary in its args (parts, wait_by_cause, dominant_wait, TTFT, TPOT,
-  e2e: what `tokenloom explain` reads back); under it, consecutive phase slices: tokenize,
-  frontend, ipc_in, the core's phases (queued: <reason>, prefill, decode, preempted), ipc_out,
-  detokenize, frontend; an instant at the first token.
+  e2e, and its stamps in seconds on the monotonic clock: what `tokenloom explain` reads back);
+  under it, its critical path as consecutive slices (timeline.critical_path): tokenize,
+  frontend_other, ipc_in, the core's phases (queued: <reason>, prefill, decode, preempted),
+  ipc_out, detokenize, frontend_other; an instant at the first token.
 - process 2 "engine core": track 1 has a slice per step (`step N`) with schedule / execute /
   update slices under it; counters `token budget` (prefill, decode, unused), `kv blocks` (free,
   cached, used), `queue` (running, waiting), `preemptions` (cumulative), sampled at each step.
@@ -25,8 +26,8 @@ import os
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.messages import EngineCoreOutputs, LedgerBucket
-from tokenloom.metrics.timeline import BUCKET_PHASE, summarize
+from tokenloom.messages import EngineCoreOutputs
+from tokenloom.metrics.timeline import critical_path, summarize
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
@@ -128,16 +129,16 @@ class TraceRecorder:
                 first_token_core=core.first_token_time or None,
                 finished_in_core=core.finished_time,
             )
-            record["_segments"] = [tuple(s) for s in core.segments]
             record["num_phases_dropped"] = core.num_segments_dropped
-        record["_stamps"] = stamps
+        record["stamps"] = {k: v for k, v in stamps.items() if v is not None}
+        record["_path"] = critical_path(m, phases=True)
         self.requests.append(record)
 
     # ---- output ---------------------------------------------------------------------------
 
     def _origin(self) -> float:
         times = [self.steps[0][1]] if self.steps else []
-        times += [r["_stamps"]["arrival"] for r in self.requests]
+        times += [r["_path"][0][1] for r in self.requests]
         return min(times) if times else 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -223,41 +224,22 @@ def _step_events(s: dict[str, Any], us, not_before: int) -> list[dict[str, Any]]
 
 
 def _request_events(record: dict[str, Any], tid: int, us) -> list[dict[str, Any]]:
-    stamps = record["_stamps"]
-    segments = record.get("_segments") or []
+    path = record["_path"]
     args = {k: v for k, v in record.items() if not k.startswith("_")}
-    args["stamps"] = {k: v for k, v in stamps.items() if v is not None}
-    arrival = stamps["arrival"]
-    received_by_caller = stamps["received_by_caller"]
-    detokenized = max(stamps["detokenized"] or received_by_caller, received_by_caller)
-    returned = max(stamps["returned"] or detokenized, detokenized)
-    tokenized = max(stamps["tokenized"] or arrival, arrival)
-    # Consecutive phases from arrival to returned; each boundary rounded once, so they tile.
-    bounds: list[tuple[str, float]] = [("tokenize", arrival)]
-    if "received_by_core" in stamps:
-        sent = min(max(stamps["sent"], tokenized), stamps["received_by_core"])
-        bounds += [("frontend", tokenized), ("ipc_in", sent)]
-        if segments:
-            bounds += [(BUCKET_PHASE[LedgerBucket(b)], max(start, stamps["received_by_core"])) for b, start, _ in segments]
-        else:
-            bounds.append(("engine core", stamps["received_by_core"]))
-        bounds.append(("ipc_out", stamps["finished_in_core"]))
-    else:
-        bounds.append(("engine core (no ledger timing)", tokenized))
-    bounds += [("detokenize", received_by_caller), ("frontend", detokenized)]
     pid = REQUESTS_PID
+    start, end = us(path[0][1]), us(path[-1][2])
     events = [
         _meta("thread_name", pid, tid, f"req {record['request_id']}"),
-        _slice(f"request {record['request_id']}", "request", us(arrival), us(returned), pid, tid, args),
+        _slice(f"request {record['request_id']}", "request", start, end, pid, tid, args),
     ]
-    ends = [t for _, t in bounds[1:]] + [returned]
-    last = us(arrival)
-    for (name, start), end in zip(bounds, ends):
-        a, b = max(last, us(start)), max(last, us(end))
-        if b > a:
-            events.append(_slice(name, "phase", a, b, pid, tid))
-        last = max(last, b)
-    first_token = stamps.get("first_token_caller")
+    # The path's segments are consecutive: each boundary is rounded once, so they tile.
+    last = start
+    for name, _, seg_end in path:
+        b = min(max(last, us(seg_end)), end)
+        if b > last:
+            events.append(_slice(name, "phase", last, b, pid, tid))
+        last = b
+    first_token = record["stamps"].get("first_token_caller")
     if first_token is not None:
         events.append({"name": "first token", "cat": "phase", "ph": "i", "s": "t", "ts": us(first_token), "pid": pid, "tid": tid})
     return events

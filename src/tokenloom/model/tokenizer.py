@@ -6,6 +6,7 @@ chat template under llama.cpp's keys. For byte-level BPE vocabularies (`tokenize
 with and wrap it in `PreTrainedTokenizerFast`. The result encodes, decodes and renders chat
 templates exactly like transformers' own `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
 (tests/model/test_tokenizer.py compares the two), without its cost of parsing the whole file.
+Other kinds (sentencepiece "llama", e.g. TinyLlama) are handed to that transformers conversion.
 """
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
     if kind is None:
         raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (no tokenizer.ggml.model key)")
     if kind != "gpt2":
-        raise ModelLoadError(f"{g.path}: unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', "
-                             "byte-level BPE); use the model's HF directory with its tokenizer.json")
-    tokens: list[str] = md["tokenizer.ggml.tokens"]
+        return _transformers_gguf_tokenizer(g.path, kind)
+    tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{g.path}: the GGUF tokenizer has no vocabulary (tokenizer.ggml.tokens)")
     token_types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
 
@@ -112,6 +114,22 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
         kwargs["chat_template"] = md["tokenizer.chat_template"]
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     tok.name_or_path = g.path
+    return tok
+
+
+def _transformers_gguf_tokenizer(path: str, kind: str) -> PreTrainedTokenizerFast:
+    """Vocabularies other than byte-level BPE (sentencepiece "llama" for TinyLlama / Llama 2,
+    unigram, ...): let transformers' own GGUF conversion build them. Slower (it re-reads the file)
+    but these files are rare for the architectures we run."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                            local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - name the file and the tokenizer kind, keep the cause
+        raise ModelLoadError(f"{path}: cannot build a tokenizer of GGUF kind {kind!r}: {e}") from e
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise ModelLoadError(f"{path}: GGUF tokenizer kind {kind!r} gave {type(tok).__name__}, not a fast tokenizer")
     return tok
 
 

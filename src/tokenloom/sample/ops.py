@@ -26,8 +26,12 @@ def apply_penalties(
     repetition: Tensor | None,
     frequency: Tensor | None,
     presence: Tensor | None,
+    out: Tensor | None = None,
+    scratch: Tensor | None = None,
 ) -> Tensor:
-    """vLLM's three penalties, as a new block; a penalty passed as None is skipped for the block.
+    """vLLM's three penalties, written into `out` (a new block by default; it must not be
+    `logits`); a penalty passed as None is skipped for the block. `scratch` is a float buffer of
+    the same shape, so that a step allocates nothing.
 
     repetition (prompt and output tokens, as in CTRL / transformers): a seen token's logit is
     divided by the penalty when positive and multiplied by it when negative, so a penalty > 1
@@ -36,22 +40,22 @@ def apply_penalties(
     a logit unchanged, so rows that do not use a penalty can share the block.
 
     No `torch.where` over the block: on a CPU a select on an unpredictable mask costs ten times an
-    arithmetic pass. The repetition factor is written as rep ** (-sign(x) * seen) instead, which
-    is 1/rep, rep or 1 as the rule says, and keeps a -inf logit (a masked token) -inf.
+    arithmetic pass. The repetition factor is exp(copysign(seen, x) * -log(rep)) instead: 1/rep,
+    rep or 1 as the rule says, and a -inf logit (a masked token) stays -inf.
     """
-    counts = output_counts.to(logits.dtype)
-    in_output = counts.sign()  # counts are >= 0: 1 where the token was generated, else 0
+    out = torch.empty_like(logits) if out is None else out
+    counts = torch.empty_like(logits) if scratch is None else scratch
+    counts.copy_(output_counts)
     if repetition is not None:
-        seen = torch.add(in_output, prompt_mask).clamp_max_(1.0)
-        factor = logits.sign().mul_(seen).mul_(-repetition.log().unsqueeze(1)).exp_()
-        logits = logits * factor
+        torch.add(counts, prompt_mask, out=out).clamp_max_(1.0)  # seen; counts are integers >= 0
+        torch.copysign(out, logits, out=out).mul_(-repetition.log().unsqueeze(1)).exp_().mul_(logits)
     else:
-        logits = logits.clone()
+        out.copy_(logits)
     if frequency is not None:
-        logits.addcmul_(counts, -frequency.unsqueeze(1))
+        out.addcmul_(counts, -frequency.unsqueeze(1))
     if presence is not None:
-        logits.addcmul_(in_output, -presence.unsqueeze(1))
-    return logits
+        out.addcmul_(counts.sign_(), -presence.unsqueeze(1))  # 1 where generated, else 0
+    return out
 
 
 def apply_min_p(weights: Tensor, min_p: Tensor) -> Tensor:
@@ -61,13 +65,13 @@ def apply_min_p(weights: Tensor, min_p: Tensor) -> Tensor:
     return weights.mul_(weights >= min_p.unsqueeze(1))
 
 
-def temperature_weights(logits: Tensor, temperature: Tensor) -> Tensor:
-    """Unnormalised probabilities exp((x - max) / T), the division and shift in one fused pass.
-    -inf logits get weight 0; a row with every logit -inf (contradictory constraints can make
-    one) gets all zeros rather than NaNs."""
+def temperature_weights(logits: Tensor, temperature: Tensor, out: Tensor | None = None) -> Tensor:
+    """Unnormalised probabilities exp((x - max) / T), the division and shift in one fused pass
+    (into `out` when given). -inf logits get weight 0; a row with every logit -inf
+    (contradictory constraints can make one) gets all zeros rather than NaNs."""
     top = logits.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(logits.dtype).min)
     inv_t = temperature.reciprocal().unsqueeze(1)
-    return torch.addcmul(-top * inv_t, logits, inv_t).exp_()
+    return torch.addcmul(-top * inv_t, logits, inv_t, out=out).exp_()
 
 
 def cumulative(weights: Tensor) -> Tensor:
@@ -152,7 +156,9 @@ def sample_top_k_top_p(
     return indices.gather(1, inverse_cdf(cdf, u).unsqueeze(1)).squeeze(1)
 
 
-def sample_full(logits: Tensor, temperature: Tensor, min_p: Tensor | None, p: Tensor | None, u: Tensor) -> Tensor:
+def sample_full(
+    logits: Tensor, temperature: Tensor, min_p: Tensor | None, p: Tensor | None, u: Tensor, out: Tensor | None = None
+) -> Tensor:
     """Samples rows without a top-k, with a top-p for rows where `p` < 1 (p None: none do).
 
     Top-p without a top-k would need each row sorted over the whole vocabulary, by far the most
@@ -161,8 +167,9 @@ def sample_full(logits: Tensor, temperature: Tensor, min_p: Tensor | None, p: Te
     next uniform. An accepted token is distributed exactly as the nucleus renormalised; a row
     needs 1/p draws on average, each one pass over the row. Rows still rejected after
     `u.shape[1] - 1` draws (small p) sort once and draw from the nucleus with the last uniform.
+    `out`, when given, is a buffer of the logits' shape for the weights.
     """
-    weights = temperature_weights(logits, temperature)
+    weights = temperature_weights(logits, temperature, out)
     if min_p is not None:
         apply_min_p(weights, min_p)
     blocks = block_cdf(weights)
@@ -203,17 +210,21 @@ def mass_above(weights: Tensor, threshold: Tensor) -> Tensor:
     return total_excess + threshold.squeeze(1).double() * count
 
 
-def gather_logprobs(logprobs: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For `[n, V]` log-probabilities and `[n]` chosen tokens: `ids [n, 1 + k]` and
+def gather_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probabilities of `[n, V]` logits for `[n]` chosen tokens: `ids [n, 1 + k]` and
     `values [n, 1 + k]` (the chosen token first, then the top k in descending order) and
-    `ranks [n]` (1 = most likely; tokens tied with the chosen one count as ahead, as in vLLM)."""
-    token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64).unsqueeze(1)
-    chosen = logprobs.gather(1, token_ids)
-    ranks = (logprobs >= chosen).sum(dim=-1)
+    `ranks [n]` (1 = most likely; tokens tied with the chosen one count as ahead, as in vLLM).
+
+    log_softmax(x)_i = x_i - logsumexp(x), and the order of the logits is the order of the
+    logprobs, so only the 1 + k values asked for are computed, not a `[n, V]` block."""
+    token_ids = token_ids.to(device=logits.device, dtype=torch.int64).unsqueeze(1)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, token_ids)
+    ranks = (logits >= chosen).sum(dim=-1)
     if k > 0:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        return torch.cat([token_ids, top_ids], dim=1), torch.cat([chosen, top_values], dim=1), ranks
-    return token_ids, chosen, ranks
+        top_values, top_ids = logits.topk(k, dim=-1)
+        return torch.cat([token_ids, top_ids], dim=1), torch.cat([chosen, top_values], dim=1) - lse, ranks
+    return token_ids, chosen - lse, ranks
 
 
 def to_logprobs_lists(ids: Tensor, values: Tensor, ranks: Tensor) -> LogprobsLists:

@@ -8,7 +8,7 @@ and updated by `sample()` itself with one scatter, so no step re-reads a request
 
 One step, in vLLM's order (each stage skipped when no row of the step uses it):
 
-1. logprobs of the raw logits (vLLM's default `raw_logprobs`), for rows that asked;
+1. logprobs are of the raw logits (vLLM's default `raw_logprobs`), for rows that asked;
 2. token constraints: allowed_token_ids, bad_words, min_tokens' stop-token suppression (-inf),
    then logit_bias (added). Stored sparsely per row; the Python work of a step is proportional
    to the rows that use them;
@@ -20,7 +20,7 @@ Randomness. Each random row draws its token by inverse CDF from uniform numbers 
 seeded request's uniforms at each step are a hash of (seed, number of tokens it has generated so
 far, draw index), so its tokens depend only on its seed and its own history: not on the batch
 around it, on chunked prefill, or on preemption (re-adding the request with its output history
-resumes the same stream); and the same on every device. The hash is computed with numpy for all
+resumes the same stream). The uniforms are the same on every device. The hash is computed with numpy for all
 seeded rows of a step at once: no per-row generator, no Python loop. Unseeded rows draw from one
 sampler-wide generator seeded with the engine seed. Greedy rows draw nothing.
 
@@ -67,6 +67,11 @@ def seeded_uniforms(seeds: np.ndarray, steps: np.ndarray, count: int) -> np.ndar
     z = _mix(z ^ (steps.astype(np.uint64) * golden))
     z = _mix(z[:, None] ^ (np.arange(1, count + 1, dtype=np.uint64)[None, :] * golden))
     return (z >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+# Workspace buffers (Sampler._buffer): the constrained copy of the logits, the penalised block,
+# and a scratch block (penalty counts, then the sampling weights).
+_CONSTRAINED, _PENALISED, _SCRATCH = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -139,6 +144,9 @@ class Sampler:
         self._min_tokens_stop_ids: dict[int, Tensor] = {}
         self._logit_bias: dict[int, tuple[Tensor, Tensor]] = {}
 
+        # Step-local [max_num_reqs, V] float32 buffers, allocated on first use (see _buffer).
+        self._workspace: list[Tensor | None] = [None] * 3
+
         # Unseeded random rows share this generator (seeded rows hash their own uniforms).
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
@@ -165,7 +173,7 @@ class Sampler:
         greedy = params.sampling_type_greedy
         self._greedy[row] = greedy
         self.temperature[row] = 1.0 if greedy else params.temperature
-        top_k = min(params.top_k, V) if params.top_k > 0 and not greedy else 0
+        top_k = params.top_k if 0 < params.top_k < V and not greedy else 0  # k >= V keeps all
         self._top_k[row] = top_k
         self.top_k[row] = top_k or V
         self._uses_top_p[row] = params.top_p < 1.0 and not greedy
@@ -184,12 +192,12 @@ class Sampler:
         self._uses_penalty[row] = self._uses_repetition[row] or self._uses_frequency[row] or self._uses_presence[row]
         counts = self.output_token_counts[row]
         counts.zero_()
-        if output_token_ids:
+        if len(output_token_ids):
             out = torch.as_tensor(list(output_token_ids), dtype=torch.int64, device=dev)
             counts.index_put_((out,), torch.ones_like(out, dtype=torch.int32), accumulate=True)
         mask = self.prompt_token_mask[row]
         mask.zero_()
-        if params.repetition_penalty != 1.0 and prompt_token_ids:
+        if params.repetition_penalty != 1.0 and len(prompt_token_ids):
             mask[torch.as_tensor(list(prompt_token_ids), dtype=torch.int64, device=dev)] = True
 
         self._num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
@@ -256,9 +264,9 @@ class Sampler:
         rows_t = torch.from_numpy(rows_np).to(dev, non_blocking=True)
         logits = logits.to(device=dev, dtype=torch.float32)
 
-        # 1. Logprobs of the model's own distribution, before anything below changes it.
-        lp_pos = np.flatnonzero(self._num_logprobs[rows_np] >= 0)
-        raw_logprobs = _take(logits, lp_pos, dev).log_softmax(dim=-1) if lp_pos.size else None
+        # 1. Logprobs are of the model's own distribution: `raw` is never written to, so they
+        # are read from it after the token is known.
+        raw = logits
 
         # 2-3. Constraints and penalties.
         logits = self._process(logits, rows_np, rows_t)
@@ -276,7 +284,8 @@ class Sampler:
             sampled[_index(rand_pos, dev)] = self._sample_random(logits, rows_np, rand_pos)
 
         sampled_cpu = sampled.cpu()
-        logprobs = self._logprobs(raw_logprobs, sampled, rows_np, lp_pos, n) if lp_pos.size else None
+        lp_pos = np.flatnonzero(self._num_logprobs[rows_np] >= 0)
+        logprobs = self._logprobs(raw, sampled, rows_np, lp_pos, n) if lp_pos.size else None
         self._record(rows_np, rows_t, sampled, sampled_cpu)
         return SamplerOutput(sampled_token_ids=sampled_cpu, logprobs=logprobs)
 
@@ -285,35 +294,49 @@ class Sampler:
         before temperature), without sampling or changing any state. For tests and debugging."""
         rows_np = _as_numpy(rows)
         rows_t = torch.from_numpy(rows_np).to(self.device)
-        return self._process(logits.to(device=self.device, dtype=torch.float32), rows_np, rows_t)
+        return self._process(logits.to(device=self.device, dtype=torch.float32), rows_np, rows_t).clone()
 
     def _process(self, logits: Tensor, rows_np: np.ndarray, rows_t: Tensor) -> Tensor:
-        """Constraints then penalties, never writing into the caller's tensor."""
+        """Constraints then penalties, never writing into the caller's tensor. The result may
+        live in a workspace buffer (_CONSTRAINED or _PENALISED), valid until the next step."""
         con_pos = np.flatnonzero(self._uses_constraint[rows_np])
         pen_pos = np.flatnonzero(self._uses_penalty[rows_np])
+        n = len(rows_np)
         copied = False
         if con_pos.size:
-            logits = logits.clone()
+            logits = self._buffer(_CONSTRAINED, n).copy_(logits)
             copied = True
             self._apply_constraints(logits, rows_np, con_pos)
         if pen_pos.size:
             dev = self.device
             pen_np = rows_np[pen_pos]
             pen_rows = _rows_of(pen_np, dev)
-            penalised = ops.apply_penalties(  # a new block
+            penalised = ops.apply_penalties(
                 _take(logits, pen_pos, dev),
                 self.output_token_counts[pen_rows],
                 self.prompt_token_mask[pen_rows],
                 self.repetition_penalty[pen_rows] if self._uses_repetition[pen_np].any() else None,
                 self.frequency_penalty[pen_rows] if self._uses_frequency[pen_np].any() else None,
                 self.presence_penalty[pen_rows] if self._uses_presence[pen_np].any() else None,
+                out=self._buffer(_PENALISED, pen_pos.size),
+                scratch=self._buffer(_SCRATCH, pen_pos.size),
             )
-            if pen_pos.size == len(rows_np):
+            if pen_pos.size == n:
                 return penalised
             if not copied:
-                logits = logits.clone()
+                logits = self._buffer(_CONSTRAINED, n).copy_(logits)
             logits[_index(pen_pos, dev)] = penalised
         return logits
+
+    def _buffer(self, which: int, num_rows: int) -> Tensor:
+        """`[num_rows, V]` float32 workspace, allocated once at full size on first use. Reusing it
+        matters on a CPU: a fresh multi-MB tensor each step means fresh pages, and the page faults
+        cost as much as the arithmetic (glibc returns blocks over 32 MiB to the OS on free)."""
+        buf = self._workspace[which]
+        if buf is None:
+            buf = torch.empty(self.max_num_reqs, self.vocab_size, dtype=torch.float32, device=self.device)
+            self._workspace[which] = buf
+        return buf[:num_rows]
 
     def _apply_constraints(self, logits: Tensor, rows_np: np.ndarray, positions: np.ndarray) -> None:
         """allowed_token_ids, bad_words and min_tokens as -inf, then logit_bias, for the rows at
@@ -378,7 +401,14 @@ class Sampler:
         draws = 1 + TOP_P_DRAWS if (top_p & ~has_k).any() else 1
         u = torch.from_numpy(self._uniforms(rows, draws)).to(dev, non_blocking=True)
         if not has_k.any():
-            return ops.sample_full(block, temperature, min_p, self.top_p[rows_t] if top_p.any() else None, u)
+            return ops.sample_full(
+                block,
+                temperature,
+                min_p,
+                self.top_p[rows_t] if top_p.any() else None,
+                u,
+                out=self._buffer(_SCRATCH, len(rows)),
+            )
 
         tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
         k_pos = np.flatnonzero(has_k)
@@ -402,6 +432,7 @@ class Sampler:
                 None if min_p is None else min_p[f_idx],
                 self.top_p[rows_t[f_idx]] if top_p[f_pos].any() else None,
                 u[f_idx],
+                out=self._buffer(_SCRATCH, f_pos.size),
             )
         return tokens
 
@@ -415,11 +446,12 @@ class Sampler:
         return u
 
     def _logprobs(
-        self, raw_logprobs: Tensor, sampled: Tensor, rows_np: np.ndarray, lp_pos: np.ndarray, n: int
+        self, raw: Tensor, sampled: Tensor, rows_np: np.ndarray, lp_pos: np.ndarray, n: int
     ) -> list[LogprobsLists | None]:
         ks = self._num_logprobs[rows_np[lp_pos]]
-        idx = _index(lp_pos, self.device)
-        ids, values, ranks = ops.gather_logprobs(raw_logprobs, sampled[idx], int(ks.max()))
+        ids, values, ranks = ops.gather_logprobs(
+            _take(raw, lp_pos, self.device), _take(sampled, lp_pos, self.device), int(ks.max())
+        )
         id_rows, value_rows, rank_list = ids.tolist(), values.tolist(), ranks.tolist()
         result: list[LogprobsLists | None] = [None] * n
         for j, (pos, k) in enumerate(zip(lp_pos.tolist(), ks.tolist())):
@@ -446,8 +478,7 @@ class Sampler:
         """Logprobs of `target_token_ids[i]` under `logits[i]` (the logits at prompt position i
         score prompt token i + 1; aligning them is the caller's job), each followed by the top
         `k`, and its rank. Raw logits, like the sampled logprobs."""
-        logprobs = logits.to(torch.float32).log_softmax(dim=-1)
-        ids, values, ranks = ops.gather_logprobs(logprobs, target_token_ids, k)
+        ids, values, ranks = ops.gather_logprobs(logits.to(torch.float32), target_token_ids, k)
         return ops.to_logprobs_lists(ids, values, ranks)
 
 

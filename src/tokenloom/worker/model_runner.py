@@ -78,14 +78,18 @@ class ModelRunner:
 
     # ---- persistent batch -------------------------------------------------------------------
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for req_id in so.finished_req_ids:
-            row = batch.remove_request(req_id)
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Drops finished, aborted or preempted requests from the persistent batch."""
+        for req_id in req_ids:
+            row = self.input_batch.remove_request(req_id)
             if row is not None:
                 self.sampler.remove_request(row)
             self._prompt_logprobs_k.pop(req_id, None)
             self._pending_prompt_logprobs.pop(req_id, None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        self.remove_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             row = batch.add_request(new)
             self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -177,14 +178,16 @@ def load_hf_model(model: str | None, dtype: str, device: str) -> tuple[Any, torc
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # transformers' GGUF conversion draws its own tqdm bar; tqdm honours this variable.
-    os.environ.setdefault("TQDM_DISABLE", "1")
     torch_dtype = resolve_dtype(dtype, device)
     path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
-        hf = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch_dtype
-        )
+        # transformers' GGUF conversion draws its own tqdm bar, deaf to disable_progress_bar().
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        with mock.patch.object(gguf_utils, "tqdm", lambda it, **kwargs: it):
+            hf = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch_dtype
+            )
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     return hf.to(device).eval(), torch_dtype

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -82,20 +83,22 @@ def run_tokenloom(args: argparse.Namespace, prompts: list[list[int]], warmup: li
 
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model
+    from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate, load_hf_model
     from tokenloom.model.loader import load_tokenizer
 
     hf, dtype = load_hf_model(args.model, args.dtype, args.device)
     tokenizer = load_tokenizer(args.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hf_generate(hf, warmup, min(4, args.output_len), args.hf_batch_size, pad, args.device)
-    res = hf_generate(hf, prompts, args.output_len, args.hf_batch_size, pad, args.device)
+    with CpuMeter(os.getpid()) as cpu:
+        res = hf_generate(hf, prompts, args.output_len, args.hf_batch_size, pad, args.device)
     return {
         "backend": "transformers",
         "dtype": str(dtype).removeprefix("torch."),
         "batch_size": args.hf_batch_size,
         "batching": f"static batches of {args.hf_batch_size}, left-padded",
         **_rates(len(prompts), sum(map(len, prompts)), res["num_output_tokens"], res["elapsed_s"]),
+        "cpu": cpu.result,
     }
 
 

@@ -30,6 +30,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="answer 503 when admitting a request would leave more than N requests waiting "
         "(counted on the caller side as unfinished requests beyond --max-num-seqs); default: no limit",
     )
+    p.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="when the engine core dies, stay up answering 503 (/health included) instead of exiting "
+        "with status 1 (the default, as vLLM: let the supervisor restart the server)",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=_run_serve)

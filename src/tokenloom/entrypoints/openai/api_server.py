@@ -70,9 +70,34 @@ async def _parse_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except pydantic.ValidationError as e:
         raise _validation_error(e) from None
+    # Unknown fields are ignored, as vLLM does (with the same warning), so that newer clients work.
+    unknown = data.keys() - model.model_fields.keys()
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(unknown)[:20])
+    return parsed
+
+
+def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a route's JSON body. The routes parse their bodies themselves
+    (`_parse_body`, for OpenAI-shaped errors), so FastAPI cannot see the model; pydantic's schema
+    refers to its sub-models under `$defs`, which an OpenAPI document does not have: inline them."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 class ApiKeyMiddleware:
@@ -139,12 +164,12 @@ def build_app(
         logger.exception("internal error")
         return _error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(request: Request) -> Response:
         req = await _parse_body(request, CompletionRequest)
         return await completions.create_completion(req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(request: Request) -> Response:
         req = await _parse_body(request, ChatCompletionRequest)
         return await chat.create_chat_completion(req, request)
@@ -214,18 +239,45 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     )
 
+    engine_died = False
+
     async def serve() -> None:
+        nonlocal engine_died
         task = asyncio.create_task(server.serve())
+        watchdog = None
+        if not getattr(args, "keep_alive_on_engine_death", False):
+            watchdog = asyncio.create_task(_exit_on_engine_death(server, engine))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
             host = f"[{args.host}]" if ":" in args.host else args.host
             print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
         await task
+        if watchdog is not None:
+            engine_died = watchdog.done() and watchdog.result()
+            watchdog.cancel()
 
     try:
         asyncio.run(serve())
     finally:
         engine.shutdown()  # a second call is harmless; the core also dies with this process
-    return 0 if server.started else 1
+    return 0 if server.started and not engine_died else 1
+
+
+ENGINE_WATCHDOG_INTERVAL_S = 0.5
+
+
+async def _exit_on_engine_death(server: Any, engine: AsyncLLM) -> bool:
+    """vLLM's policy: an engine core that died is not restarted in place, so the server shuts down
+    (gracefully: responses in flight still deliver their error) and exits with status 1 for its
+    supervisor to restart it. Until then everything answers 503. Polling also catches a core that
+    dies while no request is in flight. True when it shut the server down."""
+    while not server.should_exit:
+        if engine.is_dead:
+            reason = str(engine.dead_error or "the engine core process exited").splitlines()[0]
+            logger.error("engine core is dead (%s): shutting the server down", reason)
+            server.should_exit = True
+            return True
+        await asyncio.sleep(ENGINE_WATCHDOG_INTERVAL_S)
+    return False
 

@@ -152,7 +152,10 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority))
         except ValueError as e:
             self.engine.abort_nowait(*[s.request_id for s in streams])
-            raise error_from_value_error(e, prompt_param=prompt_param) from None
+            # The input processor speaks of `prompt` and `prompt_token_ids`: the request's field is
+            # `prompt_param` (prompt or messages).
+            names = {"prompt": prompt_param, "prompt_token_ids": prompt_param}
+            raise error_from_value_error(e, names, prompt_param=prompt_param) from None
         except EngineDeadError as e:
             raise engine_dead_error(e) from None
         except BaseException:

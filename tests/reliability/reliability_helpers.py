@@ -1,0 +1,88 @@
+"""Helpers shared by the reliability tests (the fixtures are in conftest.py).
+
+The server helpers are those of tests/entrypoints (its conftest, loaded by path, not copied).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "tokenloom_tests_server_helpers", Path(__file__).resolve().parent.parent / "entrypoints" / "conftest.py"
+)
+assert _spec is not None and _spec.loader is not None
+server_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(server_helpers)
+
+ServerProcess = server_helpers.ServerProcess
+child_pids = server_helpers.child_pids
+pid_alive = server_helpers.pid_alive
+
+API_KEY = "reliability-key-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SMALL_SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2)]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ipc_dir_of(core_pid: int) -> Path:
+    """The private socket directory of an engine core, from its command line (ipc://DIR/input)."""
+    args = Path(f"/proc/{core_pid}/cmdline").read_bytes().split(b"\0")
+    (addr,) = [a.decode() for a in args if a.startswith(b"ipc://") and a.endswith(b"/input")]
+    return Path(addr.removeprefix("ipc://")).parent
+
+
+def kill_quietly(pid: int | None) -> None:
+    if pid is not None and pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def success_count(metrics: dict[str, float], reason: str) -> float:
+    """tokenloom:request_success_total for one finished_reason, summed over the other labels."""
+    pattern = re.compile(r'^tokenloom:request_success_total\{.*finished_reason="' + reason + '"')
+    return sum(v for k, v in metrics.items() if pattern.match(k))
+
+
+def core_is_clean(metrics: dict[str, float]) -> bool:
+    """No request in the scheduler or the model runner, every KV block free."""
+    return (
+        metrics["tokenloom:num_requests_running"] == 0
+        and metrics["tokenloom:num_requests_waiting"] == 0
+        and metrics["tokenloom:num_requests_in_engine_core"] == 0
+        and metrics["tokenloom:num_requests_in_model_runner"] == 0
+        and metrics["tokenloom:num_kv_blocks_used"] == 0
+        and metrics["tokenloom:num_kv_blocks_free"] == metrics["tokenloom:num_kv_blocks_total"] > 0
+    )
+
+
+def wait_until_clean(srv, timeout: float = 60.0) -> bool:
+    return wait_until(lambda: core_is_clean(srv.metrics()), timeout, interval=0.25)
+
+
+def openai_error(response) -> dict:
+    """The `error` object of an OpenAI-shaped error body (asserting the shape)."""
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
