@@ -118,7 +118,7 @@ class SamplingParams(
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0  # in [0, 1]
-    seed: int | None = None  # any int; -1 means None (as vLLM)
+    seed: int | None = None  # any 64-bit int (signed or not); -1 means None (as vLLM)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -293,9 +293,7 @@ class SamplingParams(
         return set(self._all_stop_token_ids or ()) | set(self.stop_token_ids or ())
 
     def clone(self, **changes: Any) -> "SamplingParams":
-        new = msgspec.structs.replace(self, **changes)
-        new._verify()  # the changed fields are checked like the constructor's
-        return new
+        return msgspec.structs.replace(self, **changes)  # runs __post_init__: changes are checked
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

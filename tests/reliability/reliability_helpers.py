@@ -86,3 +86,40 @@ def openai_error(response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
+
+
+# Fields whose valid values set how long a request runs. Fuzzers may send any value, but a valid
+# large one would only make a test slow, not find a bug: it is brought down to 2.
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of", "min_tokens")
+_INT64_LIMIT = 1 << 63
+
+
+def _as_int(value) -> int | None:
+    """The int pydantic's lax mode would read from `value`, roughly (3, 3.0, "3")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+        return int(number) if number.is_integer() else None
+    return None
+
+
+def bound_lengths(body):
+    """`body` with every valid-but-long length field brought down to 2 (and a chat request's
+    missing max_tokens, which means "up to max_model_len", set to 2). Returns body."""
+    if not isinstance(body, dict):
+        return body
+    for name in LENGTH_FIELDS:
+        number = _as_int(body.get(name))
+        if number is not None and 2 < number < _INT64_LIMIT:
+            body[name] = 2
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 2
+    return body

@@ -21,7 +21,7 @@ CASES = {
     "random+seed": dict(temperature=0.8, seed=1),
     "top_k=50": dict(temperature=0.8, top_k=50),
     "top_k=50+top_p=0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
-    "top_p=0.9 (full sort)": dict(temperature=0.8, top_p=0.9),
+    "top_p=0.9 (no top_k)": dict(temperature=0.8, top_p=0.9),
     "min_p=0.05": dict(temperature=0.8, min_p=0.05),
     "penalties": dict(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5),
     "logprobs=5": dict(temperature=0.8, logprobs=5),

@@ -67,16 +67,15 @@ def test_top_k_draws_stay_in_top_k(k):
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [dict(), dict(top_k=40), dict(seed=3)],
+    ("top_k", "seeded"),
+    [(0, False), (40, False), (0, True)],
     ids=["top_p-alone", "with-top_k", "seeded"],
 )
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9])
-def test_top_p_draws_stay_in_nucleus(top_p, extra):
+def test_top_p_draws_stay_in_nucleus(top_p, top_k, seeded):
     logits = fixed_logits(scale=1.0)
     rows = list(range(64))
-    params = [sp(temperature=1.0, top_p=top_p, **extra) if "seed" not in extra else sp(top_p=top_p, seed=r) for r in rows]
-    s = sampler_with(params)
+    s = sampler_with([sp(top_p=top_p, top_k=top_k, seed=r if seeded else None) for r in rows])
     got = set(draw(s, logits, rows, 20).ravel().tolist())
     want = nucleus(logits, top_p)
     assert got <= want and len(got) >= min(len(want), 3)
@@ -229,10 +228,10 @@ def test_min_tokens_suppresses_stop_tokens_until_reached():
 def test_contradictory_constraints_do_not_crash():
     """Every token forbidden (allowed only EOS, EOS suppressed by min_tokens): some token comes
     out rather than an exception in the engine core."""
-    params = [sp(temperature=t, allowed_token_ids=[5], min_tokens=2, _all_stop_token_ids=[5]) for t in (0.0, 1.0)]
-    s = sampler_with(params + [sp(temperature=1.0, allowed_token_ids=[5], min_tokens=2, top_p=0.5, _all_stop_token_ids=[5])])
-    out = s.sample(torch.randn(3, V), [0, 1, 2]).sampled_token_ids
-    assert out.shape == (3,) and bool(((out >= 0) & (out < V)).all())
+    kinds = [dict(temperature=0.0), dict(temperature=0.3), dict(temperature=1.0, top_p=0.5), dict(top_k=3)]
+    s = sampler_with([sp(allowed_token_ids=[5], min_tokens=2, _all_stop_token_ids=[5], **kw) for kw in kinds])
+    out = s.sample(torch.randn(4, V), [0, 1, 2, 3]).sampled_token_ids
+    assert out.shape == (4,) and bool(((out >= 0) & (out < V)).all())
 
 
 # ---- seeds ------------------------------------------------------------------------------------

@@ -87,12 +87,16 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = now()
+        if self.ledger is not None:
+            self.ledger.on_update(outputs.outputs, outputs.timestamp)
+        self._release_if_idle()
         t3 = time.perf_counter()
         stats = outputs.scheduler_stats
         if stats is not None:
             # The step profile (a few perf_counter calls: cheap enough to leave on). What
             # execute_model spent after sampling (appending tokens, building its output) is
-            # bookkeeping of the results, so it counts as update.
+            # bookkeeping of the results, so it counts as update, with the ledger's share.
             ro = runner_output
             stats.schedule_time = t1 - t0
             stats.prepare_time = ro.prepare_time
@@ -100,10 +104,6 @@ class EngineCore:
             stats.sample_time = ro.sample_time
             stats.update_time = (t2 - t1 - ro.prepare_time - ro.forward_time - ro.sample_time) + (t3 - t2)
             stats.step_time = t3 - t0
-        outputs.timestamp = now()
-        if self.ledger is not None:
-            self.ledger.on_update(outputs.outputs, outputs.timestamp)
-        self._release_if_idle()
         return outputs
 
     # ---- utility calls (msgpack-able results) -----------------------------------------------

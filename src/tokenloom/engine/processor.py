@@ -55,6 +55,9 @@ class InputProcessor:
         the request carries a copy completed with max_tokens and the token-id caches."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
+            # It crosses the process boundary as a msgpack int64.
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}.")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:

@@ -4,10 +4,11 @@ Every function works on an `[n, V]` block whose rows are independent requests an
 per-row parameters as `[n]` tensors. None loops over the vocabulary, and a row's result does not
 depend on the other rows of the block.
 
-Sampling is by inverse CDF: a row's token is where one uniform number `u` lands in the cumulative
-sum of its (unnormalised) weights (`draw`). One uniform per row, instead of a noise value per vocabulary
-entry (Gumbel-max / exponential race), is what lets a seeded request draw from its own stream
-without a generator per row: its `u` is a hash of (seed, step) computed on the host, vectorised.
+Sampling is by inverse CDF: a row's token is where one uniform number `u` lands in the
+cumulative sum of its (unnormalised) weights (`draw`). One uniform per row, instead of a noise
+value per vocabulary entry (Gumbel-max / exponential race), is what lets a seeded request draw
+from its own stream without a generator per row: its `u` is a hash of (seed, step), computed on
+the host for all rows at once.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def temperature_weights(logits: Tensor, temperature: Tensor, out: Tensor | None 
     """Unnormalised probabilities exp((x - max) / T), the division and shift in one fused pass
     (into `out` when given). -inf logits get weight 0; a row with every logit -inf
     (contradictory constraints can make one) gets all zeros rather than NaNs."""
-    top = logits.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(logits.dtype).min)
+    top = logits.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top == _NEG_INF, 0.0)  # an all -inf row: exp(-inf) = 0, not exp(nan)
     inv_t = temperature.reciprocal().unsqueeze(1)
     return torch.addcmul(-top * inv_t, logits, inv_t, out=out).exp_()
 
@@ -218,6 +220,7 @@ def gather_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, 
     log_softmax(x)_i = x_i - logsumexp(x), and the order of the logits is the order of the
     logprobs, so only the 1 + k values asked for are computed, not a `[n, V]` block."""
     token_ids = token_ids.to(device=logits.device, dtype=torch.int64).unsqueeze(1)
+    k = min(k, logits.shape[-1])
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, token_ids)
     ranks = (logits >= chosen).sum(dim=-1)

@@ -67,8 +67,18 @@ async def _parse_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    bad = _lone_surrogate_path(data)
+    if bad is not None:
+        bad = bad.encode("utf-8", "backslashreplace").decode()  # the path itself may hold one
+        raise bad_request(
+            f"{bad}: the string holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff), which is not "
+            "valid Unicode text.",
+            param=bad.split(".")[0],
+        )
     try:
         parsed = model.model_validate(data)
     except pydantic.ValidationError as e:
@@ -78,6 +88,28 @@ async def _parse_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s", sorted(unknown)[:20])
     return parsed
+
+
+def _lone_surrogate_path(data: dict[str, Any]) -> str | None:
+    """The dotted path of a string (key or value) holding a lone UTF-16 surrogate, or None. JSON can
+    escape one (`"\\ud800"`) and Python decodes it, but it is not Unicode text: tokenizers and UTF-8
+    encoders fail on it far downstream. Iterative: the body may nest as deep as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in data.items()] + [(str(k), k) for k in data]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((f"{path}.{k}", v))
+                stack.append((f"{path}.{k}", k))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+    return None
 
 
 def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:

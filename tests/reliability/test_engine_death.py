@@ -1,0 +1,105 @@
+"""Process death, on the server: nothing hangs and nothing is left behind.
+
+- The engine core is SIGKILLed mid-run: every request in flight (streamed or not) ends with an
+  error the client sees, and the server shuts itself down and exits with status 1 (vLLM's policy;
+  `--keep-alive-on-engine-death` keeps it up answering 503, tested in
+  tests/entrypoints/test_openai_overload.py). Until it is gone, /health and new requests get 503.
+- The server is SIGKILLed: its engine core notices (PDEATHSIG, and a parent watchdog) and exits.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from reliability_helpers import MODEL, SMALL_SERVER_ARGS, ServerProcess, child_pids, ipc_dir_of, kill_quietly, pid_alive, wait_until
+
+LONG = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def fresh_server():
+    srv = ServerProcess(SMALL_SERVER_ARGS, None)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        kill_quietly(srv.core_pid)
+        os.unlink(srv.log.name)
+
+
+def test_engine_core_killed_mid_run(fresh_server):
+    srv = fresh_server
+    core, ipc_dir = srv.core_pid, ipc_dir_of(srv.core_pid)
+    assert ipc_dir.is_dir()
+
+    async def run() -> tuple[list, list, float]:
+        async with srv.async_client() as client:
+            first_chunk = asyncio.Event()
+
+            async def streamed(i: int):
+                stream = await client.completions.create(model=MODEL, prompt=f"Story {i}:", stream=True, extra_body=LONG)
+                chunks = 0
+                try:
+                    async for _ in stream:
+                        chunks += 1
+                        first_chunk.set()
+                except openai.APIError as e:  # the error event that ends the stream
+                    return chunks, e
+                return chunks, None
+
+            async def plain(i: int):
+                try:
+                    await client.completions.create(model=MODEL, prompt=f"Poem {i}:", extra_body=LONG)
+                except openai.APIStatusError as e:
+                    return e
+                return None
+
+            tasks = [asyncio.ensure_future(streamed(i)) for i in range(2)]
+            tasks += [asyncio.ensure_future(plain(i)) for i in range(2)]
+            await asyncio.wait_for(first_chunk.wait(), 300)
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            return results[:2], results[2:], time.monotonic() - killed
+
+    streams, plains, took = asyncio.run(run())
+    for chunks, error in streams:
+        assert chunks >= 0 and error is not None and "dead" in str(error).lower(), (chunks, error)
+    for error in plains:
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
+        assert error.response.json()["error"]["code"] == "engine_dead"
+    assert took < 60, f"in-flight requests took {took:.1f}s to fail"
+
+    # Until it is gone the server answers 503 (or already refuses connections); then it exits 1.
+    try:
+        r = httpx.get(srv.url("/health"), timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    except httpx.TransportError:
+        pass
+    try:
+        srv.proc.wait(timeout=60)
+    except Exception:
+        pytest.fail(f"the server did not exit after its engine core died:\n{srv.log_text()}")
+    assert srv.proc.returncode == 1, srv.log_text()
+    assert "engine core is dead" in srv.log_text()
+    # Nothing left behind: no process, no socket directory.
+    assert not pid_alive(core)
+    assert not ipc_dir.exists(), f"{ipc_dir} was left behind"
+
+
+def test_engine_core_exits_when_server_is_killed(fresh_server):
+    srv = fresh_server
+    core, ipc_dir = srv.core_pid, ipc_dir_of(srv.core_pid)
+    assert child_pids(srv.proc.pid) == [core]
+    srv.proc.send_signal(signal.SIGKILL)
+    srv.proc.wait(timeout=30)
+    try:
+        assert wait_until(lambda: not pid_alive(core), 15), "the engine core outlived its server"
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)  # nobody is left to remove it after a SIGKILL
