@@ -337,17 +337,18 @@ def test_scheduler_stats():
     _, outs = run_step(s)
     st = outs.scheduler_stats
     assert st.step == 1 and st.token_budget == 32
-    assert (st.num_prefill_tokens, st.num_decode_tokens) == (18, 0)
+    # b is admitted behind a in the same step and already shares a's two full prompt blocks:
+    # it computes only its last token (9 + 1 prefill tokens).
+    assert (st.num_prefill_tokens, st.num_decode_tokens) == (10, 0)
     assert (st.num_running_reqs, st.num_waiting_reqs) == (2, 0)
     assert st.num_total_blocks == 10 and st.num_free_blocks + st.num_used_blocks == 10
-    # Admitted in the same step, b cannot hit a's blocks: they are cached only once computed.
-    assert st.num_used_blocks == 6 and st.kv_cache_usage == pytest.approx(0.6)
-    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (18, 0)
+    assert st.num_used_blocks == 4 and st.kv_cache_usage == pytest.approx(0.4)
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (18, 8)
     s.add_request(make_request("c", shared, max_tokens=1))
     _, outs = run_step(s)
     st = outs.scheduler_stats
     assert (st.num_prefill_tokens, st.num_decode_tokens) == (1, 2)  # c hit 8 of its 9 tokens
-    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (27, 8)  # cumulative
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (27, 16)  # cumulative
     drain(s)
     st = s.make_stats()
     assert st.num_used_blocks == 0 and st.num_cached_free_blocks > 0 and st.num_preemptions == 0

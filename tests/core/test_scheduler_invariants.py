@@ -89,16 +89,21 @@ def check_schedule(s: Scheduler, so) -> None:
     assert set(so.wait_reasons) == set(s.requests) - set(so.num_scheduled_tokens)
     for new in so.scheduled_new_reqs:
         assert new.block_ids == kv.get_block_ids(new.req_id)
-    # The blocks this step writes belong to that request alone and are not cached.
+    # Every block written this step has exactly one writer. It may already be shared read-only
+    # (a request admitted behind its writer in the same step hit it in the prefix cache), but
+    # then it is full and cached, and the sharer does not write it.
+    writers: dict[int, str] = {}
     for req_id, n in so.num_scheduled_tokens.items():
         request = s.requests[req_id]
         blocks = kv.get_blocks(req_id)
         start = request.num_computed_tokens - n  # already advanced by schedule()
         assert request.num_computed_tokens <= request.num_tokens
         assert len(blocks) * kv.block_size >= request.num_computed_tokens
-        for pos in (start, request.num_computed_tokens - 1):
-            block = blocks[pos // kv.block_size]
-            assert block.ref_cnt == 1 and block.block_hash is None, (req_id, pos, block)
+        for i in range(start // kv.block_size, (request.num_computed_tokens - 1) // kv.block_size + 1):
+            block = blocks[i]
+            assert writers.setdefault(block.block_id, req_id) == req_id, (req_id, writers[block.block_id], block)
+            if block.ref_cnt > 1:
+                assert block.block_hash is not None and (i + 1) * kv.block_size <= request.num_computed_tokens, (req_id, block)
     check_block_invariants(s)
 
 

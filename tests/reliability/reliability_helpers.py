@@ -112,14 +112,15 @@ def _as_int(value) -> int | None:
 
 
 def bound_lengths(body):
-    """`body` with every valid-but-long length field brought down to 2 (and a chat request's
-    missing max_tokens, which means "up to max_model_len", set to 2). Returns body."""
+    """`body` with every valid-but-long length field brought down to 2, and a max_tokens of None
+    (for chat also a missing one), which means "up to max_model_len", set to 2. Returns body."""
     if not isinstance(body, dict):
         return body
     for name in LENGTH_FIELDS:
         number = _as_int(body.get(name))
         if number is not None and 2 < number < _INT64_LIMIT:
             body[name] = 2
-    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    unlimited = body.get("max_tokens", None if "messages" in body else 16) is None
+    if unlimited and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2
     return body

@@ -57,9 +57,9 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that are full of computed tokens. Called after the step
-        that computed them, so a block is discoverable only once its K/V are written (whatever
-        order the attention backend writes and reads K/V within one forward pass)."""
+        """Register the request's blocks that are full once `num_computed_tokens` are computed.
+        Called at admission for the step about to compute them (the attention backends write a
+        layer's new K/V for the whole batch before reading any) and after each step."""
         if not self.enable_caching:
             return
         req_id = request.request_id

@@ -241,6 +241,11 @@ class Scheduler:
                 return WaitReason.TOKEN_BUDGET
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 return WaitReason.NO_KV_BLOCKS
+            # Publish the prompt blocks this step will fill now, not after the step: a request
+            # admitted right behind it with the same prefix (the n children of one prompt, a
+            # shared system prompt) then shares them in this very step. Safe because every
+            # backend writes the whole batch's new K/V of a layer before any query reads them.
+            kv.cache_blocks(request, num_hit_tokens + num_new_tokens)
             self.waiting.pop()
             self._admit(request, num_hit_tokens)
             plan.new_reqs.append(

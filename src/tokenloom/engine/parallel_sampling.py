@@ -50,7 +50,7 @@ class ParentRequest:
         children differ from each other but a rerun repeats them."""
         seed = self.sampling_params.seed
         return [
-            (child_id, self.sampling_params.clone(n=1, seed=None if seed is None else seed + i))
+            (child_id, self.sampling_params.clone(n=1, seed=None if seed is None else (seed + i) % 2**64))
             for i, child_id in enumerate(self.child_ids)
         ]
 

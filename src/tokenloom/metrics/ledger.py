@@ -100,5 +100,7 @@ def _run_config(config: EngineConfig, model_name: str, info: EngineInfo | None) 
         "scheduling_policy": config.scheduling_policy,
     }
     if info is not None:
-        run.update(num_kv_blocks=info.num_kv_blocks, max_model_len=info.max_model_len, device=config.device, dtype=info.dtype)
+        run.update(
+            num_kv_blocks=info.num_kv_blocks, max_model_len=info.max_model_len, device=config.device, dtype=info.dtype
+        )
     return run

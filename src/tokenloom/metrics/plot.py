@@ -10,7 +10,12 @@ from typing import Any
 from tokenloom.metrics.explain import trace_config, trace_requests, trace_steps
 from tokenloom.metrics.timeline import WAIT_CAUSES
 
-_CAUSE_COLORS = {"token_budget": "tab:orange", "max_num_seqs": "tab:purple", "no_kv_blocks": "tab:red", "preempted": "tab:brown"}
+_CAUSE_COLORS = {
+    "token_budget": "tab:orange",
+    "max_num_seqs": "tab:purple",
+    "no_kv_blocks": "tab:red",
+    "preempted": "tab:brown",
+}
 
 
 def plot_trace(trace: dict[str, Any], path: str | os.PathLike) -> str:
@@ -56,7 +61,8 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike) -> str:
         xs = [r["finish_ts"] for r in requests if r.get("dominant_wait") == cause and r.get("e2e") is not None]
         ys = [r["e2e"] for r in requests if r.get("dominant_wait") == cause and r.get("e2e") is not None]
         if xs:
-            ax.scatter(xs, ys, s=12, color=_CAUSE_COLORS.get(cause, "tab:blue"), label=f"waited for {cause or 'nothing'}")
+            color = _CAUSE_COLORS.get(cause, "tab:blue")  # type: ignore[arg-type]
+            ax.scatter(xs, ys, s=12, color=color, label=f"waited most for {cause or 'nothing'}")
     ax.set_ylabel("e2e latency (s)")
     ax.set_xlabel("time since the first event (s)")
     ax.set_title("requests, at the time they finished")

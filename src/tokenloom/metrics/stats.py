@@ -25,7 +25,7 @@ vLLM's names where the meaning is the same (`request_queue_time_seconds`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -36,108 +36,105 @@ if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
 
 PREFIX = "tokenloom:"
-_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                    320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-WAIT_REASONS = ("token_budget", "max_num_seqs", "no_kv_blocks", "head_of_line", "preempted")
-_WAIT_REASON_PART = dict(zip(WAIT_REASONS, ("queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line", "preempted")))
-_QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line")
+# The scheduler's wait reasons, and the part of the decomposition each one's seconds are in.
+WAIT_REASON_PARTS = {
+    "token_budget": "queue_token_budget",
+    "max_num_seqs": "queue_max_num_seqs",
+    "no_kv_blocks": "queue_no_kv_blocks",
+    "head_of_line": "queue_head_of_line",
+    "preempted": "preempted",
+}
+_QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks",
+                "queue_head_of_line")
 
 
 class LedgerMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom") -> None:
         self.registry = registry
-        r, m = registry, model_name
-        labels = ["model_name"]
+        self._model_name = model_name
 
-        def histogram(name: str, doc: str, buckets: tuple, extra: str | None = None, values: tuple = ()) -> dict | Histogram:
-            h = Histogram(PREFIX + name, doc, labels + ([extra] if extra else []), buckets=buckets, registry=r)
-            return {v: h.labels(m, v) for v in values} if extra else h.labels(m)
-
-        def counter(name: str, doc: str, extra: str | None = None, values: tuple = ()) -> dict | Counter:
-            c = Counter(PREFIX + name, doc, labels + ([extra] if extra else []), registry=r)
-            return {v: c.labels(m, v) for v in values} if extra else c.labels(m)
-
-        self.queue_time = histogram(
-            "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.", _SECONDS_BUCKETS
-        )
-        self.prefill_time = histogram(
-            "request_prefill_time_seconds", "Seconds of steps in which a request computed prompt tokens.", _SECONDS_BUCKETS
-        )
-        self.decode_time = histogram(
-            "request_decode_time_seconds", "Seconds of steps in which a request computed decode tokens.", _SECONDS_BUCKETS
-        )
-        self.inference_time = histogram(
-            "request_inference_time_seconds", "Prefill + decode + preempted seconds of a request.", _SECONDS_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens, as the caller got them.", _ITL_BUCKETS
-        )
-        self.wait_seconds = histogram(
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.",
+            _SECONDS_BUCKETS)
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds", "Seconds of steps in which a request computed prompt tokens.",
+            _SECONDS_BUCKETS)
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "Seconds of steps in which a request computed decode tokens.",
+            _SECONDS_BUCKETS)
+        self.inference_time = self._histogram(
+            "request_inference_time_seconds", "Prefill + decode + preempted seconds of a request.", _SECONDS_BUCKETS)
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens, as the caller got them.",
+            _ITL_BUCKETS)
+        self.wait_seconds = self._histograms(
             "request_wait_seconds",
             "Seconds a finished request was left waiting in the engine core, by the scheduler's reason.",
-            _SECONDS_BUCKETS,
-            "reason",
-            WAIT_REASONS,
-        )
-        self.part_seconds = counter(
+            _SECONDS_BUCKETS, "reason", tuple(WAIT_REASON_PARTS))
+        self.part_seconds = self._counters(
             "request_part_seconds",
             "Seconds of finished requests per part of the end-to-end decomposition (the parts add up to e2e).",
-            "part",
-            PART_NAMES,
-        )
-        self.dominant_wait = counter(
+            "part", PART_NAMES)
+        self.dominant_wait = self._counters(
             "requests_by_dominant_wait",
             "Finished requests by the cause they waited longest for (head-of-line resolved to its cause).",
-            "reason",
-            WAIT_CAUSES + ("none",),
-        )
-        self.step_budget = histogram(
+            "reason", WAIT_CAUSES + ("none",))
+        self.step_budget = self._histograms(
             "step_budget_tokens",
             "Per engine step: tokens of the token budget spent on prefills, on decodes, and left unused.",
-            _TOKEN_BUCKETS,
-            "kind",
-            ("prefill", "decode", "unused"),
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS
-        )
-        self.step_duration = histogram(
-            "step_duration_seconds",
-            "Duration of each phase of an engine step.",
-            _STEP_BUCKETS,
-            "phase",
-            ("schedule", "execute", "update"),
-        )
-        self.engine_steps = counter("engine_steps", "Engine steps run.")
-        self.serialize_seconds = counter(
-            "serialize_seconds", "Seconds the engine core's output thread spent encoding and sending outputs."
-        )
-        kv = Gauge(PREFIX + "kv_blocks", "KV cache blocks by state: free (empty), cached (free, holding a cached prefix), used.", labels + ["state"], registry=r)
-        self.kv_blocks = {s: kv.labels(m, s) for s in ("free", "cached", "used")}
+            _TOKEN_BUCKETS, "kind", ("prefill", "decode", "unused"))
+        self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                                _TOKEN_BUCKETS)
+        self.step_duration = self._histograms(
+            "step_duration_seconds", "Duration of each phase of an engine step.", _STEP_BUCKETS, "phase",
+            ("schedule", "execute", "update"))
+        self.engine_steps = Counter(PREFIX + "engine_steps", "Engine steps run.", ["model_name"],
+                                    registry=registry).labels(model_name)
+        self.serialize_seconds = Counter(
+            PREFIX + "serialize_seconds", "Seconds the engine core's output thread spent encoding and sending.",
+            ["model_name"], registry=registry).labels(model_name)
+        kv = Gauge(PREFIX + "kv_blocks",
+                   "KV cache blocks by state: free (empty), cached (free, holding a cached prefix), used.",
+                   ["model_name", "state"], registry=registry)
+        self.kv_blocks = {state: kv.labels(model_name, state) for state in ("free", "cached", "used")}
+
+    def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
+        h = Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return h.labels(self._model_name)
+
+    def _histograms(self, name: str, doc: str, buckets: tuple, label: str, values: tuple) -> dict[str, Any]:
+        h = Histogram(PREFIX + name, doc, ["model_name", label], buckets=buckets, registry=self.registry)
+        return {v: h.labels(self._model_name, v) for v in values}
+
+    def _counters(self, name: str, doc: str, label: str, values: tuple) -> dict[str, Any]:
+        c = Counter(PREFIX + name, doc, ["model_name", label], registry=self.registry)
+        return {v: c.labels(self._model_name, v) for v in values}
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         prefill, decode = stats.num_prefill_tokens, stats.num_decode_tokens
-        budget = self.step_budget
-        budget["prefill"].observe(prefill)  # type: ignore[index]
-        budget["decode"].observe(decode)  # type: ignore[index]
-        budget["unused"].observe(max(stats.token_budget - prefill - decode, 0))  # type: ignore[index]
-        self.iteration_tokens.observe(prefill + decode)  # type: ignore[union-attr]
-        self.engine_steps.inc()  # type: ignore[union-attr]
+        self.step_budget["prefill"].observe(prefill)
+        self.step_budget["decode"].observe(decode)
+        self.step_budget["unused"].observe(max(stats.token_budget - prefill - decode, 0))
+        self.iteration_tokens.observe(prefill + decode)
+        self.engine_steps.inc()
         if stats.step_time:
-            durations = self.step_duration
-            durations["schedule"].observe(stats.schedule_time)  # type: ignore[index]
-            durations["execute"].observe(stats.prepare_time + stats.forward_time + stats.sample_time)  # type: ignore[index]
-            durations["update"].observe(stats.update_time)  # type: ignore[index]
+            self.step_duration["schedule"].observe(stats.schedule_time)
+            self.step_duration["execute"].observe(stats.prepare_time + stats.forward_time + stats.sample_time)
+            self.step_duration["update"].observe(stats.update_time)
         if stats.serialize_time > 0:
-            self.serialize_seconds.inc(stats.serialize_time)  # type: ignore[union-attr]
+            self.serialize_seconds.inc(stats.serialize_time)
         self._set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)
 
     def record_core_state(self, state: dict) -> None:
         """A `get_state()` snapshot of the core: an idle core sends no more steps."""
         if "num_free_blocks" in state and "num_total_blocks" in state:
-            self._set_blocks(state["num_free_blocks"], state.get("num_cached_free_blocks", 0), state["num_total_blocks"])
+            cached = state.get("num_cached_free_blocks", 0)
+            self._set_blocks(state["num_free_blocks"], cached, state["num_total_blocks"])
 
     def _set_blocks(self, num_free: int, num_cached_free: int, num_total: int) -> None:
         if num_total > 0:
@@ -150,23 +147,22 @@ class LedgerMetrics:
         if m is None:
             return
         for itl in m.inter_token_latencies:
-            self.inter_token_latency.observe(itl)  # type: ignore[union-attr]
+            self.inter_token_latency.observe(itl)
         parts = m.parts
         if not parts:
             return
-        part_seconds = self.part_seconds
         for name, seconds in parts.items():
             if seconds > 0:
-                part_seconds[name].inc(seconds)  # type: ignore[index]
+                self.part_seconds[name].inc(seconds)
         if m.core is None:
             return
-        for reason, part in _WAIT_REASON_PART.items():
-            self.wait_seconds[reason].observe(parts[part])  # type: ignore[index]
-        self.queue_time.observe(sum(parts[p] for p in _QUEUE_PARTS))  # type: ignore[union-attr]
-        self.prefill_time.observe(parts["prefill"])  # type: ignore[union-attr]
-        self.decode_time.observe(parts["decode"])  # type: ignore[union-attr]
-        self.inference_time.observe(parts["prefill"] + parts["decode"] + parts["preempted"])  # type: ignore[union-attr]
-        self.dominant_wait[m.dominant_wait or "none"].inc()  # type: ignore[index]
+        for reason, part in WAIT_REASON_PARTS.items():
+            self.wait_seconds[reason].observe(parts[part])
+        self.queue_time.observe(sum(parts[p] for p in _QUEUE_PARTS))
+        self.prefill_time.observe(parts["prefill"])
+        self.decode_time.observe(parts["decode"])
+        self.inference_time.observe(parts["prefill"] + parts["decode"] + parts["preempted"])
+        self.dominant_wait[m.dominant_wait or "none"].inc()
 
 
 # ---- get_metrics(): plain objects, as vLLM's `LLM.get_metrics()` returns ---------------------

@@ -9,22 +9,26 @@ sum is the measured latency by construction, not by fitting:
     finished in core ──ipc_out──> final output received ──detokenize──> detokenized
       ──frontend_other──> returned
 
-| part | from → to | what it is |
-|---|---|---|
-| tokenize | arrival → tokenized | tokenizing and validating the prompt |
-| ipc_in | sent → received by core | encode, socket, decode in the core's input thread |
-| queue_step_boundary | core buckets | waiting for the step in flight to end (admission is between steps) |
-| queue_token_budget | core buckets | left waiting: the step's token budget was spent |
-| queue_max_num_seqs | core buckets | left waiting: max_num_seqs requests were running |
-| queue_no_kv_blocks | core buckets | left waiting: no KV blocks for it |
-| queue_head_of_line | core buckets | queued behind a waiting request that could not be admitted |
-| prefill | core buckets | steps in which it computed prompt tokens |
-| decode | core buckets | steps in which it computed a decode token |
-| preempted | core buckets | from a preemption until it decodes again (waiting + recompute) |
-| ipc_out | finished in core → received by caller | output queue, encode, socket, decode, and any time the caller was busy elsewhere |
-| detokenize | received → detokenized | output processing up to its final output (including the outputs before it in that message) |
-| frontend_other | tokenized → sent, detokenized → returned | registration, and the rest of the message's outputs before the caller got it |
-| core_unattributed | tokenized → received by caller | only when the core sent no timing (ledger off, aborted, finished by a stop string in the caller) |
+The parts (caller side, then the core's buckets, then caller side again):
+
+  tokenize             arrival → tokenized: tokenizing and validating the prompt
+  frontend_other       tokenized → sent (registration), and detokenized → returned (the rest of
+                       the message's outputs, processed before the caller got this one)
+  ipc_in               sent → received by core: encode, socket, decode in the input thread
+  queue_step_boundary  waiting for the step in flight to end (admission is between steps)
+  queue_token_budget   left waiting: the step's token budget was spent
+  queue_max_num_seqs   left waiting: max_num_seqs requests were running
+  queue_no_kv_blocks   left waiting: no KV blocks for it
+  queue_head_of_line   queued behind a waiting request that could not be admitted
+  prefill              steps in which it computed prompt tokens
+  decode               steps in which it computed a decode token
+  preempted            from a preemption until it decodes again (waiting, then recompute)
+  ipc_out              finished in core → final output received: output queue, encode, socket,
+                       decode, and any time the caller was busy elsewhere
+  detokenize           received → detokenized: output processing up to its final output
+                       (including the outputs before it in the same message)
+  core_unattributed    tokenized → received, only when the core sent no timing (ledger off,
+                       aborted, or finished by a stop string in the caller)
 
 Until a request is returned (and when the ledger is off, which stamps no return), its e2e ends
 when its final output was received, and so do its parts.

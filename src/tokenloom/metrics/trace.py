@@ -241,7 +241,8 @@ def _request_events(record: dict[str, Any], tid: int, us) -> list[dict[str, Any]
         last = b
     first_token = record["stamps"].get("first_token_caller")
     if first_token is not None:
-        events.append({"name": "first token", "cat": "phase", "ph": "i", "s": "t", "ts": us(first_token), "pid": pid, "tid": tid})
+        ts = us(first_token)
+        events.append({"name": "first token", "cat": "phase", "ph": "i", "s": "t", "ts": ts, "pid": pid, "tid": tid})
     return events
 
 

@@ -35,6 +35,24 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+class _StagedInput:
+    """One per-step input (input_ids, positions, ...) in a buffer allocated once for the largest
+    step: numpy fills the host side in place, and the model reads a view of its first n entries.
+    On CUDA the host side is pinned and copied into a device buffer, also allocated once; on the
+    CPU the host tensor is what the model reads, so nothing is copied or allocated per step."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cpu = device.type == "cpu"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu and torch.cuda.is_available())
+        self.np = self.cpu.numpy()
+        self.dev = self.cpu if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+
+    def to_device(self, n: int) -> torch.Tensor:
+        if self.dev is self.cpu:
+            return self.cpu[:n]
+        return self.dev[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
         self.model = loaded.model
@@ -55,7 +73,16 @@ class ModelRunner:
         max_blocks_per_req = -(-max_model_len // self.block_size)
         # +1 column: the token sampled at max_model_len is written before the scheduler stops it.
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, max_blocks_per_req)
-        self.sampler = Sampler(self.max_num_reqs, cfg.vocab_size, device=self.device)
+        self.sampler = Sampler(self.max_num_reqs, cfg.vocab_size, device=self.device, seed=config.seed)
+        # The flat batch's buffers, sized for the largest step (the token budget, max_num_seqs).
+        max_tokens, dev = config.max_num_batched_tokens, self.device
+        self._input_ids = _StagedInput((max_tokens,), torch.int64, dev)
+        self._positions = _StagedInput((max_tokens,), torch.int64, dev)
+        self._slot_mapping = _StagedInput((max_tokens,), torch.int64, dev)
+        self._query_start_loc = _StagedInput((self.max_num_reqs + 1,), torch.int32, dev)
+        self._seq_lens = _StagedInput((self.max_num_reqs,), torch.int32, dev)
+        self._block_table = _StagedInput((self.max_num_reqs, max_blocks_per_req), torch.int32, dev)
+        self._arange = np.arange(max(max_tokens, self.max_num_reqs) + 1, dtype=np.int64)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         # Requests that asked for prompt logprobs and have not finished their prefill: k, and the
@@ -120,24 +147,35 @@ class ModelRunner:
 
         # Scheduled tokens [2, 5, 3] give query_start_loc [0, 2, 7, 10] and per-token request
         # indices [0,0,1,1,1,1,1,2,2,2]; a token's position is its request's computed count plus
-        # its offset inside the request's query.
+        # its offset inside the request's query. Everything the model reads is written in place
+        # into the staged buffers (no per-step tensor allocation).
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        req_indices = np.repeat(np.arange(num_reqs), num_sched)
-        offsets = np.arange(num_tokens) - query_start_loc[:-1][req_indices]
         computed = batch.num_computed_tokens[rows]
-        positions = computed[req_indices] + offsets
+        positions = self._positions.np[:num_tokens]
+        if num_tokens == num_reqs:  # decode only: one token per request, no repeat needed
+            req_indices = self._arange[:num_reqs]
+            positions[:] = computed
+        else:
+            req_indices = np.repeat(self._arange[:num_reqs], num_sched)
+            np.add(computed[req_indices], self._arange[:num_tokens], out=positions)
+            positions -= query_start_loc[:-1][req_indices]
         token_rows = rows[req_indices]
-        input_ids = batch.token_ids[token_rows, positions]
+        input_ids = self._input_ids.np[:num_tokens]
+        input_ids[:] = batch.token_ids[token_rows, positions]
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         max_blocks = -(-max_seq_len // self.block_size)
-        block_table = batch.block_table[rows, :max_blocks]
+        block_table = self._block_table.np[:num_reqs, :max_blocks]
+        np.take(batch.block_table[:, :max_blocks], rows, axis=0, out=block_table)
         block_size = self.block_size
-        slot_mapping = block_table[req_indices, positions // block_size].astype(np.int64) * block_size + (
-            positions % block_size
-        )
+        slot_mapping = self._slot_mapping.np[:num_tokens]
+        slot_mapping[:] = block_table[req_indices, positions // block_size]
+        slot_mapping *= block_size
+        slot_mapping += positions % block_size
+        self._query_start_loc.np[: num_reqs + 1] = query_start_loc
+        self._seq_lens.np[:num_reqs] = seq_lens
 
         # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
         # short of it are not.
@@ -145,24 +183,22 @@ class ModelRunner:
         logits_indices = query_start_loc[1:][do_sample] - 1
 
         dev = self.device
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
             max_query_len=int(num_sched.max()),
             max_seq_len=max_seq_len,
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=self._query_start_loc.to_device(num_reqs + 1),
+            seq_lens=self._seq_lens.to_device(num_reqs),
+            block_table=self._block_table.to_device(num_reqs)[:, :max_blocks],
+            slot_mapping=self._slot_mapping.to_device(num_tokens),
             block_size=block_size,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=self._query_start_loc.cpu[: num_reqs + 1],
+            seq_lens_cpu=self._seq_lens.cpu[:num_reqs],
         )
         plan = self.attn_backend.prepare(meta)
-        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        input_ids_t = self._input_ids.to_device(num_tokens)
+        positions_t = self._positions.to_device(num_tokens)
         t1 = time.perf_counter()
 
         hidden = self.model(input_ids_t, positions_t, self.kv_caches, self.attn_backend, plan)

@@ -1,0 +1,52 @@
+"""Schemathesis against the live server's own OpenAPI document (/openapi.json, which documents the
+request bodies): generated requests, valid and invalid, never get a 5xx.
+
+Bounded: TOKENLOOM_SCHEMATHESIS_EXAMPLES (25) per operation, fuzzing phase only (positive and
+negative data), one worker, and valid length fields brought down to 2 by the hooks
+(schemathesis_hooks.py), so no generated request runs long. The hand-picked boundary cases are in
+test_bad_input.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from reliability_helpers import API_KEY, AUTH, wait_until_clean
+
+ST = Path(sys.executable).with_name("st")
+HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
+EXAMPLES = int(os.environ.get("TOKENLOOM_SCHEMATHESIS_EXAMPLES", "25"))
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_error(shared_server, tmp_path):
+    schema = httpx.get(shared_server.url("/openapi.json"), headers=AUTH, timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert "$defs" not in str(body) and body["properties"], path  # documented, self-contained
+    cmd = [
+        str(ST), "run", shared_server.url("/openapi.json"),
+        "--checks", "not_a_server_error",
+        "--phases", "fuzzing",  # the coverage phase alone sends ~700 boundary cases
+        "--max-examples", str(EXAMPLES),
+        "--workers", "1",
+        "--seed", "1",
+        "--request-timeout", "120",
+        "--suppress-health-check", "all",
+        "--header", f"Authorization: Bearer {API_KEY}",
+    ]  # fmt: skip
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS), "NO_COLOR": "1"}
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    summary = out.stdout[-3000:] + out.stderr[-2000:]
+    print(summary[-600:])
+    assert out.returncode == 0, summary
+    assert "generated" in out.stdout and " passed" in out.stdout, summary
+    # Still healthy, idle and serving afterwards.
+    assert httpx.get(shared_server.url("/health"), timeout=30).status_code == 200
+    assert wait_until_clean(shared_server), shared_server.metrics()
+    r = httpx.post(shared_server.url("/v1/completions"), headers=AUTH, json={"prompt": "Hi", "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200, r.text
