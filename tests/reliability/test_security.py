@@ -4,6 +4,7 @@ private 0700 directory."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import enum
 import os
 import socket
@@ -92,8 +93,6 @@ def test_wrong_keys_of_equal_length_are_rejected(shared_server):
 
 def test_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
     """The middleware's only comparison is hmac.compare_digest of the whole header value."""
-    import asyncio
-
     calls = []
     real = api_server.hmac.compare_digest
 

@@ -35,6 +35,20 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+@torch.no_grad()
+def use_input_major_weights(model: torch.nn.Module) -> None:
+    """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
+    transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
+    multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which on
+    this CPU makes the memory-bound batch-1 matmuls ~20% faster (single-thread, SmolLM2: 31 vs 39 ms
+    per step for all weights) and the batch-64 ones no slower. Embedding lookups read rows of the
+    view (strided; ~20 ms for a 2048-token prefill, negligible next to its matmuls)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 2 and param.is_contiguous():
+                param.data = param.data.t().contiguous().t()
+
+
 class _StagedInput:
     """One per-step input (input_ids, positions, ...) in a buffer allocated once for the largest
     step: numpy fills the host side in place, and the model reads a view of its first n entries.
@@ -59,6 +73,8 @@ class ModelRunner:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            use_input_major_weights(self.model)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
