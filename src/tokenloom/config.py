@@ -29,6 +29,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # Chrome trace JSON written by the caller at shutdown; the core then also keeps each
     # request's phases (not only their totals).
     trace_path: str | None = None
+    # torch.compile (inductor) of the model forward, dynamic shapes. Off: on the 2-core CPU it
+    # compiled for ~12 min and then ran batch-1 decode steps 3.6x slower than eager
+    # (benchmarks/README.md, "CPU: what was tried").
+    compile: bool = False
 
     def validate(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

@@ -130,6 +130,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_error: str | None = None
     # Caller-local, never sent: stamped by the client when it decoded this message.
     received_time: float = 0.0
+    # Stamped by the engine core's output thread just before it encodes and sends this message.
+    sent_time: float = 0.0
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

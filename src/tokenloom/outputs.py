@@ -54,6 +54,7 @@ class RequestMetrics:
     core: RequestTiming | None = None
     # One per generated token after the first (0.0 for tokens that arrived in the same message).
     inter_token_latencies: list[float] = field(default_factory=list)
+    output_sent_time: float | None = None  # the core's output thread sent its final output
 
     def record_tokens(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:

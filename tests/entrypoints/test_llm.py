@@ -92,9 +92,9 @@ def test_outputs_in_input_order_with_text(default_llm):
         (dict(enable_prefix_caching=False), None),
         (dict(max_num_seqs=1), None),
         (dict(max_num_seqs=64, multiprocess=False), None),
-        # 40 blocks of 16 tokens cannot hold 12 prompts of 30-300 tokens at once: requests are
-        # preempted and recomputed.
-        (dict(num_kv_blocks=40, max_num_batched_tokens=256), "num_preemptions"),
+        # 16 blocks of 16 tokens cannot hold 12 prompts of 30-130 tokens and their outputs at
+        # once: running requests are preempted and recomputed.
+        (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions"),
     ],
     ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "inprocess-64", "preemption"],
 )

@@ -98,6 +98,7 @@ def test_parts_add_up_to_e2e(mixed):
         assert m.arrival_time <= m.tokenized_time <= core.sent_time <= core.received_time <= core.queued_time
         assert core.queued_time <= core.first_scheduled_time <= core.first_token_time <= core.finished_time
         assert core.finished_time <= m.finished_time <= m.detokenized_time <= m.returned_time
+        assert core.finished_time <= m.output_sent_time <= m.finished_time  # the output thread's stamp
         assert set(m.wait_by_cause) == set(WAIT_CAUSES)
     assert len(outputs[2].outputs) == 2  # n=2: the parent's parts are its slowest child's path
 

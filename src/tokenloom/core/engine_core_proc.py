@@ -112,6 +112,7 @@ class EngineCoreProc:
             item = self.output_queue.get()
             if item is _SHUTDOWN:
                 return
+            item.sent_time = now()  # the ledger's "output sent"
             t0 = time.perf_counter()
             self.out_sock.send(self.encoder.encode(item), copy=False)
             # Only this thread writes the total; the busy loop reads deltas of it (no lock).
@@ -177,10 +178,23 @@ class EngineCoreProc:
         self.output_queue.put(_SHUTDOWN)
 
 
+def _set_compute_threads() -> int:
+    """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
+    overrides). The caller process does not compete for them during a run: it blocks on the
+    output socket between steps, and its per-step work (decode, detokenize) is a few ms of one
+    core per second (`tokenloom bench throughput` reports it as caller CPU)."""
+    import torch
+
+    n = int(os.environ.get("TOKENLOOM_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
 def main() -> None:
     in_addr, out_addr, parent_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     _die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+    _set_compute_threads()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     proc = EngineCoreProc(config, in_addr, out_addr)
     try:

@@ -26,6 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_DEFAULTS.attention_backend, choices=["auto", "torch", "triton"])
     g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
     g.add_argument("--no-ledger", dest="enable_ledger", action="store_false", help="turn the ledger (per-request timing, metrics) off")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 

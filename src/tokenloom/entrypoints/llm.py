@@ -46,6 +46,7 @@ class LLM:
         multiprocess: bool = True,
         enable_ledger: bool = True,
         trace_path: str | None = None,
+        compile: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -64,6 +65,7 @@ class LLM:
             attention_backend=attention_backend,  # type: ignore[arg-type]
             enable_ledger=enable_ledger,
             trace_path=trace_path,
+            compile=compile,
         )
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down

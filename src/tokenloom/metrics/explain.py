@@ -15,7 +15,7 @@ and summed over all requests; the verdict is the group with the largest total:
 | block-bound | waiting for KV blocks (directly or behind the head), and preempted time (wait + recompute) |
 | seq-limit-bound | waiting because max_num_seqs requests were running (directly or behind the head) |
 | compute-bound | prefill and decode steps, and waiting for the step in flight to end |
-| frontend-bound | tokenize, detokenize, IPC in and out, and the caller's other work |
+| frontend-bound | tokenize, detokenize, IPC in and out (with the core's output queue), the caller's other work |
 
 Summing seconds (not counting requests) weights each cause by how much latency it cost. The
 shares of every group are reported with the verdict, so a close call is visible as one.

@@ -36,11 +36,14 @@ class FrontendLedger:
         (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine)."""
         self._feeds_metrics = metrics is None
         self.metrics = metrics if metrics is not None else PrometheusMetrics(model_name)
+        self._message_sent_time = 0.0  # of the message being processed (AsyncLLM: in chunks)
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
             self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
 
     def record_step(self, outputs: EngineCoreOutputs) -> None:
+        """A message from the core, before its outputs are processed."""
+        self._message_sent_time = outputs.sent_time
         stats = outputs.scheduler_stats
         if stats is None:
             return
@@ -54,6 +57,9 @@ class FrontendLedger:
         m = output.metrics
         if m is not None and m.returned_time is None:
             m.returned_time = now() if t is None else t
+            # Finished by the message being processed: its final output was sent with it.
+            if m.core is not None and m.core.finished_time <= self._message_sent_time:
+                m.output_sent_time = self._message_sent_time
         if self._feeds_metrics and m is not None:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             e2e = m.e2e_latency

@@ -6,8 +6,8 @@ sum is the measured latency by construction, not by fitting:
 
     arrival ──tokenize──> tokenized ──frontend_other──> sent ──ipc_in──> received by core
       ──[engine core: every step's whole duration goes to one bucket, see core_ledger.py]──>
-    finished in core ──ipc_out──> final output received ──detokenize──> detokenized
-      ──frontend_other──> returned
+    finished in core ──core_overhead──> output sent ──ipc_out──> final output received
+      ──detokenize──> detokenized ──frontend_other──> returned
 
 The parts (caller side, then the core's buckets, then caller side again):
 
@@ -23,8 +23,10 @@ The parts (caller side, then the core's buckets, then caller side again):
   prefill              steps in which it computed prompt tokens
   decode               steps in which it computed a decode token
   preempted            from a preemption until it decodes again (waiting, then recompute)
-  ipc_out              finished in core → final output received: output queue, encode, socket,
-                       decode, and any time the caller was busy elsewhere
+  core_overhead        finished in core (the end of its last step) → its output sent: waiting in
+                       the output queue behind earlier messages (0 with the in-process client)
+  ipc_out              output sent → final output received: encode, socket, decode, and any time
+                       the caller was busy elsewhere
   detokenize           received → detokenized: output processing up to its final output
                        (including the outputs before it in the same message)
   core_unattributed    tokenized → received, only when the core sent no timing (ledger off,
@@ -58,6 +60,7 @@ PART_NAMES = (
     "prefill",
     "decode",
     "preempted",
+    "core_overhead",
     "ipc_out",
     "detokenize",
     "frontend_other",
@@ -103,6 +106,8 @@ BUCKET_PHASE = {
 
 # The verdict of a run (see explain.py): which group of parts holds the most request time.
 VERDICT_GROUPS = ("budget-bound", "block-bound", "seq-limit-bound", "compute-bound", "frontend-bound")
+COMPUTE_PARTS = ("queue_step_boundary", "prefill", "decode")
+FRONTEND_PARTS = ("tokenize", "ipc_in", "core_overhead", "ipc_out", "detokenize", "frontend_other")
 
 
 def critical_path(m: RequestMetrics, phases: bool = False) -> list[tuple[str, float, float]]:
@@ -138,7 +143,12 @@ def critical_path(m: RequestMetrics, phases: bool = False) -> list[tuple[str, fl
                 if seconds:
                     path.append((BUCKET_PART[LedgerBucket(bucket)], t, t + seconds))
                     t += seconds
-        path.append(("ipc_out", core.finished_time, received_by_caller))
+        sent_out = m.output_sent_time
+        if sent_out is not None and core.finished_time <= sent_out <= received_by_caller:
+            path.append(("core_overhead", core.finished_time, sent_out))
+        else:
+            sent_out = core.finished_time
+        path.append(("ipc_out", sent_out, received_by_caller))
     path.append(("detokenize", received_by_caller, detokenized))
     path.append(("frontend_other", detokenized, returned))
     return path
@@ -172,15 +182,14 @@ def dominant_wait(causes: dict[str, float]) -> str | None:
 def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str, float]:
     """Seconds of one request per verdict group. Waits count for their root cause (head-of-line
     waits for what blocked the head); waiting for the step in flight counts as compute (it is
-    the length of that step); core_unattributed counts for no group."""
+    the length of that step); the output queue (core_overhead) counts with IPC as frontend;
+    core_unattributed counts for no group."""
     return {
         "budget-bound": causes.get("token_budget", 0.0),
         "block-bound": causes.get("no_kv_blocks", 0.0) + causes.get("preempted", 0.0),
         "seq-limit-bound": causes.get("max_num_seqs", 0.0),
-        "compute-bound": parts.get("prefill", 0.0) + parts.get("decode", 0.0) + parts.get("queue_step_boundary", 0.0),
-        "frontend-bound": sum(
-            parts.get(p, 0.0) for p in ("tokenize", "ipc_in", "ipc_out", "detokenize", "frontend_other")
-        ),
+        "compute-bound": sum(parts.get(p, 0.0) for p in COMPUTE_PARTS),
+        "frontend-bound": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
     }
 
 

@@ -54,6 +54,8 @@ _STEP_FIELDS = (
     "cached",
     "used",
     "preemptions",
+    "loop",
+    "serialize",
 )
 
 
@@ -100,6 +102,8 @@ class TraceRecorder:
                 cached,
                 stats.num_total_blocks - stats.num_free_blocks,
                 stats.num_preemptions,
+                stats.loop_time,
+                stats.serialize_time,
             )
         )
 
@@ -128,6 +132,7 @@ class TraceRecorder:
                 first_scheduled=core.first_scheduled_time or None,
                 first_token_core=core.first_token_time or None,
                 finished_in_core=core.finished_time,
+                output_sent=m.output_sent_time,
             )
             record["num_phases_dropped"] = core.num_segments_dropped
         record["stamps"] = {k: v for k, v in stamps.items() if v is not None}
@@ -210,6 +215,8 @@ def _step_events(s: dict[str, Any], us, not_before: int) -> list[dict[str, Any]]
     t3 = max(t2, us(s["start"] + s["schedule"] + s["execute"] + s["update"]))
     unused = max(s["budget"] - s["prefill"] - s["decode"], 0)
     args = {k: s[k] for k in ("prefill", "decode", "budget", "running", "waiting", "free", "cached", "used")}
+    # The busy loop's time before this step, and the output thread's encode+send since the last.
+    args.update(loop_s=s["loop"], serialize_s=s["serialize"])
     pid, tid = ENGINE_PID, STEPS_TID
     return [
         _slice(f"step {s['step']}", "step", t0, t3, pid, tid, {"step": s["step"], **args}),

@@ -75,6 +75,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             use_input_major_weights(self.model)
+        if config.compile:
+            # The step's token count varies, so one graph with a symbolic length; compute_logits
+            # stays eager (it runs on the few sampled rows).
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs

@@ -7,7 +7,7 @@ to the last request's first token; decode = the time after that to the last toke
 `--output-len - 1` (ms per token: one decode step of the whole batch). Median and p90 over the
 iterations after `--warmup`. The transformers baseline (`--baseline hf`) runs the same prompts
 at the same batch size through `generate()`, timed by a logits processor that notes when each
-step's logits are ready.
+step's logits are ready; its iterations alternate with ours.
 """
 from __future__ import annotations
 
@@ -44,60 +44,96 @@ def _iteration_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
     ]
 
 
-def _summarize(prefill: list[float], decode: list[float], e2e: list[float]) -> dict[str, Any]:
+def _summarize(prefill: list[float], decode: list[float], e2e: list[float], cpu_s: list[float]) -> dict[str, Any]:
     from tokenloom.entrypoints.bench.common import summary_ms
 
-    return {"prefill": summary_ms(prefill), "decode_per_token": summary_ms(decode), "e2e": summary_ms(e2e)}
+    # CPU seconds per iteration (both processes for tokenloom): unlike the wall times, barely
+    # moved by other load on a shared machine.
+    return {"prefill": summary_ms(prefill), "decode_per_token": summary_ms(decode), "e2e": summary_ms(e2e),
+            "cpu_per_iteration": summary_ms(cpu_s)}
 
 
-def run_tokenloom(args: argparse.Namespace, batches: list[list[list[int]]]) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import StepRecorder, make_llm, step_profile
-    from tokenloom.sampling_params import SamplingParams
+class _Ours:
+    """tokenloom side: one LLM (engine core in its child process) for all iterations."""
 
-    llm = make_llm(args, max_num_seqs=max(args.max_num_seqs, args.batch_size))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    prefill, decode, e2e = [], [], []
-    try:
-        info = llm.llm_engine.engine_core.info
-        recorder = StepRecorder(llm)
-        for i, prompts in enumerate(batches):
-            recorder.recording = i >= args.warmup
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            if i < args.warmup:
-                continue
-            metrics = [o.metrics for o in outputs]
-            start = min(m.arrival_time for m in metrics)
-            first = max(m.first_token_time for m in metrics)
-            last = max(m.last_token_time for m in metrics)
-            prefill.append(first - start)
-            decode.append((last - first) / max(1, args.output_len - 1))
-            e2e.append(max(m.finished_time for m in metrics) - start)
-    finally:
-        llm.shutdown()
-    result = {"backend": "tokenloom", "dtype": info.dtype, **_summarize(prefill, decode, e2e)}
-    if args.profile:
-        result["profile"] = step_profile(recorder.stats)
-    return result
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tokenloom.entrypoints.bench.common import StepRecorder, make_llm
+        from tokenloom.sampling_params import SamplingParams
+
+        self.args = args
+        self.llm = make_llm(args, max_num_seqs=max(args.max_num_seqs, args.batch_size))
+        self.info = self.llm.llm_engine.engine_core.info
+        self.recorder = StepRecorder(self.llm)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.e2e: list[float] = []
+        self.cpu_s: list[float] = []
+
+    def iteration(self, prompts: list[list[int]], timed: bool) -> None:
+        from tokenloom.entrypoints.bench.common import CpuMeter
+
+        self.recorder.recording = timed
+        with CpuMeter(self.info.pid) as cpu:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
+        if not timed:
+            return
+        metrics = [o.metrics for o in outputs]
+        start = min(m.arrival_time for m in metrics)
+        first = max(m.first_token_time for m in metrics)
+        last = max(m.last_token_time for m in metrics)
+        self.prefill.append(first - start)
+        self.decode.append((last - first) / max(1, self.args.output_len - 1))
+        self.e2e.append(max(m.finished_time for m in metrics) - start)
+        self.cpu_s.append(cpu.result.get("core_cpu_s", 0.0) + cpu.result["caller_cpu_s"])
+
+    def result(self) -> dict[str, Any]:
+        from tokenloom.entrypoints.bench.common import step_profile
+
+        out = {"backend": "tokenloom", "dtype": self.info.dtype, **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
+        if self.args.profile:
+            out["profile"] = step_profile(self.recorder.stats)
+        return out
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
 
 
-def run_hf(args: argparse.Namespace, batches: list[list[list[int]]]) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model
-    from tokenloom.model.loader import load_tokenizer
+class _HF:
+    """transformers side, in this process, at the same batch size."""
 
-    hf, dtype = load_hf_model(args.model, args.dtype, args.device)
-    tokenizer = load_tokenizer(args.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prefill, decode, e2e = [], [], []
-    for i, prompts in enumerate(batches):
-        res = hf_generate(hf, prompts, args.output_len, args.batch_size, pad, args.device)
-        if i < args.warmup:
-            continue
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tokenloom.entrypoints.bench.common import load_hf_model
+        from tokenloom.model.loader import load_tokenizer
+
+        self.args = args
+        self.hf, dtype = load_hf_model(args.model, args.dtype, args.device)
+        self.dtype = str(dtype).removeprefix("torch.")
+        tokenizer = load_tokenizer(args.model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.e2e: list[float] = []
+        self.cpu_s: list[float] = []
+
+    def iteration(self, prompts: list[list[int]], timed: bool) -> None:
+        import os
+
+        from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate
+
+        with CpuMeter(os.getpid()) as cpu:
+            res = hf_generate(self.hf, prompts, self.args.output_len, self.args.batch_size, self.pad, self.args.device)
+        if not timed:
+            return
         batch = res["batches"][0]
-        prefill.append(batch["prefill_s"])
         steps = batch["decode_step_s"]
-        decode.append(sum(steps) / max(1, len(steps)))
-        e2e.append(res["elapsed_s"])
-    return {"backend": "transformers", "dtype": str(dtype).removeprefix("torch."), **_summarize(prefill, decode, e2e)}
+        self.prefill.append(batch["prefill_s"])
+        self.decode.append(sum(steps) / max(1, len(steps)))
+        self.e2e.append(res["elapsed_s"])
+        self.cpu_s.append(cpu.result["caller_cpu_s"])
+
+    def result(self) -> dict[str, Any]:
+        return {"backend": "transformers", "dtype": self.dtype, **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,14 +151,26 @@ def run(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "num_iters": args.num_iters,
         "warmup": args.warmup,
-        "tokenloom": run_tokenloom(args, batches),
     }
-    if args.baseline == "hf":
-        result["baseline"] = run_hf(args, batches)
+    # Both engines stay loaded and the iterations alternate (ours, then the baseline's on the
+    # same prompts), so a change in the machine's load hits both alike.
+    ours = _Ours(args)
+    try:
+        hf = _HF(args) if args.baseline == "hf" else None
+        for i, prompts in enumerate(batches):
+            ours.iteration(prompts, timed=i >= args.warmup)
+            if hf is not None:
+                hf.iteration(prompts, timed=i >= args.warmup)
+    finally:
+        ours.shutdown()
+    result["tokenloom"] = ours.result()
+    if hf is not None:
+        result["baseline"] = hf.result()
         ours, base = result["tokenloom"], result["baseline"]
         # > 1 means tokenloom is faster (the baseline takes that many times as long).
         result["speedup_decode_per_token"] = base["decode_per_token"]["median_ms"] / ours["decode_per_token"]["median_ms"]
         result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
+        result["speedup_cpu"] = base["cpu_per_iteration"]["median_ms"] / ours["cpu_per_iteration"]["median_ms"]
     if args.json:
         print(json.dumps(result))
     else:
@@ -140,13 +188,15 @@ def _print_report(result: dict[str, Any]) -> None:
     runs = [result["tokenloom"]] + ([result["baseline"]] if "baseline" in result else [])
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
     print(f"{'dtype':<28}" + "".join(f"{r['dtype']:>22}" for r in runs))
-    for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end")):
+    for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end"),
+                       ("cpu_per_iteration", "CPU per iteration")):
         for stat in ("median_ms", "p90_ms"):
             name = f"{label} {stat.split('_')[0]} (ms)"
             print(f"{name:<28}" + "".join(f"{r[key][stat]:>22.2f}" for r in runs))
     if "baseline" in result:
         print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
-              f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x")
+              f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x, "
+              f"CPU time per iteration {result['speedup_cpu']:.2f}x")
     if "profile" in result["tokenloom"]:
         for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
             print(line)

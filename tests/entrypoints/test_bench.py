@@ -1,0 +1,103 @@
+"""`tokenloom bench throughput | latency` on a tiny workload: they run, and their JSON carries the
+fields the README's tables are built from. No timing is asserted (the machine is shared)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenloom.entrypoints.bench.common import random_prompt_ids, step_profile
+from tokenloom.messages import SchedulerStats
+
+SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
+
+
+def _bench(*args: str, timeout: float = 600) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", *args, "--json", *SMALL_ENGINE],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    return json.loads(lines[0])
+
+
+def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
+    assert run["num_output_tokens"] == num_prompts * output_len
+    for key in ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+        assert run[key] > 0, key
+
+
+def test_throughput_with_hf_baseline_and_profile():
+    r = _bench("throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+               "--baseline", "hf", "--hf-batch-size", "2", "--profile")
+    assert (r["num_prompts"], r["input_len"], r["output_len"]) == (4, 8, 4)
+    ours, base = r["tokenloom"], r["baseline"]
+    _check_rates(ours, 4, 4)
+    _check_rates(base, 4, 4)
+    assert ours["num_input_tokens"] == base["num_input_tokens"] == 32
+    assert ours["dtype"] == base["dtype"] == "float32"
+    assert base["backend"] == "transformers" and base["batch_size"] == 2
+    assert r["ratio_output_tokens_per_s"] > 0
+    assert ours["cpu"]["caller_cpu_s"] >= 0 and "core_cpu_s" in ours["cpu"]
+    profile = ours["profile"]["all_steps"]
+    assert profile["num_steps"] >= 4  # at least one prefill and three decode steps
+    assert set(profile["share"]) == {"schedule", "prepare", "forward", "sample", "update", "loop"}
+    assert sum(profile["share"].values()) == pytest.approx(1.0, abs=0.05)
+    assert 0 <= profile["engine_overhead_pct"] <= 100
+    assert profile["seconds"]["forward"] > 0 and profile["seconds"]["sample"] > 0
+    assert ours["profile"]["decode_steps"]["num_steps"] >= 1
+
+
+def test_latency_with_hf_baseline():
+    r = _bench("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+               "--num-iters", "2", "--warmup", "1", "--baseline", "hf", "--profile")
+    assert (r["batch_size"], r["num_iters"], r["warmup"]) == (2, 2, 1)
+    for run in (r["tokenloom"], r["baseline"]):
+        for part in ("prefill", "decode_per_token", "e2e"):
+            assert run[part]["median_ms"] > 0 and run[part]["p90_ms"] >= run[part]["median_ms"] * 0.999
+    assert r["speedup_decode_per_token"] > 0 and r["speedup_prefill"] > 0
+    assert r["tokenloom"]["profile"]["all_steps"]["num_steps"] >= 2 * 4
+
+
+def test_bad_arguments_are_clear_errors():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", "throughput", "--num-prompts", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "--num-prompts" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", "throughput", "--baseline", "vllm"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "--vllm-python" in proc.stderr
+
+
+def test_random_prompts_avoid_special_tokens_and_are_seeded():
+    from tokenloom.model.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    a = random_prompt_ids(tok, 49152, 8, 16, seed=3)
+    assert a == random_prompt_ids(tok, 49152, 8, 16, seed=3)
+    assert a != random_prompt_ids(tok, 49152, 8, 16, seed=4)
+    assert all(len(p) == 16 for p in a)
+    special = set(tok.all_special_ids)
+    assert not special & {t for p in a for t in p}
+
+
+def test_step_profile_shares_add_up():
+    steps = [
+        SchedulerStats(num_prefill_tokens=8, schedule_time=0.001, prepare_time=0.002, forward_time=0.05,
+                       sample_time=0.002, update_time=0.001, step_time=0.056, loop_time=0.001),
+        SchedulerStats(num_decode_tokens=2, schedule_time=0.001, prepare_time=0.001, forward_time=0.02,
+                       sample_time=0.001, update_time=0.001, step_time=0.024, loop_time=0.001),
+    ]
+    p = step_profile(steps)
+    assert p["all_steps"]["num_steps"] == 2 and p["decode_steps"]["num_steps"] == 1
+    assert sum(p["all_steps"]["share"].values()) == pytest.approx(1.0)
+    d = p["decode_steps"]
+    assert d["total_s"] == pytest.approx(0.025)
+    assert d["engine_overhead_pct"] == pytest.approx(100 * (1 - 0.021 / 0.025))
