@@ -352,3 +352,17 @@ def test_scheduler_stats():
     drain(s)
     st = s.make_stats()
     assert st.num_used_blocks == 0 and st.num_cached_free_blocks > 0 and st.num_preemptions == 0
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt():
+    # A cached prefix would skip positions whose prompt logprobs were asked for.
+    s = make_scheduler(num_blocks=16, block_size=4)
+    shared = list(range(100, 113))
+    s.add_request(make_request("a", shared, max_tokens=1))
+    run_step(s)
+    s.add_request(make_request("b", shared, max_tokens=1, prompt_logprobs=2))
+    s.add_request(make_request("c", shared, max_tokens=1))
+    so, _ = run_step(s)
+    new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    assert new == {"b": 0, "c": 12}
+    assert so.num_scheduled_tokens["b"] == 13

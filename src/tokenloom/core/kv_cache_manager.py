@@ -45,7 +45,9 @@ class KVCacheManager:
         ends before the final token: at most (num_tokens - 1) // block_size blocks. A 32-token
         prompt with blocks of 16 that is fully cached hits 16 tokens and recomputes 16.
         """
-        if not self.enable_caching:
+        # Prompt logprobs need the logits of every prompt position, so such a request computes its
+        # whole prompt (it still publishes its blocks for others).
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
