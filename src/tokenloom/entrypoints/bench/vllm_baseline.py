@@ -37,14 +37,26 @@ def export_hf_checkpoint(model: str | None) -> str:
     out = os.path.join(os.path.expanduser("~/.cache/tokenloom/hf-export"), name)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import shutil
 
-    kwargs = {"gguf_file": os.path.basename(path)}
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kwargs)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs)
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from tokenloom.entrypoints.bench.common import load_hf_model
+
+    hf, _ = load_hf_model(path, "float32", "cpu")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tmp = out + ".tmp"
-    hf.save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    # save_pretrained refuses a model loaded from GGUF ("not serializable"); its dequantized
+    # tensors are plain float32, so write them directly (a tied lm_head is the embedding).
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if getattr(hf.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(tmp)
+    hf.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
