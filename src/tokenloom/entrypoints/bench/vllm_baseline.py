@@ -55,6 +55,10 @@ def export_hf_checkpoint(model: str | None) -> str:
     if getattr(hf.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    # The tensors written are dequantized: drop the GGUF quantization entry transformers leaves
+    # in the config (vLLM rejects "quant_method": "gguf" for a safetensors checkpoint).
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
     hf.config.save_pretrained(tmp)
     hf.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
