@@ -84,3 +84,24 @@ def test_chunked_prefill_and_scattered_blocks(smollm2, prompts, one_shot_logits)
         print(f"max abs logits diff vs one-shot prefill, {kwargs}: {diff:.3g}")
         assert diff <= CHUNK_ATOL, (kwargs, diff)
         assert torch.equal(got.argmax(-1), expected.argmax(-1)), kwargs
+
+
+def test_packed_weights_match_transformers(smollm2, prompts, hf_logits):
+    """The CPU model runner's oneDNN-packed float32 weights (packed_linear) give transformers'
+    logits too, with chunks so that decodes over cached context go through the packed matmuls."""
+    from tokenloom.model.packed_linear import pack_linear_weights
+
+    model = smollm2.model
+    assert pack_linear_weights(model) == 4 * smollm2.config.num_hidden_layers
+    try:
+        assert model.packed_lm_head is not None
+        got = run_flat_batch(smollm2, prompts[:5], chunk_sizes=[1, 9, 6, 14, 33])
+    finally:  # the model is shared by the session: leave it as it was
+        model.packed_lm_head = None
+        for m in model.modules():
+            if hasattr(m, "packed_weight"):
+                m.packed_weight = None
+    diff = (got - hf_logits[:5]).abs().max().item()
+    print(f"packed weights: max abs logits diff vs transformers {diff:.3g}")
+    assert diff <= PARITY_ATOL
+    assert torch.equal(got.argmax(-1), hf_logits[:5].argmax(-1))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenloom.attention import cpu_kernels
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.attention.metadata import AttentionMetadata
 
@@ -50,6 +51,9 @@ class _DecodePlan:
     block_ids: torch.Tensor  # int64 [Bd * num_blocks], padded with block 0
     num_blocks: int  # per request, enough for the longest decode context
     bias: torch.Tensor  # float32 [Bd, 1, 1, num_blocks * block_size]: 0 or -inf
+    # For the C kernel (float32 on the CPU): int32 [Bd, num_blocks] block table and [Bd] lengths.
+    block_table_i32: torch.Tensor | None = None
+    seq_lens_i32: torch.Tensor | None = None
     # Built by the first layer and reused: K and V block ids in the [2 * num_blocks] view, and
     # the bias in the query dtype.
     kv_block_ids: torch.Tensor | None = None
@@ -112,15 +116,25 @@ def _slots_for_positions(block_table_cpu: torch.Tensor, positions: torch.Tensor,
     return torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(pos))
 
 
+def _kernel_fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The C decode kernel takes float32 CPU tensors with each token's heads contiguous."""
+    return (query.dtype == torch.float32 and kv_cache.dtype == torch.float32
+            and query.device.type == "cpu" and kv_cache.is_contiguous()
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2])
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, prefill_mode: str = "auto") -> None:
+    def __init__(self, prefill_mode: str = "auto", use_cpu_kernel: bool = True) -> None:
         """`prefill_mode`: "auto" (padded when it wastes little, see above), "padded" (always
-        when there are two or more prefills) or "per_request". For tests and benchmarks."""
+        when there are two or more prefills) or "per_request". `use_cpu_kernel=False` keeps
+        float32 CPU decodes on the PyTorch path. Both for tests and benchmarks."""
         if prefill_mode not in ("auto", "padded", "per_request"):
             raise ValueError(f"unknown prefill_mode {prefill_mode!r}")
         self.prefill_mode = prefill_mode
+        # The C decode kernel (cpu_kernels), None where it cannot be built or is switched off.
+        self._cpu_kernel = cpu_kernels.load() if use_cpu_kernel else None
 
     # ------------------------------------------------------------------ plan (once per step)
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
@@ -174,6 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
             bias = torch.zeros(Bd, L, dtype=torch.float32)
             bias.masked_fill_(torch.arange(L).unsqueeze(0) >= d_seq.unsqueeze(1), float("-inf"))
             tok_slice, tok_index = _index_or_slice(qsl[decode_reqs])
+            kernel = device.type == "cpu" and self._cpu_kernel is not None
             decode = _DecodePlan(
                 num_decodes=Bd,
                 token_slice=tok_slice,
@@ -181,6 +196,8 @@ class TorchAttentionBackend(AttentionBackend):
                 block_ids=blocks.reshape(-1).to(device),
                 num_blocks=nblk,
                 bias=bias.view(Bd, 1, 1, L).to(device),
+                block_table_i32=blocks.to(torch.int32) if kernel else None,
+                seq_lens_i32=d_seq.to(torch.int32) if kernel else None,
             )
 
         padded_prefill = None
@@ -295,13 +312,27 @@ class TorchAttentionBackend(AttentionBackend):
             out[T:].zero_()
         query = query[:T]
         if plan.decode is not None:
-            self._decode(query, kv_cache, plan, scale, out)
+            if plan.decode.block_table_i32 is not None and _kernel_fits(query, kv_cache):
+                self._decode_kernel(query, kv_cache, plan.decode, scale, out)
+            else:
+                self._decode(query, kv_cache, plan, scale, out)
         if plan.padded_prefill is not None:
             self._padded_prefill(query, key, value, k_flat, v_flat, plan.padded_prefill, scale,
                                 out)
         for rp in plan.request_prefills:
             self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out)
         return out
+
+    def _decode_kernel(self, query, kv_cache, dp: _DecodePlan, scale: float,
+                       out: torch.Tensor) -> None:
+        if dp.token_slice is not None:
+            cpu_kernels.paged_decode(self._cpu_kernel, query[dp.token_slice], kv_cache,
+                                     dp.block_table_i32, dp.seq_lens_i32, out[dp.token_slice], scale)
+            return
+        o = torch.empty(dp.num_decodes, *query.shape[1:], dtype=query.dtype)
+        cpu_kernels.paged_decode(self._cpu_kernel, query[dp.token_index], kv_cache,
+                                 dp.block_table_i32, dp.seq_lens_i32, o, scale)
+        out[dp.token_index] = o
 
     @staticmethod
     def _decode(query, kv_cache, plan: TorchAttentionPlan, scale: float, out: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.packed_linear import linear
 from tokenloom.model.rope import apply_rope, check_rope_scaling, cos_sin_cache
 
 
@@ -35,9 +36,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # A oneDNN-packed copy of `weight`, set by the CPU model runner (see packed_linear).
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class Embedding(nn.Module):
@@ -148,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.init_rope_cache()
+        # The LM head's oneDNN-packed weight (also when tied to the embedding), see packed_linear.
+        self.packed_lm_head: torch.Tensor | None = None
 
     def init_rope_cache(self) -> None:
         """(Re)compute the cos/sin table on the model's device, in float32 whatever the model
@@ -162,6 +167,11 @@ class LlamaForCausalLM(nn.Module):
         # not after); rebuild it on whatever device the parameters moved to instead.
         super()._apply(fn, recurse)
         self.init_rope_cache()
+        # Packed copies belong to the old dtype/device: drop them (a runner may pack again).
+        self.packed_lm_head = None
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.packed_weight = None
         return self
 
     # ---------------------------------------------------------------- forward
@@ -176,8 +186,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ---------------------------------------------------------------- weights
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -19,6 +19,7 @@ from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
+from tokenloom.model.packed_linear import pack_linear_weights
 from tokenloom.sample.sampler import Sampler
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -73,8 +74,10 @@ class ModelRunner:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            use_input_major_weights(self.model)
+        if self.device.type == "cpu" and not config.compile:
+            # oneDNN-packed float32 weights; otherwise (bf16, no oneDNN) input-major weights.
+            if not pack_linear_weights(self.model):
+                use_input_major_weights(self.model)
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).

@@ -1,0 +1,99 @@
+"""The C decode kernel (attention/csrc/paged_decode.c) against the float64 reference, and how it is
+built, cached and switched off. Skipped only where no C compiler exists; where one exists, a
+kernel that fails to build fails these tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenloom.attention import cpu_kernels
+from tokenloom.attention.testing import (as_fused_qkv_views, make_batch, poison_unused_slots,
+                                         reference_attention)
+from tokenloom.attention.torch_backend import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")
+
+FP32_TOL = 2e-5
+
+
+def run_backend(batch, use_cpu_kernel=True, layers=2):
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    plan = backend.prepare(batch.meta)
+    if use_cpu_kernel and batch.query.dtype == torch.float32:
+        assert plan.decode is None or plan.decode.block_table_i32 is not None, "kernel not planned"
+    outs = []
+    for _ in range(layers):  # layers share the plan
+        cache = batch.kv_cache.clone()
+        outs.append(backend.forward(batch.query, batch.key, batch.value, cache, plan, batch.scale))
+    return outs
+
+
+def test_kernel_builds_here():
+    assert os.environ.get("TOKENLOOM_CPU_KERNELS", "1") != "0"
+    assert cpu_kernels.load() is not None
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 36])  # specialized, generic, not a multiple of 8
+def test_decode_matches_reference(block_size, hq, hkv, head_dim):
+    # Lengths crossing block boundaries, ending on one, mid-block, a single token, a long one.
+    seq_lens = [1, 7, 15, 16, 17, 31, 32, 33, 64, 100, 257]
+    batch = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, head_dim, block_size, seed=head_dim)
+    poison_unused_slots(batch)  # reading past seq_lens or a stale block id gives NaN
+    ref, _ = reference_attention(batch)
+    for out in run_backend(batch):
+        err = (out.double() - ref).abs().max().item()
+        assert err < FP32_TOL, err
+
+
+def test_decode_matches_pytorch_path_in_mixed_batch():
+    """Decodes between prefill chunks (token rows not contiguous: the index path), strided q/k/v
+    views of a fused projection, and padding rows after the real tokens."""
+    batch = make_batch([3, 1, 20, 1, 1], [40, 18, 20, 33, 1], 9, 3, 64, 16, seed=5,
+                       num_padding_rows=3)
+    as_fused_qkv_views(batch)
+    ref, _ = reference_attention(batch)
+    T = batch.meta.num_actual_tokens
+    [fast] = run_backend(batch, layers=1)
+    [slow] = run_backend(batch, use_cpu_kernel=False, layers=1)
+    assert (fast[:T].double() - ref).abs().max().item() < FP32_TOL
+    assert (fast[:T] - slow[:T]).abs().max().item() < FP32_TOL
+    assert not fast[T:].any()
+
+
+def test_half_dtypes_keep_the_pytorch_path():
+    batch = make_batch([1, 1], [17, 40], 9, 3, 64, 16, dtype=torch.bfloat16)
+    ref, _ = reference_attention(batch)
+    [out] = run_backend(batch, layers=1)
+    assert (out.double() - ref).abs().max().item() < 5e-2
+
+
+def _python(code: str, **env: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True,
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+
+
+def test_switched_off_by_env_and_cached_build(tmp_path):
+    code = ("from tokenloom.attention import cpu_kernels; lib = cpu_kernels.load(); "
+            "print(lib is None or lib._name)")
+    assert _python(code, TOKENLOOM_CPU_KERNELS="0", TOKENLOOM_CACHE_DIR=str(tmp_path)) == "True"
+    assert not (tmp_path / "kernels").exists()
+    first = _python(code, TOKENLOOM_CACHE_DIR=str(tmp_path))
+    assert first.startswith(str(tmp_path / "kernels"))
+    mtime = os.stat(first).st_mtime_ns
+    assert _python(code, TOKENLOOM_CACHE_DIR=str(tmp_path)) == first  # the build is reused
+    assert os.stat(first).st_mtime_ns == mtime
+    assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".so"]  # no leftovers
+
+
+def test_loading_does_not_flush_denormals():
+    """-ffast-math code in a shared library can switch the whole process to flush-to-zero when
+    it is loaded (gcc's crtfastmath.o); the kernel is linked without it."""
+    code = ("import torch; from tokenloom.attention import cpu_kernels; assert cpu_kernels.load(); "
+            "x = torch.tensor([1e-39], dtype=torch.float32); print(float((x * 1.5)[0]) > 0)")
+    assert _python(code) == "True"

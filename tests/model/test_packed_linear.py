@@ -1,0 +1,69 @@
+"""oneDNN-packed linear weights (model/packed_linear.py), the float32 CPU fast path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.model.llama import Linear
+from tokenloom.model.packed_linear import pack_linear_weights, packed_linear_available
+
+pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
+                                reason="this torch build has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=bias)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    x = torch.randn(rows, 96)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert pack_linear_weights(layer) == 1 and layer.packed_weight is not None
+    got = layer(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    # Strided input (a column slice, as a fused projection hands over) is made contiguous.
+    wide = torch.randn(rows, 200)
+    torch.testing.assert_close(layer(wide[:, 10:106]),
+                               torch.nn.functional.linear(wide[:, 10:106], layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def _tiny_model(tied: bool):
+    from tokenloom.model.config import ModelArchConfig
+    from tokenloom.model.llama import LlamaForCausalLM
+
+    cfg = ModelArchConfig(architecture="llama", num_hidden_layers=2, hidden_size=64,
+                          intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=300, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          max_position_embeddings=128, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_model_logits_and_dtype_change(tied):
+    model = _tiny_model(tied)
+    hidden = torch.randn(5, 64)
+    expected = model.compute_logits(hidden)
+    mlp_in = torch.randn(3, 64)
+    expected_mlp = model.layers[0].mlp(mlp_in)
+    # 2 layers x (qkv, o, gate_up, down); an untied lm_head is packed once, as packed_lm_head.
+    assert pack_linear_weights(model) == 8
+    assert model.packed_lm_head is not None
+    if not tied:
+        assert model.lm_head.packed_weight is None
+    torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.layers[0].mlp(mlp_in), expected_mlp, rtol=1e-5, atol=1e-5)
+    # Packed copies belong to float32: converting the model drops them, and bf16 is not packed.
+    model.to(torch.bfloat16)
+    assert model.packed_lm_head is None
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert pack_linear_weights(model) == 0
+    assert not packed_linear_available(torch.bfloat16)
