@@ -6,9 +6,10 @@ Imported only inside the commands' `func` (it imports torch and numpy).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -266,3 +267,17 @@ def summary_ms(values_s: Sequence[float]) -> dict[str, float]:
 def positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+
+
+def emit(result: dict[str, Any], as_json: bool, report: Callable[[dict[str, Any]], None]) -> int:
+    """Print a bench result as one JSON object or as its human report; the command's exit code."""
+    if as_json:
+        print(json.dumps(result))
+    else:
+        report(result)
+    return 0
+
+
+def result_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's columns: tokenloom's run, then the baseline's when there is one."""
+    return [result["tokenloom"]] + ([result["baseline"]] if "baseline" in result else [])

@@ -12,7 +12,6 @@ step's logits are ready; its iterations alternate with ours.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from tokenloom.entrypoints.engine_args import add_engine_args
@@ -137,7 +136,7 @@ class _HF:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import positive
+    from tokenloom.entrypoints.bench.common import emit, positive
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         positive(name, getattr(args, name))
@@ -171,21 +170,17 @@ def run(args: argparse.Namespace) -> int:
         result["speedup_decode_per_token"] = base["decode_per_token"]["median_ms"] / ours["decode_per_token"]["median_ms"]
         result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
         result["speedup_cpu"] = base["cpu_per_iteration"]["median_ms"] / ours["cpu_per_iteration"]["median_ms"]
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print_report(result)
-    return 0
+    return emit(result, args.json, _print_report)
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile
+    from tokenloom.entrypoints.bench.common import format_profile, result_runs
 
     print(f"{' tokenloom bench latency ':=^72}")
     print(f"model: {result['model']}")
     print(f"batch {result['batch_size']} x {result['input_len']} input tokens x {result['output_len']} output tokens; "
           f"{result['num_iters']} iterations after {result['warmup']} warm-up")
-    runs = [result["tokenloom"]] + ([result["baseline"]] if "baseline" in result else [])
+    runs = result_runs(result)
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
     print(f"{'dtype':<28}" + "".join(f"{r['dtype']:>22}" for r in runs))
     for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end"),

@@ -9,7 +9,6 @@ region is one `generate()` over all prompts, after a short warm-up run on other 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -103,7 +102,7 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import positive, random_prompt_ids
+    from tokenloom.entrypoints.bench.common import emit, positive, random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
@@ -131,20 +130,16 @@ def run(args: argparse.Namespace) -> int:
     if "baseline" in result:
         ours, base = result["tokenloom"], result["baseline"]
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print_report(result)
-    return 0
+    return emit(result, args.json, _print_report)
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile
+    from tokenloom.entrypoints.bench.common import format_profile, result_runs
 
     print(f"{' tokenloom bench throughput ':=^72}")
     print(f"model: {result['model']}")
     print(f"{result['num_prompts']} prompts x {result['input_len']} input tokens x {result['output_len']} output tokens (greedy, ignore_eos)")
-    runs = [result["tokenloom"]] + ([result["baseline"]] if "baseline" in result else [])
+    runs = result_runs(result)
     print(f"{'':<24}" + "".join(f"{r['backend']:>24}" for r in runs))
     for key, label, fmt in (
         ("dtype", "dtype", "{}"),
