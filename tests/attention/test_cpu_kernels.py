@@ -1,4 +1,4 @@
-"""The C decode kernel (attention/csrc/paged_decode.c) against the float64 reference, and how it is
+"""The C decode kernel (ops/csrc/paged_decode.c) against the float64 reference, and how it is
 built, cached and switched off. Skipped only where no C compiler exists; where one exists, a
 kernel that fails to build fails these tests."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tokenloom.attention import cpu_kernels
+from tokenloom.ops import cpu_kernels
 from tokenloom.attention.testing import (as_fused_qkv_views, make_batch, poison_unused_slots,
                                          reference_attention)
 from tokenloom.attention.torch_backend import TorchAttentionBackend
@@ -38,7 +38,8 @@ def test_kernel_builds_here():
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+# GQA ratios 1, 3, 8, and more query heads than one work item takes (16): 32/8, 20/4.
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2), (32, 8), (20, 4)])
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 36])  # specialized, generic, not a multiple of 8
 def test_decode_matches_reference(block_size, hq, hkv, head_dim):
     # Lengths crossing block boundaries, ending on one, mid-block, a single token, a long one.
@@ -49,6 +50,16 @@ def test_decode_matches_reference(block_size, hq, hkv, head_dim):
     for out in run_backend(batch):
         err = (out.double() - ref).abs().max().item()
         assert err < FP32_TOL, err
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (32, 8), (1, 1)])
+def test_single_sequence_splits_its_heads(hq, hkv):
+    """One decode: the kernel splits the heads into several work items so both threads work."""
+    batch = make_batch([1], [300], hq, hkv, 64, 16, seed=hq)
+    poison_unused_slots(batch)
+    ref, _ = reference_attention(batch)
+    [out] = run_backend(batch, layers=1)
+    assert (out.double() - ref).abs().max().item() < FP32_TOL
 
 
 def test_decode_matches_pytorch_path_in_mixed_batch():
@@ -79,7 +90,7 @@ def _python(code: str, **env: str) -> str:
 
 
 def test_switched_off_by_env_and_cached_build(tmp_path):
-    code = ("from tokenloom.attention import cpu_kernels; lib = cpu_kernels.load(); "
+    code = ("from tokenloom.ops import cpu_kernels; lib = cpu_kernels.load(); "
             "print(lib is None or lib._name)")
     assert _python(code, TOKENLOOM_CPU_KERNELS="0", TOKENLOOM_CACHE_DIR=str(tmp_path)) == "True"
     assert not (tmp_path / "kernels").exists()
@@ -89,11 +100,19 @@ def test_switched_off_by_env_and_cached_build(tmp_path):
     assert _python(code, TOKENLOOM_CACHE_DIR=str(tmp_path)) == first  # the build is reused
     assert os.stat(first).st_mtime_ns == mtime
     assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".so"]  # no leftovers
+    # A new build prunes builds of other sources older than a week, and only those.
+    kernels = tmp_path / "kernels"
+    stale, recent = kernels / "tokenloom_cpu-0000.so", kernels / "paged_decode-1111.so"
+    stale.write_bytes(b""), recent.write_bytes(b"")
+    os.utime(stale, (0, 0))
+    os.remove(first)
+    assert _python(code, TOKENLOOM_CACHE_DIR=str(tmp_path)) == first
+    assert not stale.exists() and recent.exists()
 
 
 def test_loading_does_not_flush_denormals():
     """-ffast-math code in a shared library can switch the whole process to flush-to-zero when
     it is loaded (gcc's crtfastmath.o); the kernel is linked without it."""
-    code = ("import torch; from tokenloom.attention import cpu_kernels; assert cpu_kernels.load(); "
+    code = ("import torch; from tokenloom.ops import cpu_kernels; assert cpu_kernels.load(); "
             "x = torch.tensor([1e-39], dtype=torch.float32); print(float((x * 1.5)[0]) > 0)")
     assert _python(code) == "True"

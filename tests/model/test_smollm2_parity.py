@@ -86,22 +86,34 @@ def test_chunked_prefill_and_scattered_blocks(smollm2, prompts, one_shot_logits)
         assert torch.equal(got.argmax(-1), expected.argmax(-1)), kwargs
 
 
-def test_packed_weights_match_transformers(smollm2, prompts, hf_logits):
-    """The CPU model runner's oneDNN-packed float32 weights (packed_linear) give transformers'
-    logits too, with chunks so that decodes over cached context go through the packed matmuls."""
+@pytest.mark.parametrize("cpu_kernels_on", [False, True])
+def test_cpu_fast_path_matches_transformers(smollm2, prompts, hf_logits, cpu_kernels_on):
+    """The CPU model runner's fast path: oneDNN-packed float32 weights (packed_linear), alone and
+    with the C norms, RoPE and SiLU-and-mul (ops/cpu_kernels), gives transformers' logits, with
+    chunks (decodes over cached context, small matmuls on the packed weights) and in one step of
+    1000+ tokens (plain F.linear, the kernels' threaded rows)."""
     from tokenloom.model.packed_linear import pack_linear_weights
+    from tokenloom.ops import cpu_kernels
 
     model = smollm2.model
     assert pack_linear_weights(model) == 4 * smollm2.config.num_hidden_layers
     try:
         assert model.packed_lm_head is not None
-        got = run_flat_batch(smollm2, prompts[:5], chunk_sizes=[1, 9, 6, 14, 33])
+        if cpu_kernels_on:
+            if cpu_kernels.load() is None:
+                pytest.skip("no C compiler here")
+            assert model.use_cpu_kernels(cpu_kernels.load())
+        chunked = run_flat_batch(smollm2, prompts[:5], chunk_sizes=[1, 9, 6, 14, 33])
+        one_shot = run_flat_batch(smollm2, prompts)
     finally:  # the model is shared by the session: leave it as it was
+        model.use_cpu_kernels(None)
         model.packed_lm_head = None
         for m in model.modules():
             if hasattr(m, "packed_weight"):
                 m.packed_weight = None
-    diff = (got - hf_logits[:5]).abs().max().item()
-    print(f"packed weights: max abs logits diff vs transformers {diff:.3g}")
-    assert diff <= PARITY_ATOL
-    assert torch.equal(got.argmax(-1), hf_logits[:5].argmax(-1))
+    for name, got, ref in (("chunked", chunked, hf_logits[:5]), ("one step", one_shot, hf_logits)):
+        diff = (got - ref).abs().max().item()
+        print(f"fast path (C kernels {cpu_kernels_on}), {name}: max abs logits diff vs "
+              f"transformers {diff:.3g}")
+        assert diff <= PARITY_ATOL
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))

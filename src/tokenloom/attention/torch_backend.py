@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenloom.attention import cpu_kernels
+from tokenloom.ops import cpu_kernels
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.attention.metadata import AttentionMetadata
 

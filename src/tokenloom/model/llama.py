@@ -11,11 +11,15 @@ belongs to, and where its context lives in the paged KV cache, only the attentio
 know; it gets that from `attn_plan`, which the model runner prepares once per step.
 
 q/k/v and gate/up are each one matmul over a fused weight: checkpoints store them apart, and
-`load_weights` copies each part into its rows of the fused parameter.
+`load_weights` copies each part into its rows of the fused parameter. As in vLLM, a layer hands
+the residual stream on beside its output, so the next norm adds the two itself (one pass with the
+float32 CPU kernels of `ops/cpu_kernels`, which `use_cpu_kernels` switches on for the norms,
+RoPE and SiLU-and-mul; the PyTorch ops stay the path for every other dtype and device).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ctypes
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,6 +30,7 @@ from tokenloom.attention.backend import AttentionBackend
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.packed_linear import linear
 from tokenloom.model.rope import apply_rope, check_rope_scaling, cos_sin_cache
+from tokenloom.ops import cpu_kernels
 
 
 class Linear(nn.Module):
@@ -62,12 +67,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.cpu_ops: ctypes.CDLL | None = None  # see LlamaForCausalLM.use_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        if self.cpu_ops is not None and x.dim() == 2 and x.stride(1) == 1 and (
+                residual is None or residual.stride(1) == 1):
+            out = cpu_kernels.add_rms_norm(self.cpu_ops, x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)  # residual updated in place
+        if residual is not None:
+            residual = x + residual
+            x = residual
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
 
 
 class Attention(nn.Module):
@@ -87,8 +103,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                backend: AttentionBackend, plan: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor],
+                kv_cache: torch.Tensor, backend: AttentionBackend, plan: Any) -> torch.Tensor:
+        """`rotate` applies RoPE at this step's positions to a [T, heads, head_dim] tensor."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -98,12 +115,12 @@ class Attention(nn.Module):
             # a decode step.
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
                                                                    self.head_dim)
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+            q, k = rotate(self.q_norm(q)), rotate(self.k_norm(k))
         out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -114,9 +131,13 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.cpu_ops: ctypes.CDLL | None = None  # see LlamaForCausalLM.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return self.down_proj(cpu_kernels.silu_and_mul(self.cpu_ops, gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -128,10 +149,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                backend: AttentionBackend, plan: Any) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, backend, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rotate: Callable[[torch.Tensor], torch.Tensor], kv_cache: torch.Tensor,
+                backend: AttentionBackend, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the block's output, the residual stream before it); the caller adds the two."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotate, kv_cache, backend, plan)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 # Checkpoint (HF) names of the parts that live inside a fused parameter:
@@ -160,6 +188,18 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope_cache()
         # The LM head's oneDNN-packed weight (also when tied to the embedding), see packed_linear.
         self.packed_lm_head: torch.Tensor | None = None
+        self.cpu_ops: ctypes.CDLL | None = None  # see use_cpu_kernels
+
+    def use_cpu_kernels(self, lib: ctypes.CDLL | None) -> bool:
+        """Route the norms, RoPE and SiLU-and-mul through `lib` (ops/cpu_kernels), or back to
+        the PyTorch ops with None. Only for a float32 model on the CPU; returns whether it is on."""
+        w = self.embed_tokens.weight
+        if lib is not None and (w.dtype != torch.float32 or w.device.type != "cpu"):
+            lib = None
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP, LlamaForCausalLM)):
+                m.cpu_ops = lib
+        return lib is not None
 
     def init_rope_cache(self) -> None:
         """(Re)compute the cos/sin table on the model's device, in float32 whatever the model
@@ -179,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed_weight = None
+        self.use_cpu_kernels(self.cpu_ops)  # off unless still float32 on the CPU
         return self
 
     # ---------------------------------------------------------------- forward
@@ -186,10 +227,24 @@ class LlamaForCausalLM(nn.Module):
                 attn_backend: AttentionBackend, attn_plan: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm)."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.cos_sin.index_select(0, positions).to(h.dtype).unsqueeze(1).chunk(2, dim=-1)
+        lib = self.cpu_ops
+        if lib is not None:
+            table = self.cos_sin
+
+            def rotate(x: torch.Tensor) -> torch.Tensor:
+                if (x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                        and positions.dtype == torch.int64 and positions.is_contiguous()):
+                    return cpu_kernels.rope_(lib, x, positions, table)  # in place
+                return apply_rope(x, *table.index_select(0, positions).unsqueeze(1).chunk(2, -1))
+        else:
+            cos, sin = self.cos_sin.index_select(0, positions).to(h.dtype).unsqueeze(1).chunk(2, -1)
+
+            def rotate(x: torch.Tensor) -> torch.Tensor:
+                return apply_rope(x, cos, sin)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_backend, attn_plan)
-        return self.norm(h)
+            h, residual = layer(h, residual, rotate, kv_cache, attn_backend, attn_plan)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""

@@ -13,7 +13,10 @@ whole weight for a few FLOPs each, and it dominates. oneDNN can keep a weight in
     tied lm_head 49152 x 576: M=64 47-50 ms -> 26 ms, M=1 5.3 -> 4.6-5.0 ms
 
 One packed copy serves every M (the batch-size hint only picks the blocking; 64 and 2048 measured
-the same at M=1, 64 and 2048). Results match `F.linear` within float32 rounding (the reduction
+the same at M=1, 64 and 2048). From M = 512 rows up MKL's own GEMM on the plain weight is faster
+again (the packing cost is spread over many rows, and its kernels reach ~169 GFLOP/s here against
+oneDNN's ~160: the 30 layers' four matmuls at M=2048 took 2.57 vs 2.69 s, at 512 0.66 vs
+0.72 s, at 256 0.37 vs 0.35 s), so prefill-sized inputs go to `F.linear`. Results match `F.linear` within float32 rounding (the reduction
 order differs). Packing is float32 only: without AVX-512 BF16 this CPU has no fast bf16 GEMM to
 pack for, and bf16 stays on `F.linear`.
 
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # The batch-size hint for the packed layout (see the module docstring: it barely matters).
 _PACK_HINT_ROWS = 64
+# From this many input rows up, `F.linear` on the plain weight beats the packed copy.
+_PLAIN_FROM_ROWS = 512
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -57,9 +62,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed copy when there is one. oneDNN takes 2-D
-    input; the model's activations are already [tokens, features]."""
-    if packed is not None and x.dim() == 2:
+    """`F.linear(x, weight, bias)`, through the packed copy when there is one and `x` has fewer
+    than `_PLAIN_FROM_ROWS` rows. oneDNN takes 2-D input; the model's activations are already
+    [tokens, features]."""
+    if packed is not None and x.dim() == 2 and x.shape[0] < _PLAIN_FROM_ROWS:
         return _linear_packed(x.contiguous(), packed, bias)
     return nn.functional.linear(x, weight, bias)
 

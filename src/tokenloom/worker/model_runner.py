@@ -20,6 +20,7 @@ from tokenloom.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import pack_linear_weights
+from tokenloom.ops import cpu_kernels
 from tokenloom.sample.sampler import Sampler
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -78,6 +79,9 @@ class ModelRunner:
             # oneDNN-packed float32 weights; otherwise (bf16, no oneDNN) input-major weights.
             if not pack_linear_weights(self.model):
                 use_input_major_weights(self.model)
+            # float32: norms, RoPE and SiLU-and-mul in C (ops/cpu_kernels; None without a compiler).
+            if hasattr(self.model, "use_cpu_kernels") and self.dtype == torch.float32:
+                self.model.use_cpu_kernels(cpu_kernels.load())
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).

@@ -1,0 +1,104 @@
+/* The decoder's element-wise steps for float32 on the CPU, each one pass over its rows instead of
+ * the 2-7 PyTorch ops (and as many temporaries) it takes in eager mode:
+ *
+ *   tl_add_rms_norm_f32   residual += x (optional), out = weight * (r * 1/sqrt(mean(r^2) + eps))
+ *   tl_silu_and_mul_f32   out = silu(gate) * up, gate and up the two halves of a fused row
+ *   tl_rope_f32           rotate-half RoPE in place on a [T, heads, head_dim] strided view
+ *
+ * At a 2048-token prefill the eager versions cost ~0.25 s of a 3.4 s step on 2 cores (norms
+ * 71 ms, RoPE 99 ms, SiLU and mul ~75 ms, residual adds); at a batch-64 decode each of the ~700
+ * small ops of a step is mostly dispatch. The arithmetic follows the reference's order (the norm
+ * scales by 1/sqrt and then by the weight; silu is x / (1 + exp(-x))), so results differ from
+ * PyTorch's only by float32 rounding of the reductions and of exp (~1 ulp).
+ *
+ * Rows go to OpenMP threads when a call has enough of them to pay for waking the second thread
+ * (TL_PAR_MIN elements). Built with the decode kernel (see ops/cpu_kernels.py).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define TL_PAR_MIN 32768
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* exp(x), eight at a time, for x in [-87, 88] (clamped outside): x = n ln2 + r, |r| <= ln2/2,
+ * exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n built in the exponent
+ * bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#define TL_HAVE_AVX2 1
+#else
+#define TL_HAVE_AVX2 0
+#endif
+
+void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t r_stride,
+                         const float *weight, float *out, int64_t out_stride, int32_t T,
+                         int32_t H, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * H >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const float *xr = x + t * x_stride;
+        float *o = out + t * out_stride;
+        const float *r = xr;
+        if (residual) {  /* r = residual += x, kept in place for the next block's add */
+            float *rr = residual + t * r_stride;
+            for (int i = 0; i < H; i++) rr[i] += xr[i];
+            r = rr;
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < H; i++) ss += r[i] * r[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int i = 0; i < H; i++) o[i] = weight[i] * (r[i] * inv);
+    }
+}
+
+void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
+                         int32_t T, int32_t I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * in_stride, *u = g + I;
+        float *o = out + t * out_stride;
+        int i = 0;
+#if TL_HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int32_t head_dim,
+                 const int64_t *positions, const float *cos_sin, int64_t cs_stride) {
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if ((int64_t)T * num_heads * head_dim >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * cs_stride, *s = c + half;
+        for (int h = 0; h < num_heads; h++) {
+            float *x1 = x + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+"""The C element-wise kernels (ops/csrc/elementwise.c) against the PyTorch ops they replace in the
+model: shapes that are not multiples of the vector width, strided rows (the fused projections'
+slices), enough rows to take the threaded branch, and values where exp saturates."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.model.rope import apply_rope, cos_sin_cache
+from tokenloom.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_kernels.load()
+    assert lib is not None  # a compiler exists, so a failed build is a failure
+    return lib
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("T,H", [(1, 576), (5, 100), (300, 576), (2048, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(lib, T, H, with_residual):
+    torch.manual_seed(T + H)
+    wide = torch.randn(T, H + 24) * 3
+    x = wide[:, 8:8 + H]  # strided rows, as a slice of a wider output
+    w = torch.randn(H)
+    residual = torch.randn(T, H) if with_residual else None
+    expected_res = None if residual is None else x + residual
+    expected = _rms_norm(x if residual is None else expected_res, w, 1e-5)
+    res_in = None if residual is None else residual.clone()
+    got = cpu_kernels.add_rms_norm(lib, x, res_in, w, 1e-5)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+    if with_residual:  # updated in place, exactly (one float addition per element)
+        assert torch.equal(res_in, expected_res)
+    assert torch.equal(wide[:, 8:8 + H], x)  # input untouched
+
+
+@pytest.mark.parametrize("T,I", [(1, 1536), (3, 37), (64, 1536), (700, 96)])
+def test_silu_and_mul(lib, T, I):
+    torch.manual_seed(I)
+    gate_up = torch.randn(T, 2 * I) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])  # exp saturates both ways
+    wide = torch.zeros(T, 2 * I + 8)
+    wide[:, 3:3 + 2 * I] = gate_up
+    for src in (gate_up, wide[:, 3:3 + 2 * I]):
+        got = cpu_kernels.silu_and_mul(lib, src)
+        expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+        torch.testing.assert_close(got, expected, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 5, 36), (600, 12, 64), (4, 3, 128)])
+def test_rope_in_place(lib, T, heads, D):
+    torch.manual_seed(D)
+    table = cos_sin_cache(D, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (T,), dtype=torch.int64)
+    qkv = torch.randn(T, (heads + 2) * D)  # rows strided: the rotated heads are a prefix slice
+    x = qkv[:, :heads * D].view(T, heads, D)
+    cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    expected = apply_rope(x.clone(), cos, sin)
+    tail = qkv[:, heads * D:].clone()
+    got = cpu_kernels.rope_(lib, x, positions, table)
+    assert got.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=2e-6)
+    assert torch.equal(qkv[:, heads * D:], tail)  # nothing past the rotated heads is touched
