@@ -32,7 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "elementwise.c")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c")]
+_HEADERS = [_CSRC / "vec_math.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
@@ -56,7 +58,7 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags_line = next((ln for ln in cpu.splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES),
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES + _HEADERS),
                                     " ".join(_COMPILE_FLAGS + _LINK_FLAGS), version,
                                     flags_line]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()

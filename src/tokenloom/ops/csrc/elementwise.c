@@ -19,32 +19,8 @@
 
 #define TL_PAR_MIN 32768
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-/* exp(x), eight at a time, for x in [-87, 88] (clamped outside): x = n ln2 + r, |r| <= ln2/2,
- * exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n built in the exponent
- * bits. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#define TL_HAVE_AVX2 1
-#else
-#define TL_HAVE_AVX2 0
-#endif
+#include "vec_math.h"
+
 
 void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t r_stride,
                          const float *weight, float *out, int64_t out_stride, int32_t T,
@@ -77,7 +53,7 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; i + 8 <= I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 e = tl_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
                                                   _mm256_loadu_ps(u + i)));
         }

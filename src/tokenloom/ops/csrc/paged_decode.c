@@ -5,18 +5,19 @@
  * contiguous; q and out [num_seqs, num_heads, head_dim] with a row stride per sequence;
  * block_table [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32 (>= 1).
  *
- * One work item per (sequence, query head); the heads that share a KV head are neighbouring items,
- * so the K/V rows one reads are still in L2 for the next. Softmax is online per block (running
- * max and sum, rescaling the accumulator), as in FlashAttention, so nothing of size seq_len is
- * allocated. Specialized for head_dim 64 and 128 (the accumulator then lives in registers), with a
- * generic fallback; the Q.K products go eight positions at a time through AVX2 FMA chains when
- * the build machine has them. On the 2-core AVX2 box the kernel runs at about the speed of
- * reading the context's K/V once from memory (float32 KV: that read is the floor).
+ * Work items are (sequence, up to 16 query heads): a block's rows are read from memory once for
+ * all the heads of the item, the heads of one KV head share each row from L1 (GQA), and the next
+ * block is prefetched while this one is computed. Softmax is online per block (running max and
+ * sum, rescaling the accumulator), as in FlashAttention, so nothing of size seq_len is allocated.
+ * With AVX2 (head_dim a multiple of 8): Q.K eight rows at a time as independent FMA chains, exp
+ * by a polynomial eight lanes at a time, P.V with each head's accumulator in registers 64 columns
+ * at a time; otherwise plain loops. On the 2-core AVX2 box, batch 64 with 192 tokens of context,
+ * 30 layers take ~33 ms, 1.6x the time of one plain read of that K/V from memory (the first,
+ * per-query-head version took 49 ms).
  *
- * Built by tokenloom/attention/cpu_kernels.py with -O3 -march=native -ffast-math: the dot
- * products and the V accumulation vectorize over head_dim and expf over the block's positions
- * (glibc's libmvec). The code never produces inf or NaN (the running max starts at -FLT_MAX, not
- * -inf), which -ffast-math's finite-math assumption requires. The library is linked without
+ * Built by tokenloom/ops/cpu_kernels.py with -O3 -march=native -ffast-math. The code never
+ * produces inf or NaN (the running max starts at -FLT_MAX, not -inf; exp of anything below -87
+ * is 0), which -ffast-math's finite-math assumption requires. The library is linked without
  * -ffast-math so that loading it does not switch the process to flush-to-zero.
  */
 #include <float.h>
@@ -41,9 +42,48 @@ static inline void prefetch_block(const float *k_cache, const float *v_cache, in
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TL_HAVE_AVX2 1
+/* One work item's running state: its query heads (pre-scaled), their accumulators, this block's
+ * scores, the online-softmax max and sum, and each head's column offset in a cache row. */
+typedef struct {
+    float qs[TL_GC][256] __attribute__((aligned(32)));
+    float acc[TL_GC][256] __attribute__((aligned(32)));
+    float s[TL_GC][TL_MAX_BLOCK_SIZE + 8] __attribute__((aligned(32)));
+    float m[TL_GC], l[TL_GC];
+    int64_t off[TL_GC];
+} item_state;
+
+static inline void item_begin(item_state *st, const float *q0, int hq0, int nh, int G, int D,
+                              float scale) {
+    for (int g = 0; g < nh; g++) {
+        st->m[g] = -FLT_MAX; st->l[g] = 0.0f;
+        st->off[g] = (int64_t)((hq0 + g) / G) * D;
+        for (int i = 0; i < D; i++) { st->qs[g][i] = q0[g * D + i] * scale; st->acc[g][i] = 0.0f; }
+    }
+}
+
+/* Block `blk` of the item's sequence: its K and V rows (*kb, *vb) and how many of its positions
+ * are in the context; prefetches the next block. */
+static inline int item_block(const item_state *st, int nh, int D, const int32_t *bt, int blk,
+                             int L, const float *k_cache, const float *v_cache, int block_size,
+                             int64_t tok_stride, int64_t blk_stride, const float **kb,
+                             const float **vb) {
+    *kb = k_cache + (int64_t)bt[blk] * blk_stride;
+    *vb = v_cache + (int64_t)bt[blk] * blk_stride;
+    if ((blk + 1) * block_size < L)
+        prefetch_block(k_cache, v_cache, (int64_t)bt[blk + 1] * blk_stride, block_size,
+                       tok_stride, st->off[0], st->off[nh - 1] + D);
+    return L - blk * block_size < block_size ? L - blk * block_size : block_size;
+}
+
+static inline void item_end(const item_state *st, int nh, int D, float *o0) {
+    for (int g = 0; g < nh; g++) {
+        const float inv = st->l[g] > 0.0f ? 1.0f / st->l[g] : 0.0f;
+        for (int i = 0; i < D; i++) o0[g * D + i] = st->acc[g][i] * inv;
+    }
+}
+
+#include "vec_math.h"
+#if TL_HAVE_AVX2
 /* s[j] = q . k_j for the 8 rows k_j = k0 + j * stride (D a multiple of 8): eight independent FMA
  * chains, then one transposing reduction. A plain loop is one dependent chain per row plus a
  * horizontal sum, latency-bound at ~10x the cost. */
@@ -66,26 +106,11 @@ static inline void dot8(const float *q, const float *k0, int64_t stride, int D, 
                                       _mm256_permute2f128_ps(t0, t1, 0x31)));
 }
 
-/* exp(x) for x <= 0 (scores minus their running max), eight at a time: x = n ln2 + r with
- * |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7, about one float
- * ulp), 2^n built in the exponent bits. Below -87 (where expf would go subnormal) it returns 0. */
+/* exp(x) for x <= 0 (scores minus their running max), eight at a time; exactly 0 below -87,
+ * where expf would go subnormal (so padded lanes and a running max still at -FLT_MAX add 0). */
 static inline __m256 exp8_nonpos(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm256_and_ps(tl_exp8(x), keep);
 }
 
 static inline float hmax8(__m256 v) {
@@ -140,117 +165,88 @@ static inline void pv8(float *acc, const float *p, int n, const float *v, int64_
     _mm256_store_ps(acc, a);
 }
 
-/* One item, head_dim D a multiple of 8 (<= 256), with AVX2: per block, the scores of every head
- * (8-row dot products), the online-softmax update, then P.V with the accumulator of each head in
- * registers, 64 columns (8 registers) at a time. */
-static void item_avx2(const float *q0, int hq0, int nh, int G, const float *k_cache,
-                      const float *v_cache, const int32_t *bt, int L, int64_t tok_stride,
-                      int64_t blk_stride, int block_size, int D, float scale, float *o0) {
-    float qs[TL_GC][256] __attribute__((aligned(32)));
-    float acc[TL_GC][256] __attribute__((aligned(32)));
-    float s[TL_GC][TL_MAX_BLOCK_SIZE + 8] __attribute__((aligned(32)));
-    float m[TL_GC], l[TL_GC];
-    int64_t off[TL_GC];
-    for (int g = 0; g < nh; g++) {
-        m[g] = -FLT_MAX; l[g] = 0.0f;
-        off[g] = (int64_t)((hq0 + g) / G) * D;
-        for (int i = 0; i < D; i++) { qs[g][i] = q0[g * D + i] * scale; acc[g][i] = 0.0f; }
+/* One query head over one block, head_dim D a multiple of 8 (<= 256), with AVX2: the scores
+ * (8-row dot products), the online-softmax update, then P.V with the head's accumulator in
+ * registers, 64 columns (8 registers) at a time. kg, vg: the block's K and V rows of its KV head. */
+static inline void head_block_avx2(item_state *st, int g, const float *kg, const float *vg, int n,
+                                   int64_t tok_stride, int D) {
+    float *sg = st->s[g], *qg = st->qs[g];
+    int t = 0;
+    for (; t + 8 <= n; t += 8) dot8(qg, kg + t * tok_stride, tok_stride, D, sg + t);
+    for (; t < n; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kg + t * tok_stride + i), a);
+        sg[t] = hsum8(a);
     }
-    const int nblk = (L + block_size - 1) / block_size;
-    for (int blk = 0; blk < nblk; blk++) {
-        const int n = L - blk * block_size < block_size ? L - blk * block_size : block_size;
-        const float *kb = k_cache + (int64_t)bt[blk] * blk_stride;
-        const float *vb = v_cache + (int64_t)bt[blk] * blk_stride;
-        if (blk + 1 < nblk)
-            prefetch_block(k_cache, v_cache, (int64_t)bt[blk + 1] * blk_stride, block_size,
-                           tok_stride, off[0], off[nh - 1] + D);
-        for (int g = 0; g < nh; g++) {
-            const float *kg = kb + off[g];
-            float *sg = s[g];
-            int t = 0;
-            for (; t + 8 <= n; t += 8) dot8(qs[g], kg + t * tok_stride, tok_stride, D, sg + t);
-            for (; t < n; t++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int i = 0; i < D; i += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + i), _mm256_loadu_ps(kg + t * tok_stride + i), a);
-                sg[t] = hsum8(a);
-            }
-            for (; t % 8; t++) sg[t] = -FLT_MAX;  /* pad to 8: exp gives 0 there */
-            __m256 mx8 = _mm256_set1_ps(m[g]);
-            for (int j = 0; j < n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(sg + j));
-            const float mx = hmax8(mx8);
-            const __m256 mxv = _mm256_set1_ps(mx);
-            __m256 sum8 = _mm256_setzero_ps();
-            for (int j = 0; j < n; j += 8) {
-                const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_load_ps(sg + j), mxv));
-                _mm256_store_ps(sg + j, p);
-                sum8 = _mm256_add_ps(sum8, p);
-            }
-            const float alpha = _mm256_cvtss_f32(exp8_nonpos(_mm256_set1_ps(m[g] - mx)));
-            l[g] = l[g] * alpha + hsum8(sum8);
-            m[g] = mx;
-            const float *vg = vb + off[g];
-            const __m256 al = _mm256_set1_ps(alpha);
-            int c = 0;
-            for (; c + 64 <= D; c += 64) pv64(acc[g] + c, sg, n, vg + c, tok_stride, al);
-            for (; c < D; c += 8) pv8(acc[g] + c, sg, n, vg + c, tok_stride, al);
-        }
+    for (; t % 8; t++) sg[t] = -FLT_MAX;  /* pad to 8: exp gives 0 there */
+    __m256 mx8 = _mm256_set1_ps(st->m[g]);
+    for (int j = 0; j < n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(sg + j));
+    const float mx = hmax8(mx8);
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_load_ps(sg + j), mxv));
+        _mm256_store_ps(sg + j, p);
+        sum8 = _mm256_add_ps(sum8, p);
     }
-    for (int g = 0; g < nh; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int i = 0; i < D; i++) o0[g * D + i] = acc[g][i] * inv;
-    }
+    const float alpha = _mm256_cvtss_f32(exp8_nonpos(_mm256_set1_ps(st->m[g] - mx)));
+    st->l[g] = st->l[g] * alpha + hsum8(sum8);
+    st->m[g] = mx;
+    const __m256 al = _mm256_set1_ps(alpha);
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv64(st->acc[g] + c, sg, n, vg + c, tok_stride, al);
+    for (; c < D; c += 8) pv8(st->acc[g] + c, sg, n, vg + c, tok_stride, al);
 }
-#else
-#define TL_HAVE_AVX2 0
 #endif
 
-/* Any head_dim (<= 256), no intrinsics: the same blocking with plain loops (expf vectorized by
- * the compiler where it can). */
-static void item_scalar(const float *q0, int hq0, int nh, int G, const float *k_cache,
-                        const float *v_cache, const int32_t *bt, int L, int64_t tok_stride,
-                        int64_t blk_stride, int block_size, int D, float scale, float *o0) {
-    float qs[TL_GC][256], acc[TL_GC][256], s[TL_GC][TL_MAX_BLOCK_SIZE], m[TL_GC], l[TL_GC];
-    int64_t off[TL_GC];
-    for (int g = 0; g < nh; g++) {
-        m[g] = -FLT_MAX; l[g] = 0.0f;
-        off[g] = (int64_t)((hq0 + g) / G) * D;
-        for (int i = 0; i < D; i++) { qs[g][i] = q0[g * D + i] * scale; acc[g][i] = 0.0f; }
+/* The same for any head_dim (<= 256) with plain loops (expf vectorized by the compiler where it
+ * can). */
+static inline void head_block_scalar(item_state *st, int g, const float *kg, const float *vg,
+                                     int n, int64_t tok_stride, int D) {
+    float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];
+    for (int t = 0; t < n; t++) {
+        const float *kr = kg + t * tok_stride;
+        float dot = 0.0f;
+        for (int i = 0; i < D; i++) dot += qg[i] * kr[i];
+        sg[t] = dot;
     }
-    const int nblk = (L + block_size - 1) / block_size;
-    for (int blk = 0; blk < nblk; blk++) {
-        const int n = L - blk * block_size < block_size ? L - blk * block_size : block_size;
-        const float *kb = k_cache + (int64_t)bt[blk] * blk_stride;
-        const float *vb = v_cache + (int64_t)bt[blk] * blk_stride;
-        if (blk + 1 < nblk)
-            prefetch_block(k_cache, v_cache, (int64_t)bt[blk + 1] * blk_stride, block_size,
-                           tok_stride, off[0], off[nh - 1] + D);
+    float mx = st->m[g];
+    for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }
+    const float alpha = expf(st->m[g] - mx);
+    st->l[g] = st->l[g] * alpha + sum;
+    st->m[g] = mx;
+    for (int i = 0; i < D; i++) acc[i] *= alpha;
+    for (int t = 0; t < n; t++) {
+        const float p = sg[t], *vr = vg + t * tok_stride;
+        for (int i = 0; i < D; i++) acc[i] += p * vr[i];
+    }
+}
+
+/* One work item: query heads hq0 .. hq0 + nh - 1 of one sequence, block by block. */
+static void run_item(int vec, const float *q0, int hq0, int nh, int G, const float *k_cache,
+                     const float *v_cache, const int32_t *bt, int L, int64_t tok_stride,
+                     int64_t blk_stride, int block_size, int D, float scale, float *o0) {
+    item_state st;
+    item_begin(&st, q0, hq0, nh, G, D, scale);
+    for (int blk = 0; blk * block_size < L; blk++) {
+        const float *kb, *vb;
+        const int n = item_block(&st, nh, D, bt, blk, L, k_cache, v_cache, block_size, tok_stride,
+                                 blk_stride, &kb, &vb);
         for (int g = 0; g < nh; g++) {
-            float *sg = s[g];
-            for (int t = 0; t < n; t++) {
-                const float *kr = kb + off[g] + t * tok_stride;
-                float dot = 0.0f;
-                for (int i = 0; i < D; i++) dot += qs[g][i] * kr[i];
-                sg[t] = dot;
+#if TL_HAVE_AVX2
+            if (vec) {
+                head_block_avx2(&st, g, kb + st.off[g], vb + st.off[g], n, tok_stride, D);
+                continue;
             }
-            float mx = m[g];
-            for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-            float sum = 0.0f;
-            for (int t = 0; t < n; t++) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }
-            const float alpha = expf(m[g] - mx);
-            l[g] = l[g] * alpha + sum;
-            m[g] = mx;
-            for (int i = 0; i < D; i++) acc[g][i] *= alpha;
-            for (int t = 0; t < n; t++) {
-                const float p = sg[t], *vr = vb + off[g] + t * tok_stride;
-                for (int i = 0; i < D; i++) acc[g][i] += p * vr[i];
-            }
+#endif
+            head_block_scalar(&st, g, kb + st.off[g], vb + st.off[g], n, tok_stride, D);
         }
     }
-    for (int g = 0; g < nh; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int i = 0; i < D; i++) o0[g * D + i] = acc[g][i] * inv;
-    }
+    item_end(&st, nh, D, o0);
+    (void)vec;
 }
 
 int tl_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
@@ -280,16 +276,8 @@ int tl_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
         const float *q0 = q + b * q_stride + (int64_t)hq0 * D;
         float *o0 = out + b * out_stride + (int64_t)hq0 * D;
         const int32_t *bt = block_table + b * bt_stride;
-#if TL_HAVE_AVX2
-        if (vec) {
-            item_avx2(q0, hq0, nh, G, k_cache, v_cache, bt, seq_lens[b], tok_stride, blk_stride,
-                      block_size, D, scale, o0);
-            continue;
-        }
-#endif
-        item_scalar(q0, hq0, nh, G, k_cache, v_cache, bt, seq_lens[b], tok_stride, blk_stride,
-                    block_size, D, scale, o0);
+        run_item(vec, q0, hq0, nh, G, k_cache, v_cache, bt, seq_lens[b], tok_stride, blk_stride,
+                 block_size, D, scale, o0);
     }
-    (void)vec;
     return 0;
 }
