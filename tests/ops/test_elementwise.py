@@ -69,3 +69,18 @@ def test_rope_in_place(lib, T, heads, D):
     assert got.data_ptr() == x.data_ptr()
     torch.testing.assert_close(x, expected, rtol=1e-6, atol=2e-6)
     assert torch.equal(qkv[:, heads * D:], tail)  # nothing past the rotated heads is touched
+
+
+def test_kernel_benchmark_script_runs():
+    """benchmarks/cpu_kernels.py (the figures in benchmarks/README.md) still runs and reports
+    every case, on a one-layer, one-round workload."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_kernels.py"
+    out = subprocess.run([sys.executable, str(script), "--layers", "1", "--repeat", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.count("decode B=") == 4 and "x the read" in out, out
+    for name in ("add+norm", "rope", "silu*mul"):
+        assert out.count(name) == 2, out  # at 64 and 2048 rows
