@@ -32,3 +32,12 @@ class AttentionMetadata:
     # CPU copies: backends that plan on the host (the torch backend) read these without a sync.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+
+    def host_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`query_start_loc[:B + 1]` and `seq_lens[:B]` on the host, for planning a step: the CPU
+        copies when the runner gave them, else one device-to-host copy each."""
+        B = self.num_reqs
+        qsl = self.query_start_loc_cpu if self.query_start_loc_cpu is not None \
+            else self.query_start_loc.cpu()
+        seq_lens = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
+        return qsl[: B + 1], seq_lens[:B]

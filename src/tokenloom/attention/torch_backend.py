@@ -116,6 +116,23 @@ def _slots_for_positions(block_table_cpu: torch.Tensor, positions: torch.Tensor,
     return torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(pos))
 
 
+def _put_rows(out: torch.Tensor, rows: slice | None, index: torch.Tensor | None,
+              values: torch.Tensor) -> None:
+    """out[rows] = values, by the slice when the rows are one run, else by the index."""
+    if rows is not None:
+        out[rows] = values
+    else:
+        out[index] = values
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
+    """SDPA over [..., H, L, D] (GQA when k has fewer heads): causal from position 0 without a
+    mask, else the boolean `mask`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
 def _kernel_fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The C decode kernel takes float32 CPU tensors with each token's heads contiguous."""
     return (query.dtype == torch.float32 and kv_cache.dtype == torch.float32
@@ -139,17 +156,11 @@ class TorchAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ plan (once per step)
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         device = meta.slot_mapping.device
-        qsl = meta.query_start_loc_cpu
-        if qsl is None:
-            qsl = meta.query_start_loc.cpu()
-        seq_lens = meta.seq_lens_cpu
-        if seq_lens is None:
-            seq_lens = meta.seq_lens.cpu()
+        qsl, seq_lens = meta.host_lens()
         B = meta.num_reqs
         T = meta.num_actual_tokens
         bs = meta.block_size
-        qsl = qsl[: B + 1].to(torch.int64)
-        seq_lens = seq_lens[:B].to(torch.int64)
+        qsl, seq_lens = qsl.to(torch.int64), seq_lens.to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
 
         # KV write: skip padding slots. A device-side mask would avoid this sync, but prepare runs
@@ -369,11 +380,7 @@ class TorchAttentionBackend(AttentionBackend):
         # On CPU this is the fused (flash) SDPA kernel: it reads the strided K/V views directly
         # and accumulates the softmax in float32 also for bf16/fp16 inputs.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        o = o.reshape(Bd, Hq, D)
-        if dp.token_slice is not None:
-            out[dp.token_slice] = o
-        else:
-            out[dp.token_index] = o
+        _put_rows(out, dp.token_slice, dp.token_index, o.reshape(Bd, Hq, D))
 
     @staticmethod
     def _padded_prefill(query, key, value, k_flat, v_flat, pp: _PaddedPrefillPlan, scale,
@@ -395,39 +402,23 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             k = k_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
             v = v_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if pp.mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=Hq != Hkv)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=pp.mask, scale=scale,
-                                               enable_gqa=Hq != Hkv)
-        o = o.transpose(1, 2)  # [P, Lq, Hq, D]
+        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), pp.mask, scale).transpose(1, 2)  # [P, Lq, Hq, D]
         if pp.valid_rows is None and pp.token_slice is not None:
             out[pp.token_slice].view(P, Lq, Hq, D).copy_(o)
             return
         o = o.reshape(P * Lq, Hq, D)
         if pp.valid_rows is not None:
             o = o.index_select(0, pp.valid_rows)
-        if pp.token_slice is not None:
-            out[pp.token_slice] = o
-        else:
-            out[pp.token_index] = o
+        _put_rows(out, pp.token_slice, pp.token_index, o)
 
     @staticmethod
     def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale,
                          out) -> None:
         q = query[rp.start:rp.end].transpose(0, 1)  # [Hq, q_len, D]
-        Hq, Hkv = q.shape[0], key.shape[1]
         if rp.context_len == 0:
             # The whole context is this chunk: read it from the inputs, no gather needed.
-            k = key[rp.start:rp.end].transpose(0, 1).to(q.dtype)
-            v = value[rp.start:rp.end].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=Hq != Hkv)
+            k, v = key[rp.start:rp.end], value[rp.start:rp.end]
         else:
-            k = k_flat.index_select(0, rp.context_slots).transpose(0, 1).to(q.dtype)
-            v = v_flat.index_select(0, rp.context_slots).transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=rp.mask, scale=scale,
-                                               enable_gqa=Hq != Hkv)
+            k, v = k_flat.index_select(0, rp.context_slots), v_flat.index_select(0, rp.context_slots)
+        o = _sdpa(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), rp.mask, scale)
         out[rp.start:rp.end] = o.transpose(0, 1)

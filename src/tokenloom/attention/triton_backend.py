@@ -75,16 +75,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._num_sms
 
     def prepare(self, meta: AttentionMetadata) -> TritonAttentionPlan:
-        qsl = meta.query_start_loc_cpu
-        if qsl is None:
-            qsl = meta.query_start_loc.cpu()
-        seq_lens = meta.seq_lens_cpu
-        if seq_lens is None:
-            seq_lens = meta.seq_lens.cpu()
+        qsl, seq_lens = meta.host_lens()
         B = meta.num_reqs
-        qsl = qsl[: B + 1]
         q_lens = qsl[1:] - qsl[:-1]
-        seq_lens = seq_lens[:B]
         return TritonAttentionPlan(
             num_actual_tokens=meta.num_actual_tokens,
             num_reqs=B,
