@@ -230,6 +230,10 @@ class LlamaForCausalLM(nn.Module):
         lib = self.cpu_ops
         if lib is not None:
             table = self.cos_sin
+            # The C RoPE reads table rows unchecked; index_select would raise on these.
+            if positions.numel() and int(positions.max()) >= table.shape[0]:
+                raise IndexError(f"position {int(positions.max())} is past the model's "
+                                 f"{table.shape[0]} RoPE positions")
 
             def rotate(x: torch.Tensor) -> torch.Tensor:
                 if (x.stride(2) == 1 and x.stride(1) == x.shape[2]
