@@ -5,7 +5,8 @@
 Decode attention: the torch backend's `forward` (KV write included) with the C kernel and with
 its SDPA path, over one cache per layer (so, as in a real step, each layer's K/V comes from
 memory, not from cache), blocks in random order, SmolLM2's heads (9 query, 3 KV, head_dim 64).
-Alongside, the time of one plain `sum()` over the same K/V bytes: the memory floor.
+Alongside, the time of one plain `sum()` over the same K/V bytes (the memory floor), and the C
+kernel over the same cache in bfloat16 (`kv_cache_dtype="bfloat16"`: half the bytes).
 Element-wise: the norm with its residual add, RoPE and SiLU-and-mul, C against the eager ops,
 at a decode batch (64 rows) and a prefill chunk (2048 rows), per call over all the layers.
 Medians of `--repeat` rounds after one warm-up; every pair runs in the same process, alternating.
@@ -44,12 +45,15 @@ def bench_decode(batch: int, context: int, layers: int, repeat: int) -> None:
     kernel, sdpa = TorchAttentionBackend(), TorchAttentionBackend(use_cpu_kernel=False)
     kv_bytes = layers * batch * context * hkv * d * 4 * 2
 
-    def run(backend):
+    caches_bf16 = [b.kv_cache.to(torch.bfloat16) for b in batches]
+
+    def run(backend, caches=None):
         plans = [backend.prepare(b.meta) for b in batches]  # once per step in the engine
+        caches = caches or [b.kv_cache for b in batches]
 
         def step():
-            for b, plan in zip(batches, plans):
-                backend.forward(b.query, b.key, b.value, b.kv_cache, plan, b.scale)
+            for b, plan, cache in zip(batches, plans, caches):
+                backend.forward(b.query, b.key, b.value, cache, plan, b.scale)
         return step
 
     flat = [b.kv_cache.reshape(-1) for b in batches]
@@ -57,11 +61,13 @@ def bench_decode(batch: int, context: int, layers: int, repeat: int) -> None:
     def read():
         for x in flat:
             x.sum()
-    ms = _median_ms({"C kernel": run(kernel), "SDPA": run(sdpa), "read": read}, repeat)
+    ms = _median_ms({"C kernel": run(kernel), "SDPA": run(sdpa), "read": read,
+                     "bf16": run(kernel, caches_bf16)}, repeat)
     print(f"decode B={batch:3d} L={context:4d}: C kernel {ms['C kernel']:7.2f} ms  "
           f"SDPA path {ms['SDPA']:7.2f} ms  ({ms['SDPA'] / ms['C kernel']:.2f}x)  "
           f"K/V {kv_bytes / 1e6:.0f} MB, one plain read of the caches {ms['read']:.2f} ms "
-          f"(kernel = {ms['C kernel'] / ms['read']:.2f}x the read)")
+          f"(kernel = {ms['C kernel'] / ms['read']:.2f}x the read); bfloat16 cache "
+          f"{ms['bf16']:.2f} ms ({ms['C kernel'] / ms['bf16']:.2f}x)")
 
 
 def bench_elementwise(rows: int, layers: int, repeat: int, lib) -> None:

@@ -11,6 +11,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # The KV cache's element type: "auto" is the model dtype. "bfloat16" under a float32 model
+    # (CPU only) halves the cache's memory and the bytes decode attention reads, at the cost of
+    # rounding K and V to 8 significant bits (vLLM's kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # the token budget of one step
@@ -47,6 +51,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}.")
         if self.trace_path is not None and not self.enable_ledger:

@@ -153,6 +153,7 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     dtype: str
     attention_backend: str
     pid: int
+    kv_cache_dtype: str = ""  # "" from an engine that predates the field
 
 
 class LedgerBucket(enum.IntEnum):

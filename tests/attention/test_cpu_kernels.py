@@ -77,6 +77,33 @@ def test_decode_matches_pytorch_path_in_mixed_batch():
     assert not fast[T:].any()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 36])
+def test_bfloat16_cache_under_float32_queries(head_dim):
+    """kv_cache_dtype=bfloat16 with a float32 model: the kernel widens the cached K/V as it reads
+    them (the reference reads the same rounded values), and mixed with prefills the SDPA paths
+    cast them the same way."""
+    seq_lens = [1, 7, 16, 17, 33, 100, 257]
+    batch = make_batch([1] * len(seq_lens), seq_lens, 9, 3, head_dim, 16, seed=7)
+    batch.kv_cache = batch.kv_cache.to(torch.bfloat16)
+    poison_unused_slots(batch)
+    ref, _ = reference_attention(batch)
+    for out in run_backend(batch):
+        assert out.dtype == torch.float32
+        assert (out.double() - ref).abs().max().item() < FP32_TOL
+    # Prefill rows attend to this step's K/V as computed (float32, as vLLM does), the reference
+    # to the rounded cache: those agree to bfloat16 precision; the decode rows (3 and 24) and
+    # the kernel against the SDPA path agree to float32's.
+    mixed = make_batch([3, 1, 20, 1], [40, 18, 20, 33], 9, 3, head_dim, 16, seed=8)
+    mixed.kv_cache = mixed.kv_cache.to(torch.bfloat16)
+    ref, _ = reference_attention(mixed)
+    [fast] = run_backend(mixed, layers=1)
+    [slow] = run_backend(mixed, use_cpu_kernel=False, layers=1)
+    decode_rows = [3, 24]
+    assert (fast - slow).abs().max().item() < FP32_TOL
+    assert (fast[decode_rows].double() - ref[decode_rows]).abs().max().item() < FP32_TOL
+    assert (fast.double() - ref).abs().max().item() < 3e-2
+
+
 def test_half_dtypes_keep_the_pytorch_path():
     batch = make_batch([1, 1], [17, 40], 9, 3, 64, 16, dtype=torch.bfloat16)
     ref, _ = reference_attention(batch)

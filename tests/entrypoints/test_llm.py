@@ -120,3 +120,31 @@ def test_prefix_cache_hits_with_shared_prefix(default_llm):
     # Finished requests hold no blocks: every block is free again (cached ones included).
     assert after["num_requests"] == 0 and after["num_runner_requests"] == 0
     assert after["num_free_blocks"] == after["num_total_blocks"]
+
+
+def test_bfloat16_kv_cache(prompt_ids, reference):
+    """kv_cache_dtype="bfloat16" under the float32 model (the C decode kernel widens K/V as it
+    reads them): twice the blocks in the same memory, and greedy outputs that still follow
+    transformers'. Rounding K/V to bfloat16 moves logits by ~1e-2, so a near-tie may flip late
+    in a reply; every reply must agree on its first 8 tokens and most replies entirely."""
+    budget = 128 * 1024**2
+    with LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16") as llm:
+        info = llm.llm_engine.engine_core.info
+        ours = _greedy(llm, prompt_ids)
+    assert (info.dtype, info.kv_cache_dtype) == ("float32", "bfloat16")
+    # SmolLM2: 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims, 2 bytes each (4 in float32).
+    assert info.num_kv_blocks == budget // (30 * 2 * 16 * 3 * 64 * 2)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert a[:8] == b[:8], f"prompt {i}: {a} != {b}"
+    assert sum(a == b for a, b in zip(ours, reference)) >= len(reference) - 2
+
+
+def test_kv_cache_dtype_checked():
+    from tokenloom.config import EngineConfig
+    from tokenloom.worker.model_runner import resolve_kv_cache_dtype
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8").validate()
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"))
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16

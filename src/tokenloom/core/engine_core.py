@@ -48,6 +48,7 @@ class EngineCore:
             dtype=str(loaded.dtype).removeprefix("torch."),
             attention_backend=self.model_runner.attn_backend.name,
             pid=os.getpid(),
+            kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
         )
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None

@@ -12,6 +12,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache element type (auto: the model dtype); bfloat16 under a float32 model halves the cache on the CPU")
     g.add_argument("--device", default=_DEFAULTS.device)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget of one step")

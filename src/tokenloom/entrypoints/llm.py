@@ -22,7 +22,9 @@ class LLM:
 
     `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file or a
     Hugging Face directory. `dtype="auto"` is float32 on CPU (this CPU has no AMX: bfloat16
-    matmuls run at about half float32 speed) and bfloat16 on CUDA. `multiprocess=True` runs the
+    matmuls run at about half float32 speed) and bfloat16 on CUDA; `kv_cache_dtype="bfloat16"`
+    keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
+    K/V rounded to bfloat16). `multiprocess=True` runs the
     engine core in a child process; `False` runs it in this process (debugging).
     """
 
@@ -31,6 +33,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         device: str = "cpu",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
@@ -51,6 +54,7 @@ class LLM:
         config = EngineConfig(
             model=model,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c")]
-_HEADERS = [_CSRC / "vec_math.h"]
+_HEADERS = [_CSRC / "vec_math.h", _CSRC / "paged_decode_impl.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
@@ -116,10 +116,10 @@ def load() -> ctypes.CDLL | None:
             detail = getattr(exc, "stderr", "") or exc
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
-        fn = lib.tl_paged_decode_f32
-        fn.restype = _c_i32
-        fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
-                       _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
+        for fn in (lib.tl_paged_decode_f32, lib.tl_paged_decode_f32_bf16kv):
+            fn.restype = _c_i32
+            fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
+                           _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
         lib.tl_add_rms_norm_f32.restype = None
         lib.tl_add_rms_norm_f32.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_p, _c_p, _c_i64,
                                             _c_i32, _c_i32, _c_f]
@@ -137,14 +137,17 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
     """Decode attention of `query` [B, Hq, D] (rows may be strided) over the paged cache
     `kv_cache` [2, num_blocks, block_size, Hkv, D] into `out` [B, Hq, D].
 
-    `block_table` [B, >= max blocks] and `seq_lens` [B] are contiguous int32 CPU tensors; every
-    tensor is float32 on the CPU, and the head/row layout inside a row contiguous. The caller
-    checks these once per step (the torch backend's plan), not here."""
+    `block_table` [B, >= max blocks] and `seq_lens` [B] are contiguous int32 CPU tensors; query
+    and out are float32, the cache float32 or bfloat16, all on the CPU, with the head/row layout
+    inside a row contiguous. The caller checks these once per step (the torch backend's plan),
+    not here."""
     B, Hq, D = query.shape
     _, _, bs, Hkv, _ = kv_cache.shape
     k_ptr = kv_cache.data_ptr()
-    rc = lib.tl_paged_decode_f32(
-        query.data_ptr(), query.stride(0), k_ptr, k_ptr + 4 * kv_cache.stride(0),
+    v_ptr = k_ptr + kv_cache.element_size() * kv_cache.stride(0)
+    bf16 = kv_cache.dtype == torch.bfloat16
+    rc = (lib.tl_paged_decode_f32_bf16kv if bf16 else lib.tl_paged_decode_f32)(
+        query.data_ptr(), query.stride(0), k_ptr, v_ptr,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale)
     if rc != 0:

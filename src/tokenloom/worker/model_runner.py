@@ -31,9 +31,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for `EngineConfig.kv_cache_dtype` ("auto": the model's). Another
+    dtype than the model's is for the CPU: the torch backend casts on write and read (the C decode
+    kernel reads bfloat16 K/V under float32 queries directly); the Triton kernels do not."""
+    if name == "auto":
+        return model_dtype
+    kv_dtype = getattr(torch, name)
+    if kv_dtype != model_dtype and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype={name} differs from the model dtype "
+                         f"({str(model_dtype).removeprefix('torch.')}), which is supported on the "
+                         f"CPU only; use kv_cache_dtype='auto' on {device.type}.")
+    return kv_dtype
+
+
+def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int,
+                             kv_dtype: torch.dtype | None = None) -> int:
     cfg = loaded.config
-    elem = torch.tensor([], dtype=loaded.dtype).element_size()
+    elem = torch.tensor([], dtype=kv_dtype or loaded.dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
@@ -75,6 +90,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
             # oneDNN-packed float32 weights; otherwise (bf16, no oneDNN) input-major weights.
             if not pack_linear_weights(self.model):
@@ -95,7 +111,8 @@ class ModelRunner:
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
         ]
         max_blocks_per_req = -(-max_model_len // self.block_size)
         # +1 column: the token sampled at max_model_len is written before the scheduler stops it.
@@ -121,7 +138,7 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-        per_block = kv_cache_bytes_per_block(loaded, config.block_size)
+        per_block = kv_cache_bytes_per_block(loaded, config.block_size, self.kv_cache_dtype)
         num = budget // per_block
         if num < 1:
             raise ValueError(

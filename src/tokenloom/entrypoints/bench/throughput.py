@@ -70,6 +70,7 @@ def run_tokenloom(args: argparse.Namespace, prompts: list[list[int]], warmup: li
     result: dict[str, Any] = {
         "backend": "tokenloom",
         "dtype": info.dtype,
+        "kv_cache_dtype": info.kv_cache_dtype,
         "attention_backend": info.attention_backend,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -151,7 +152,7 @@ def _print_report(result: dict[str, Any]) -> None:
         print(f"{label:<24}" + "".join(f"{fmt.format(r[key]):>24}" for r in runs))
     ours = result["tokenloom"]
     print(f"tokenloom: max_num_seqs={ours['max_num_seqs']} max_num_batched_tokens={ours['max_num_batched_tokens']} "
-          f"attention={ours['attention_backend']}; CPU: core {ours['cpu'].get('core_cpu_util', 0):.2f} cores, "
+          f"attention={ours['attention_backend']} kv_cache_dtype={ours['kv_cache_dtype']}; CPU: core {ours['cpu'].get('core_cpu_util', 0):.2f} cores, "
           f"caller {ours['cpu']['caller_cpu_util']:.2f} cores")
     if "baseline" in result:
         base = result["baseline"]
