@@ -78,16 +78,22 @@ def test_decode_matches_pytorch_path_in_mixed_batch():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 36])
-def test_bfloat16_cache_under_float32_queries(head_dim):
+def test_bfloat16_cache_under_float32_queries(head_dim, monkeypatch):
     """kv_cache_dtype=bfloat16 with a float32 model: the kernel widens the cached K/V as it reads
     them (the reference reads the same rounded values), and mixed with prefills the SDPA paths
     cast them the same way."""
+    calls = []
+    real = cpu_kernels.paged_decode
+    monkeypatch.setattr(cpu_kernels, "paged_decode",
+                        lambda *a, **k: (calls.append(a[2].dtype), real(*a, **k))[1])
     seq_lens = [1, 7, 16, 17, 33, 100, 257]
     batch = make_batch([1] * len(seq_lens), seq_lens, 9, 3, head_dim, 16, seed=7)
     batch.kv_cache = batch.kv_cache.to(torch.bfloat16)
     poison_unused_slots(batch)
     ref, _ = reference_attention(batch)
-    for out in run_backend(batch):
+    outs = run_backend(batch)
+    assert calls == [torch.bfloat16] * 2  # the kernel read the bfloat16 cache, both layers
+    for out in outs:
         assert out.dtype == torch.float32
         assert (out.double() - ref).abs().max().item() < FP32_TOL
     # Prefill rows attend to this step's K/V as computed (float32, as vLLM does), the reference

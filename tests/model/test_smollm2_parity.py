@@ -87,7 +87,8 @@ def test_chunked_prefill_and_scattered_blocks(smollm2, prompts, one_shot_logits)
 
 
 @pytest.mark.parametrize("cpu_kernels_on", [False, True])
-def test_cpu_fast_path_matches_transformers(smollm2, prompts, hf_logits, cpu_kernels_on):
+def test_cpu_fast_path_matches_transformers(smollm2, prompts, hf_logits, cpu_kernels_on,
+                                           monkeypatch):
     """The CPU model runner's fast path: oneDNN-packed float32 weights (packed_linear), alone and
     with the C norms, RoPE and SiLU-and-mul (ops/cpu_kernels), gives transformers' logits, with
     chunks (decodes over cached context, small matmuls on the packed weights) and in one step of
@@ -95,6 +96,14 @@ def test_cpu_fast_path_matches_transformers(smollm2, prompts, hf_logits, cpu_ker
     from tokenloom.model.packed_linear import pack_linear_weights
     from tokenloom.ops import cpu_kernels
 
+    calls = {"add_rms_norm": 0, "rope_": 0, "silu_and_mul": 0}
+    for name in calls:  # count the C kernels' calls (they still run)
+        real = getattr(cpu_kernels, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(cpu_kernels, name, counted)
     model = smollm2.model
     assert pack_linear_weights(model) == 4 * smollm2.config.num_hidden_layers
     try:
@@ -111,6 +120,12 @@ def test_cpu_fast_path_matches_transformers(smollm2, prompts, hf_logits, cpu_ker
         for m in model.modules():
             if hasattr(m, "packed_weight"):
                 m.packed_weight = None
+    layers = smollm2.config.num_hidden_layers
+    if cpu_kernels_on:  # every norm, RoPE and MLP of every step went through C
+        assert calls["add_rms_norm"] >= 6 * (2 * layers + 1) and calls["rope_"] >= 6 * layers
+        assert calls["silu_and_mul"] >= 6 * layers
+    else:
+        assert not any(calls.values())
     for name, got, ref in (("chunked", chunked, hf_logits[:5]), ("one step", one_shot, hf_logits)):
         diff = (got - ref).abs().max().item()
         print(f"fast path (C kernels {cpu_kernels_on}), {name}: max abs logits diff vs "
