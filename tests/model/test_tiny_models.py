@@ -70,6 +70,20 @@ def test_hf_directory_matches_transformers(case, tokenizer, tmp_path):
     assert (got - expected).abs().max().item() <= ATOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
+    # The CPU model runner's fast path on the same model: packed weights and the C kernels (the
+    # qk-norm of Qwen3, head_dim 32 and Qwen2's q/k/v bias go through them too).
+    from tokenloom.model.packed_linear import pack_linear_weights
+    from tokenloom.ops import cpu_kernels
+
+    pack_linear_weights(loaded.model)
+    if cpu_kernels.load() is not None:
+        assert loaded.model.use_cpu_kernels(cpu_kernels.load())
+    fast = run_flat_batch(loaded, prompts, chunk_sizes=[1, 2, 5, 13, 64, 128], scatter=True)
+    print(f"{case} HF dir, CPU fast path: max abs logits diff "
+          f"{(fast - expected).abs().max().item():.3g}")
+    assert (fast - expected).abs().max().item() <= ATOL
+    assert torch.equal(fast.argmax(-1), expected.argmax(-1))
+
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gguf_file_matches_transformers(case, tmp_path):
