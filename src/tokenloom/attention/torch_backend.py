@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenloom.ops import cpu_kernels
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.ops import cpu_kernels
 
 # Padded prefill runs one SDPA over [P, Lq_max, Lk_max]; per-request prefill runs P calls over the
 # exact sizes. Padding wins while the padded work stays under about twice the exact work: on 2
