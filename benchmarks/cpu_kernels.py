@@ -14,15 +14,19 @@ Medians of `--repeat` rounds after one warm-up; every pair runs in the same proc
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from tokenloom.attention.testing import make_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "attention"))
+from attn_helpers import make_batch  # noqa: E402
 from tokenloom.attention.torch_backend import TorchAttentionBackend
-from tokenloom.model.rope import apply_rope, cos_sin_cache
+from tokenloom.model.rope import cos_sin_cache
+from tokenloom.ops.elementwise import apply_rope
 from tokenloom.ops import cpu_kernels
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,8 @@ def main() -> int:
     import triton.testing
 
     from tokenloom.attention import triton_kernels as tk
-    from tokenloom.attention.testing import make_batch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "attention"))
+    from attn_helpers import make_batch  # noqa: E402
     from tokenloom.attention.triton_backend import TritonAttentionBackend
 
     try:

@@ -144,7 +144,7 @@ def run_micro_benchmark(args: argparse.Namespace) -> dict:
         while s.has_unfinished_requests():
             so = s.schedule()
             t0 = time.perf_counter()
-            ledger.on_schedule(so, s.requests, now())
+            ledger.on_schedule(so, now())
             core_s += time.perf_counter() - t0
             outputs = s.update_from_output(so, fake_runner_output(s, so))
             t0 = time.perf_counter()

@@ -115,6 +115,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     serialize_time: float = 0.0
 
 
+# The call id of the engine core's ready handshake: its first message answers it with EngineInfo.
+READY_CALL_ID = -1
+
+
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     call_id: int
     result: bytes = b""  # msgpack of the result

@@ -55,6 +55,13 @@ class RequestMetrics:
     # One per generated token after the first (0.0 for tokens that arrived in the same message).
     inter_token_latencies: list[float] = field(default_factory=list)
     output_sent_time: float | None = None  # the core's output thread sent its final output
+    # Set when the request finishes, and again when it is returned (metrics.timeline.settle):
+    # the end-to-end latency in named parts that add up to it, the seconds it waited in the core
+    # by root cause (head-of-line waits go to what blocked the head: token_budget, max_num_seqs,
+    # no_kv_blocks, preempted), and the cause it waited longest for (None: it never waited).
+    parts: dict[str, float] = field(default_factory=dict)
+    wait_by_cause: dict[str, float] = field(default_factory=dict)
+    dominant_wait: str | None = None
 
     def record_tokens(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:
@@ -87,28 +94,6 @@ class RequestMetrics:
         end = self.returned_time if self.returned_time is not None else self.finished_time
         return None if end is None else end - self.arrival_time
 
-    @property
-    def parts(self) -> dict[str, float]:
-        """The end-to-end latency in named parts that add up to it ({} until finished)."""
-        from tokenloom.metrics.timeline import decompose
-
-        return decompose(self)
-
-    @property
-    def wait_by_cause(self) -> dict[str, float]:
-        """Seconds waited in the core by root cause (head-of-line waits go to what blocked the
-        head): token_budget, max_num_seqs, no_kv_blocks, preempted."""
-        from tokenloom.metrics.timeline import wait_by_cause
-
-        return wait_by_cause(self.core)
-
-    @property
-    def dominant_wait(self) -> str | None:
-        """The cause it waited longest for, or None if it never waited."""
-        from tokenloom.metrics.timeline import dominant_wait
-
-        return dominant_wait(self.wait_by_cause)
-
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -125,6 +110,16 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def append_delta(self, later: "CompletionOutput") -> None:
+        """Folds a later DELTA completion of the same index into this one: nothing is lost."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs = self.logprobs + later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
 
 
 @dataclass(slots=True)
@@ -163,12 +158,5 @@ class RequestOutput:
             elif not aggregate:
                 self.outputs[i] = new
             else:
-                old = self.outputs[i]
-                old.text += new.text
-                old.token_ids = old.token_ids + new.token_ids
-                if old.logprobs is not None and new.logprobs is not None:
-                    old.logprobs = old.logprobs + new.logprobs
-                old.cumulative_logprob = new.cumulative_logprob
-                old.finish_reason = new.finish_reason
-                old.stop_reason = new.stop_reason
+                self.outputs[i].append_delta(new)
         self.outputs.sort(key=lambda c: c.index)

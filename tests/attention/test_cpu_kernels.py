@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenloom.ops import cpu_kernels
-from tokenloom.attention.testing import (as_fused_qkv_views, make_batch, poison_unused_slots,
+from attn_helpers import (as_fused_qkv_views, make_batch, poison_unused_slots,
                                          reference_attention)
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 

@@ -35,7 +35,7 @@ if (type(tk._kv_cache_write_kernel).__name__ == "InterpretedFunction") != INTERP
     tk = importlib.reload(tk)
 
 from tokenloom.attention import get_attn_backend  # noqa: E402
-from tokenloom.attention.testing import (  # noqa: E402
+from attn_helpers import (  # noqa: E402
     as_fused_qkv_views,
     make_batch,
     poison_unused_slots,

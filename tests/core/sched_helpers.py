@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request
-from tokenloom.core.sched_output import SchedulerOutput
+from tokenloom.sched_output import SchedulerOutput
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.worker.outputs import ModelRunnerOutput
+from tokenloom.runner_output import ModelRunnerOutput
 
 EOS = 2
 _fresh_prompts = itertools.count(1)

@@ -3,9 +3,9 @@ import pytest
 from sched_helpers import EOS, check_block_invariants, fake_runner_output, make_request, make_scheduler, run_step
 
 from tokenloom.core.request import RequestStatus
-from tokenloom.core.sched_output import WaitReason
+from tokenloom.sched_output import WaitReason
 from tokenloom.messages import FinishReason, LogprobsLists
-from tokenloom.worker.outputs import ModelRunnerOutput
+from tokenloom.runner_output import ModelRunnerOutput
 
 
 def drain(scheduler, next_token=7, max_steps=500):
@@ -225,7 +225,7 @@ def test_abort_frees_blocks_and_emits_nothing():
     s.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
     s.finish_requests("run", RequestStatus.FINISHED_ABORTED)  # twice: ignored
     assert s.kv_cache_manager.num_used_blocks == 0 and not s.has_unfinished_requests()
-    assert s.get_request_counts() == (0, 0)
+    assert not s.running and not s.waiting
     check_block_invariants(s)
     assert s.schedule().finished_req_ids == {"run", "wait"}  # the runner drops them
     # An abort that lands between schedule() and update: the step's result is dropped.
@@ -295,7 +295,7 @@ def test_never_fitting_prompt_finishes_with_error():
     # Alone, it still gets its output from one (empty) step.
     s.add_request(make_request("huge2", 100))
     so, outs = run_step(s)
-    assert so.is_empty and [o.finish_reason for o in outs.outputs] == [FinishReason.ERROR]
+    assert so.total_num_scheduled_tokens == 0 and [o.finish_reason for o in outs.outputs] == [FinishReason.ERROR]
 
 
 def test_prompt_longer_than_max_model_len_is_rejected():

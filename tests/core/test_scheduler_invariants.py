@@ -18,7 +18,7 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import FinishReason
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.worker.outputs import ModelRunnerOutput
+from tokenloom.runner_output import ModelRunnerOutput
 
 STOP_TOKEN = 42
 VOCAB = [3, 4, 5, 6] * 5 + [EOS, STOP_TOKEN]

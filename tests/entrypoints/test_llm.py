@@ -148,3 +148,17 @@ def test_kv_cache_dtype_checked():
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"))
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+def test_reset_prefix_cache_forgets_cached_blocks(default_llm):
+    """`LLM.reset_prefix_cache()` (vLLM's): the same prompt again then hits nothing."""
+    prompt = ["A long shared preamble for the reset test. " * 8]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    core = default_llm.llm_engine.engine_core
+    default_llm.generate(prompt, params, use_tqdm=False)
+    assert core.call_utility("get_state")["num_cached_free_blocks"] > 0
+    assert default_llm.reset_prefix_cache() is True
+    state = core.call_utility("get_state")
+    assert state["num_cached_free_blocks"] == 0
+    default_llm.generate(prompt, params, use_tqdm=False)
+    assert core.call_utility("get_state")["prefix_cache_hits"] == state["prefix_cache_hits"]

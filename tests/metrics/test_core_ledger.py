@@ -45,7 +45,7 @@ def run(scheduler: Scheduler, requests, *, record_segments: bool = False, max_st
             continue
         start = clock.t
         so = scheduler.schedule()
-        ledger.on_schedule(so, scheduler.requests, start)
+        ledger.on_schedule(so, start)
         outputs = scheduler.update_from_output(so, fake_runner_output(scheduler, so))
         clock.t += 1.0
         ledger.on_update(outputs.outputs, clock.t)

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenloom import SamplingParams
 from tokenloom.metrics.explain import analyze
 from tokenloom.metrics.stats import CounterMetric, GaugeMetric, HistogramMetric
-from tokenloom.metrics.timeline import PART_NAMES, WAIT_CAUSES
+from tokenloom.metrics.buckets import WAIT_CAUSES
+from tokenloom.metrics.timeline import PART_NAMES
 from tokenloom.metrics.trace import load_trace
 
 SCHEMA = json.loads((Path(__file__).parent / "chrome_trace.schema.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom.messages import EngineCoreOutputs, LedgerBucket, RequestTiming, SchedulerStats
 from tokenloom.metrics.explain import analyze, format_report
-from tokenloom.metrics.timeline import PART_NAMES, decompose
+from tokenloom.metrics.timeline import PART_NAMES, decompose, settle
 from tokenloom.metrics.trace import TraceRecorder, load_trace
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -34,6 +34,7 @@ def finished(request_id: str, arrival: float, phases: list[tuple[LedgerBucket, f
     m.finished_time = t + 0.001
     m.detokenized_time = t + 0.0015
     m.returned_time = t + 0.002
+    settle(m)  # as the output processor and the ledger do
     return RequestOutput(request_id, None, [1] * 8, None, [CompletionOutput(0, "", [5, 6], None, None, "length")], True, m)
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.rope import apply_rope, cos_sin_cache
+from tokenloom.model.rope import cos_sin_cache
+from tokenloom.ops.elementwise import apply_rope
 from tokenloom.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")

@@ -91,8 +91,7 @@ class _RequestPrefill:
 class TorchAttentionPlan:
     num_actual_tokens: int
     block_size: int
-    write_slots: torch.Tensor  # int64 [T'] slots of the tokens that are written
-    write_index: torch.Tensor | None  # int64 [T'] token rows of those, None when all are written
+    write_slots: torch.Tensor  # int64 [T]: the cache slot each token's K/V is written to
     decode: _DecodePlan | None
     padded_prefill: _PaddedPrefillPlan | None
     request_prefills: list[_RequestPrefill]
@@ -164,15 +163,8 @@ class TorchAttentionBackend(AttentionBackend):
         qsl, seq_lens = qsl.to(torch.int64), seq_lens.to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
 
-        # KV write: skip padding slots. A device-side mask would avoid this sync, but prepare runs
-        # once per step and the common case (no padding) then writes with a plain index.
-        slot_mapping = meta.slot_mapping[:T].to(torch.int64)
-        valid = slot_mapping >= 0
-        if bool(valid.all()):
-            write_slots, write_index = slot_mapping, None
-        else:
-            write_index = valid.nonzero().squeeze(1)
-            write_slots = slot_mapping[write_index]
+        # Every scheduled token is written: the runner computes no padding tokens.
+        write_slots = meta.slot_mapping[:T].to(torch.int64)
 
         block_table_cpu = None
 
@@ -248,7 +240,6 @@ class TorchAttentionBackend(AttentionBackend):
             num_actual_tokens=T,
             block_size=bs,
             write_slots=write_slots,
-            write_index=write_index,
             decode=decode,
             padded_prefill=padded_prefill,
             request_prefills=request_prefills,
@@ -311,12 +302,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat = kv_cache[0].view(num_blocks * bs, Hkv, D)
         v_flat = kv_cache[1].view(num_blocks * bs, Hkv, D)
         key, value = key[:T], value[:T]
-        if plan.write_index is None:
-            k_flat.index_copy_(0, plan.write_slots, key.to(kv_cache.dtype))
-            v_flat.index_copy_(0, plan.write_slots, value.to(kv_cache.dtype))
-        else:
-            k_flat.index_copy_(0, plan.write_slots, key[plan.write_index].to(kv_cache.dtype))
-            v_flat.index_copy_(0, plan.write_slots, value[plan.write_index].to(kv_cache.dtype))
+        k_flat.index_copy_(0, plan.write_slots, key.to(kv_cache.dtype))
+        v_flat.index_copy_(0, plan.write_slots, value.to(kv_cache.dtype))
 
         # Rows past num_actual_tokens (a padded batch) come back as zeros.
         out = torch.empty_like(query)

@@ -190,9 +190,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.free_block_queue.num_free_blocks

@@ -83,7 +83,7 @@ class EngineCore:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.ledger is not None:
-            self.ledger.on_schedule(scheduler_output, self.scheduler.requests, step_start)
+            self.ledger.on_schedule(scheduler_output, step_start)
         t1 = time.perf_counter()
         runner_output = self.model_runner.execute_model(scheduler_output)
         t2 = time.perf_counter()
@@ -123,7 +123,7 @@ class EngineCore:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_requests": len(s.requests),
-            "num_free_blocks": pool.get_num_free_blocks(),
+            "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,
             "num_total_blocks": self.model_runner.num_kv_blocks,
             "num_runner_requests": len(self.model_runner.input_batch),

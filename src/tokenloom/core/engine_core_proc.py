@@ -31,6 +31,7 @@ from tokenloom.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    READY_CALL_ID,
     UtilityOutput,
     UtilityRequest,
     now,
@@ -38,7 +39,6 @@ from tokenloom.messages import (
 
 logger = logging.getLogger("tokenloom.engine_core")
 
-READY_CALL_ID = -1
 _SHUTDOWN = object()
 
 

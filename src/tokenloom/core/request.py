@@ -96,10 +96,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    @property
-    def max_tokens(self) -> int | None:
-        return self.sampling_params.max_tokens
-
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]

@@ -30,9 +30,9 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.kv_cache_utils import cdiv
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
-from tokenloom.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
-from tokenloom.worker.outputs import ModelRunnerOutput
+from tokenloom.runner_output import ModelRunnerOutput
+from tokenloom.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
 
 
 @dataclass(slots=True)
@@ -44,23 +44,20 @@ class _StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    decode_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
 
     def take(self, request: Request, num_new_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
         self.token_budget -= num_new_tokens
-        # A decode computes the one token after everything else: the latest sampled token.
+        # A decode computes the one token after everything else: the latest sampled token. This
+        # is the one place that decides it; the ledger and the stats read `decode_req_ids`.
         if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
-            self.num_decode_tokens += num_new_tokens
-        else:
-            self.num_prefill_tokens += num_new_tokens
+            self.decode_req_ids.add(request.request_id)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
-        self.config = config
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -143,16 +140,6 @@ class Scheduler:
         # A rejected request still needs one step to deliver its final output.
         return bool(self.requests) or bool(self.rejected)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
-
     # ---- schedule ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -172,8 +159,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             wait_reasons=plan.wait_reasons,
-            num_prefill_tokens=plan.num_prefill_tokens,
-            num_decode_tokens=plan.num_decode_tokens,
+            decode_req_ids=plan.decode_req_ids,
             step=self.step,
             blocked_reason=blocked if self.waiting else None,
         )

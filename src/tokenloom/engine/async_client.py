@@ -41,11 +41,12 @@ def _ignore_send_result(future: asyncio.Future) -> None:
 
 class AsyncMPClient(MPClient):
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+        # Before the base class's start-up, which may already fail or die (see _mark_dead).
+        self._utility_futures: dict[int, asyncio.Future] = {}
         # Created on first use: they bind to the event loop that is running then.
         self._ain: zmq.asyncio.Socket | None = None
         self._aout: zmq.asyncio.Socket | None = None
-        self._utility_futures: dict[int, asyncio.Future] = {}
+        super().__init__(config)
         # Apart from the sync client's ids, so a late answer to a timed-out async call is dropped.
         self._async_call_ids = itertools.count(_FIRST_ASYNC_CALL_ID)
 
@@ -106,36 +107,26 @@ class AsyncMPClient(MPClient):
             self._check_alive()
             _, aout = self._sockets()
             if await aout.poll(_POLL_MS, zmq.POLLIN):
-                frame = await aout.recv(copy=False)
-                outputs = self.decoder.decode(frame.buffer)
-                outputs.received_time = now()
-                if outputs.engine_error is not None:
-                    self._die(outputs.engine_error)
-                util = outputs.utility_output
-                if util is not None:
-                    self._resolve_utility(util)
-                    if not outputs.outputs and outputs.scheduler_stats is None:
-                        continue
-                return outputs
-            code = self.proc.poll()
-            if code is not None:
-                self._die(f"engine core process {self.proc.pid} exited with code {code}")
+                outputs = self._decode((await aout.recv(copy=False)).buffer)
+                if self._has_outputs(outputs):
+                    return outputs
+            else:
+                self._check_process()
 
-    def _resolve_utility(self, util: UtilityOutput) -> None:
+    def _file_utility(self, util: UtilityOutput) -> None:
         future = self._utility_futures.get(util.call_id)
         if future is not None:
             if not future.done():
                 future.set_result(util)
         elif util.call_id < _FIRST_ASYNC_CALL_ID:
-            self._utility_results[util.call_id] = util  # a blocking caller of the base class
+            super()._file_utility(util)  # a blocking caller of the base class
 
-    def _die(self, reason: str) -> None:
-        self._dead_reason = reason
+    def _mark_dead(self, reason: str) -> None:
         error = EngineDeadError(reason)
         for future in self._utility_futures.values():
             if not future.done():
                 future.set_exception(error)
-        raise error
+        super()._mark_dead(reason)
 
     def shutdown(self) -> None:
         for future in self._utility_futures.values():

@@ -22,13 +22,11 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_client import AsyncMPClient
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
-from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
@@ -106,23 +104,7 @@ class AsyncLLM:
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
         n = request.sampling_params.n
         stream = RequestStream(request_id, n, RequestOutputCollector(request.sampling_params.output_kind))
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            children = [request]
-        else:
-            # n > 1: n child requests share the prompt (and its KV blocks via the prefix cache);
-            # the output processor folds their outputs back into one RequestOutput.
-            parent = ParentRequest(request_id, request.sampling_params)
-            # All or nothing: a child id already in flight (a request named "1_<id>") must fail
-            # this request before any of its children is registered.
-            taken = [cid for cid in parent.child_ids if cid in self.output_processor.request_states]
-            if taken:
-                raise ValueError(f"request_id {request_id!r} clashes with request {taken[0]!r}, which is in flight.")
-            children = []
-            for index, (child_id, child_params) in enumerate(parent.child_requests()):
-                child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
-                self.output_processor.add_request(child, prompt_text, parent, index)
-                children.append(child)
+        children = self.output_processor.add_user_request(request, prompt_text)
         self._streams[request_id] = stream
         self._num_unfinished_seqs += n
         try:

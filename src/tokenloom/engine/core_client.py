@@ -29,11 +29,12 @@ from tokenloom.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineInfo,
+    READY_CALL_ID,
+    UtilityOutput,
     UtilityRequest,
     now,
 )
 
-READY_CALL_ID = -1  # the engine core's ready handshake (see core/engine_core_proc.py)
 _POLL_MS = 100
 STARTUP_TIMEOUT_S = float(os.environ.get("TOKENLOOM_STARTUP_TIMEOUT_S", "600"))
 
@@ -181,20 +182,38 @@ class MPClient(EngineCoreClient):
         while True:
             wait_ms = _POLL_MS if deadline is None else max(0, min(_POLL_MS, int((deadline - now()) * 1000)))
             if self.output_socket.poll(wait_ms):
-                outputs = self.decoder.decode(self.output_socket.recv(copy=False).buffer)
-                outputs.received_time = now()
-                if outputs.engine_error is not None:
-                    self._mark_dead(outputs.engine_error)
-                return outputs
-            code = self.proc.poll()
-            if code is not None:
-                self._mark_dead(f"engine core process {self.proc.pid} exited with code {code}")
+                return self._decode(self.output_socket.recv(copy=False).buffer)
+            self._check_process()
             if deadline is not None and now() >= deadline:
                 return None
+
+    # Shared with the asyncio client, which only awaits where this one blocks.
+
+    def _decode(self, buffer: memoryview) -> EngineCoreOutputs:
+        outputs = self.decoder.decode(buffer)
+        outputs.received_time = now()
+        if outputs.engine_error is not None:
+            self._mark_dead(outputs.engine_error)
+        return outputs
+
+    def _check_process(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            self._mark_dead(f"engine core process {self.proc.pid} exited with code {code}")
 
     def _mark_dead(self, reason: str) -> None:
         self._dead_reason = reason
         raise EngineDeadError(reason)
+
+    def _has_outputs(self, outputs: EngineCoreOutputs) -> bool:
+        """Files the message's utility answer, if any; True when it also carries request outputs
+        or scheduler stats (a message for `get_output`)."""
+        if outputs.utility_output is not None:
+            self._file_utility(outputs.utility_output)
+        return bool(outputs.outputs) or outputs.scheduler_stats is not None
+
+    def _file_utility(self, util: UtilityOutput) -> None:
+        self._utility_results[util.call_id] = util
 
     def _wait_for_utility(self, call_id: int, timeout: float | None) -> bytes:
         deadline = None if timeout is None else now() + timeout
@@ -203,12 +222,7 @@ class MPClient(EngineCoreClient):
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"engine core did not answer within {timeout:.0f}s")
             outputs = self._recv(remaining)
-            if outputs is None:
-                continue
-            util = outputs.utility_output
-            if util is not None:
-                self._utility_results[util.call_id] = util
-            if outputs.outputs or outputs.scheduler_stats is not None:
+            if outputs is not None and self._has_outputs(outputs):
                 self._pending.append(outputs)
         util = self._utility_results.pop(call_id)
         if util.failure is not None:
@@ -222,11 +236,8 @@ class MPClient(EngineCoreClient):
             outputs = self._recv(timeout)
             if outputs is None:
                 return EngineCoreOutputs(timestamp=now())
-            if outputs.utility_output is not None:
-                self._utility_results[outputs.utility_output.call_id] = outputs.utility_output
-                if not outputs.outputs and outputs.scheduler_stats is None:
-                    continue
-            return outputs
+            if self._has_outputs(outputs):
+                return outputs
 
     def shutdown(self) -> None:
         if self.proc.poll() is None and self._dead_reason is None:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import msgspec
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import now
 from tokenloom.metrics.ledger import FrontendLedger
@@ -67,22 +65,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
-        if request.sampling_params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        # n > 1: n child requests share the prompt (and so its KV blocks, via the prefix cache);
-        # the output processor folds their outputs back into one RequestOutput.
-        parent = ParentRequest(request_id, request.sampling_params)
-        # All or nothing: a child id already in flight (a request named "1_<id>") must fail
-        # this request before any of its children is registered.
-        taken = [cid for cid in parent.child_ids if cid in self.output_processor.request_states]
-        if taken:
-            raise ValueError(f"request_id {request_id!r} clashes with request {taken[0]!r}, which is in flight.")
-        for index, (child_id, child_params) in enumerate(parent.child_requests()):
-            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_core.add_request(child)
+        for core_request in self.output_processor.add_user_request(request, prompt_text):
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)
@@ -120,6 +104,10 @@ class LLMEngine:
     @property
     def is_dead(self) -> bool:
         return self._dead_error is not None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV block (as vLLM's); False while requests still hold blocks."""
+        return self.engine_core.call_utility("reset_prefix_cache")
 
     def get_metrics(self) -> list[Metric]:
         """Every `tokenloom:` metric, as plain objects (vLLM's `LLM.get_metrics()`)."""

@@ -17,9 +17,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from tokenloom.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, now
+from tokenloom.metrics.timeline import settle
 from tokenloom.outputs import (
     CompletionOutput,
     Logprob,
@@ -231,6 +234,28 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------------------ requests
 
+    def add_user_request(self, request: EngineCoreRequest, prompt: str | None,
+                         queue: RequestOutputCollector | None = None) -> list[EngineCoreRequest]:
+        """Registers a user's request and returns what to send to the engine core: the request
+        itself, or with n > 1 its n children. They share the prompt (and so its KV blocks, via
+        the prefix cache); their outputs are folded back into one RequestOutput per step."""
+        if request.sampling_params.n == 1:
+            self.add_request(request, prompt, queue=queue)
+            return [request]
+        parent = ParentRequest(request.request_id, request.sampling_params)
+        # All or nothing: a child id already in flight (a request named "1_<id>") must fail
+        # this request before any of its children is registered.
+        taken = [cid for cid in parent.child_ids if cid in self.request_states]
+        if taken:
+            raise ValueError(f"request_id {request.request_id!r} clashes with request {taken[0]!r}, "
+                             "which is in flight.")
+        children = []
+        for index, (child_id, child_params) in enumerate(parent.child_requests()):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+            self.add_request(child, prompt, parent, index, queue)
+            children.append(child)
+        return children
+
     def add_request(
         self,
         request: EngineCoreRequest,
@@ -318,13 +343,8 @@ class OutputProcessor:
             completion = state.make_completion_output(finish_reason, stop_reason, bool(new_token_ids))
             if finish_reason is not None:
                 self._finish(state, t)
-            if completion is None:
-                continue
-            if state.parent is None:
-                self._emit(self._request_output(state, [completion]), state.queue, result.request_outputs)
-            else:
-                self._add_to_parent(state, completion)
-                parents[state.parent.request_id] = state.parent
+            if completion is not None:
+                self._route(state, completion, result.request_outputs, parents)
         for parent in parents.values():
             self._emit_parent(parent, result.request_outputs, t)
         return result
@@ -373,11 +393,7 @@ class OutputProcessor:
                 completion = state.make_completion_output(reason, None, False)
                 self._finish(state, t)
                 assert completion is not None  # finished: every output kind reports
-                if state.parent is None:
-                    self._emit(self._request_output(state, [completion]), state.queue, outputs)
-                else:
-                    self._add_to_parent(state, completion)
-                    parents[state.parent.request_id] = state.parent
+                self._route(state, completion, outputs, parents)
         for parent in parents.values():
             self._emit_parent(parent, outputs, t)
         return outputs, core_ids
@@ -387,6 +403,7 @@ class OutputProcessor:
         metrics = state.metrics
         metrics.finished_time = t
         metrics.detokenized_time = now()  # its final completion has just been built
+        settle(metrics)
         parent = state.parent
         if parent is not None and parent.metrics is not None:
             # The child that finishes last is the parent's critical path: its stamps are the
@@ -394,9 +411,15 @@ class OutputProcessor:
             parent.metrics.core = metrics.core
             parent.metrics.detokenized_time = metrics.detokenized_time
 
-    def _add_to_parent(self, state: RequestState, completion: CompletionOutput) -> None:
+    def _route(self, state: RequestState, completion: CompletionOutput, sink: list[RequestOutput],
+               parents: dict[str, ParentRequest]) -> None:
+        """A request with n=1 emits its completion now; a child's goes into its parent, which
+        emits once per step (`_emit_parent`) after all its children's completions are in."""
         parent = state.parent
-        assert parent is not None
+        if parent is None:
+            self._emit(self._request_output(state, [completion]), state.queue, sink)
+            return
+        parents[parent.request_id] = parent
         if parent.prompt_logprobs is None and state.prompt_logprobs is not None:
             parent.prompt_logprobs = state.prompt_logprobs
         parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
@@ -413,6 +436,7 @@ class OutputProcessor:
             del self.parent_requests[parent.request_id]
             if parent.metrics is not None:
                 parent.metrics.finished_time = t
+                settle(parent.metrics)
         prompt_logprobs = parent.prompt_logprobs
         if parent.output_kind == RequestOutputKind.DELTA:
             prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs

@@ -70,13 +70,7 @@ class ParentRequest:
             if previous is None:
                 self._step_outputs[index] = completion
             else:  # two outputs of one child in one step: keep both deltas
-                previous.text += completion.text
-                previous.token_ids = previous.token_ids + completion.token_ids
-                if previous.logprobs is not None and completion.logprobs is not None:
-                    previous.logprobs = previous.logprobs + completion.logprobs
-                previous.cumulative_logprob = completion.cumulative_logprob
-                previous.finish_reason = completion.finish_reason
-                previous.stop_reason = completion.stop_reason
+                previous.append_delta(completion)
         else:
             self._latest[index] = completion
             self._step_outputs[index] = completion

@@ -84,6 +84,11 @@ class LLM:
         blocks by state, latency parts). Needs enable_ledger=True."""
         return self.llm_engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV block, so the next run computes every prompt anew (for fair
+        benchmarks, as vLLM's `LLM.reset_prefix_cache`); False while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def flush_trace(self) -> str | None:
         """Writes the trace file now (`trace_path`); returns its path, None when not tracing."""
         return self.llm_engine.flush_trace()

@@ -15,27 +15,13 @@ are kept only when tracing, at most `max_segments` per request.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
-from tokenloom.core.sched_output import SchedulerOutput, WaitReason
 from tokenloom.messages import EngineCoreOutput, LedgerBucket, RequestTiming
+from tokenloom.metrics.buckets import HOL_BUCKET, WAIT_BUCKET
+from tokenloom.sched_output import SchedulerOutput, WaitReason
 
 NUM_BUCKETS = len(LedgerBucket)
-
-_WAIT_BUCKET = {
-    WaitReason.TOKEN_BUDGET: LedgerBucket.TOKEN_BUDGET,
-    WaitReason.MAX_NUM_SEQS: LedgerBucket.MAX_NUM_SEQS,
-    WaitReason.NO_KV_BLOCKS: LedgerBucket.NO_KV_BLOCKS,
-    WaitReason.PREEMPTED: LedgerBucket.PREEMPTED,
-}
-# Head of line, by what blocked the head. A head preempted in this very step is blocked by blocks.
-_HOL_BUCKET = {
-    WaitReason.TOKEN_BUDGET: LedgerBucket.HOL_TOKEN_BUDGET,
-    WaitReason.MAX_NUM_SEQS: LedgerBucket.HOL_MAX_NUM_SEQS,
-    WaitReason.NO_KV_BLOCKS: LedgerBucket.HOL_NO_KV_BLOCKS,
-    WaitReason.PREEMPTED: LedgerBucket.HOL_NO_KV_BLOCKS,
-}
 
 
 class _Entry:
@@ -100,22 +86,20 @@ class CoreLedger:
         e.bucket = bucket
         e.since = t
 
-    def on_schedule(self, so: SchedulerOutput, requests: Mapping[str, Any], step_start: float) -> None:
-        """Puts every request the step mentions in its bucket for this step. `requests`: the
-        scheduler's live requests, after `schedule()` advanced their num_computed_tokens."""
+    def on_schedule(self, so: SchedulerOutput, step_start: float) -> None:
+        """Puts every request the step mentions in its bucket for this step."""
         entries = self.entries
         switch = self._switch
         t = step_start
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
+        decodes = so.decode_req_ids
+        for req_id in so.num_scheduled_tokens:
             e = entries.get(req_id)
             if e is None:
                 continue
             if e.first_scheduled == 0.0:
                 e.first_scheduled = t
-            r = requests[req_id]
-            # A decode computes exactly the latest sampled token (num_computed_tokens already
-            # includes this step). A resumed request's recompute is a prefill with outputs.
-            if num_tokens == 1 and r.num_output_tokens and r.num_computed_tokens == r.num_tokens:
+            # A resumed request's recompute is a prefill with outputs: still the preemption's.
+            if req_id in decodes:
                 e.preempted = False
                 bucket = LedgerBucket.DECODE
             else:
@@ -124,7 +108,7 @@ class CoreLedger:
                 switch(e, bucket, t)
         if not so.wait_reasons:
             return
-        hol = _HOL_BUCKET.get(so.blocked_reason, LedgerBucket.HOL_TOKEN_BUDGET)  # type: ignore[arg-type]
+        hol = HOL_BUCKET.get(so.blocked_reason, LedgerBucket.HOL_TOKEN_BUDGET)  # type: ignore[arg-type]
         for req_id, reason in so.wait_reasons.items():
             e = entries.get(req_id)
             if e is None:
@@ -138,7 +122,7 @@ class CoreLedger:
             elif reason == WaitReason.HEAD_OF_LINE:
                 bucket = hol
             else:
-                bucket = _WAIT_BUCKET[reason]
+                bucket = WAIT_BUCKET[reason]
             if bucket != e.bucket:
                 switch(e, bucket, t)
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from tokenloom.metrics.timeline import VERDICT_GROUPS, group_seconds
+from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
 
 def add_explain_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +42,6 @@ def add_explain_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    from tokenloom.metrics.trace import load_trace
-
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}.")
     try:
@@ -60,39 +59,6 @@ def _run_explain(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return 0
-
-
-# ---- reading a trace ------------------------------------------------------------------------
-
-
-def trace_requests(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary of every request in the trace (the args of its `request` slice), with
-    `finish_ts` (seconds from the trace's origin) added."""
-    requests = []
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "request" and e.get("ph") == "X":
-            args = dict(e.get("args") or {})
-            args["finish_ts"] = (e["ts"] + e.get("dur", 0)) / 1e6
-            requests.append(args)
-    return requests
-
-
-def trace_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every engine step (the args of its `step` slice), with `ts` and `dur` in seconds."""
-    steps = []
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "step" and e.get("ph") == "X":
-            args = dict(e.get("args") or {})
-            args["ts"], args["dur"] = e["ts"] / 1e6, e.get("dur", 0) / 1e6
-            steps.append(args)
-    return steps
-
-
-def trace_config(trace: dict[str, Any]) -> dict[str, Any]:
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "config":
-            return dict(e.get("args") or {})
-    return {}
 
 
 # ---- the report -----------------------------------------------------------------------------

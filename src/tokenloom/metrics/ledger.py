@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.metrics.stats import Metric, read_metrics
+from tokenloom.metrics.timeline import settle
 from tokenloom.metrics.trace import TraceRecorder
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class FrontendLedger:
             # Finished by the message being processed: its final output was sent with it.
             if m.core is not None and m.core.finished_time <= self._message_sent_time:
                 m.output_sent_time = self._message_sent_time
+            settle(m)
         if self._feeds_metrics and m is not None:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             e2e = m.e2e_latency

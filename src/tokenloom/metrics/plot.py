@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tokenloom.metrics.explain import trace_config, trace_requests, trace_steps
-from tokenloom.metrics.timeline import WAIT_CAUSES
+from tokenloom.metrics.buckets import WAIT_CAUSES
+from tokenloom.metrics.trace import trace_config, trace_requests, trace_steps
 
 _CAUSE_COLORS = {
     "token_budget": "tab:orange",

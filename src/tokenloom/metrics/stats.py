@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloom.messages import SchedulerStats
-from tokenloom.metrics.timeline import PART_NAMES, WAIT_CAUSES
+from tokenloom.metrics.buckets import WAIT_CAUSES
+from tokenloom.metrics.timeline import PART_NAMES
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput

@@ -44,65 +44,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.messages import LedgerBucket, RequestTiming
+from tokenloom.messages import RequestTiming
+from tokenloom.metrics.buckets import BUCKET_CAUSE, BUCKET_PART, BUCKET_PHASE, WAIT_CAUSES
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestMetrics
 
-PART_NAMES = (
-    "tokenize",
-    "ipc_in",
-    "queue_step_boundary",
-    "queue_token_budget",
-    "queue_max_num_seqs",
-    "queue_no_kv_blocks",
-    "queue_head_of_line",
-    "prefill",
-    "decode",
-    "preempted",
-    "core_overhead",
-    "ipc_out",
-    "detokenize",
-    "frontend_other",
-    "core_unattributed",
-)
-WAIT_PARTS = ("queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks", "queue_head_of_line", "preempted")
-WAIT_CAUSES = ("token_budget", "max_num_seqs", "no_kv_blocks", "preempted")
-
-BUCKET_PART = {
-    LedgerBucket.STEP_BOUNDARY: "queue_step_boundary",
-    LedgerBucket.TOKEN_BUDGET: "queue_token_budget",
-    LedgerBucket.MAX_NUM_SEQS: "queue_max_num_seqs",
-    LedgerBucket.NO_KV_BLOCKS: "queue_no_kv_blocks",
-    LedgerBucket.HOL_TOKEN_BUDGET: "queue_head_of_line",
-    LedgerBucket.HOL_MAX_NUM_SEQS: "queue_head_of_line",
-    LedgerBucket.HOL_NO_KV_BLOCKS: "queue_head_of_line",
-    LedgerBucket.PREFILL: "prefill",
-    LedgerBucket.DECODE: "decode",
-    LedgerBucket.PREEMPTED: "preempted",
-}
-BUCKET_CAUSE = {
-    LedgerBucket.TOKEN_BUDGET: "token_budget",
-    LedgerBucket.HOL_TOKEN_BUDGET: "token_budget",
-    LedgerBucket.MAX_NUM_SEQS: "max_num_seqs",
-    LedgerBucket.HOL_MAX_NUM_SEQS: "max_num_seqs",
-    LedgerBucket.NO_KV_BLOCKS: "no_kv_blocks",
-    LedgerBucket.HOL_NO_KV_BLOCKS: "no_kv_blocks",
-    LedgerBucket.PREEMPTED: "preempted",
-}
-# How a bucket is drawn on a request's trace track.
-BUCKET_PHASE = {
-    LedgerBucket.STEP_BOUNDARY: "queued: step boundary",
-    LedgerBucket.TOKEN_BUDGET: "queued: token_budget",
-    LedgerBucket.MAX_NUM_SEQS: "queued: max_num_seqs",
-    LedgerBucket.NO_KV_BLOCKS: "queued: no_kv_blocks",
-    LedgerBucket.HOL_TOKEN_BUDGET: "queued: head_of_line (token_budget)",
-    LedgerBucket.HOL_MAX_NUM_SEQS: "queued: head_of_line (max_num_seqs)",
-    LedgerBucket.HOL_NO_KV_BLOCKS: "queued: head_of_line (no_kv_blocks)",
-    LedgerBucket.PREFILL: "prefill",
-    LedgerBucket.DECODE: "decode",
-    LedgerBucket.PREEMPTED: "preempted",
-}
+# The caller's parts before the core, the core's (one per bucket part), the caller's after it.
+PART_NAMES = ("tokenize", "ipc_in", *dict.fromkeys(BUCKET_PART),
+              "core_overhead", "ipc_out", "detokenize", "frontend_other", "core_unattributed")
 
 # The verdict of a run (see explain.py): which group of parts holds the most request time.
 VERDICT_GROUPS = ("budget-bound", "block-bound", "seq-limit-bound", "compute-bound", "frontend-bound")
@@ -134,14 +84,14 @@ def critical_path(m: RequestMetrics, phases: bool = False) -> list[tuple[str, fl
         path.append(("frontend_other", tokenized, sent))
         path.append(("ipc_in", sent, core.received_time))
         if phases and core.segments:
-            path += [(BUCKET_PHASE[LedgerBucket(b)], start, end) for b, start, end in core.segments]
+            path += [(BUCKET_PHASE[b], start, end) for b, start, end in core.segments]
             if core.segments[-1][2] < core.finished_time:  # more phases than the core kept
                 path.append(("engine core (phases dropped)", core.segments[-1][2], core.finished_time))
         else:
             t = core.received_time
             for bucket, seconds in enumerate(core.seconds):
                 if seconds:
-                    path.append((BUCKET_PART[LedgerBucket(bucket)], t, t + seconds))
+                    path.append((BUCKET_PART[bucket], t, t + seconds))
                     t += seconds
         sent_out = m.output_sent_time
         if sent_out is not None and core.finished_time <= sent_out <= received_by_caller:
@@ -169,14 +119,23 @@ def decompose(m: RequestMetrics) -> dict[str, float]:
 def wait_by_cause(core: RequestTiming | None) -> dict[str, float]:
     causes = dict.fromkeys(WAIT_CAUSES, 0.0)
     if core is not None:
-        for bucket, cause in BUCKET_CAUSE.items():
-            causes[cause] += core.seconds[bucket]
+        for cause, seconds in zip(BUCKET_CAUSE, core.seconds):
+            if cause is not None:
+                causes[cause] += seconds
     return causes
 
 
 def dominant_wait(causes: dict[str, float]) -> str | None:
     cause = max(causes, key=causes.__getitem__) if causes else None
     return cause if cause is not None and causes[cause] > 0.0 else None
+
+
+def settle(m: RequestMetrics) -> None:
+    """Fills in `m.parts`, `m.wait_by_cause` and `m.dominant_wait` from its stamps: called when
+    the request's final output is built and again when it is returned (the end of its e2e)."""
+    m.parts = decompose(m)
+    m.wait_by_cause = wait_by_cause(m.core)
+    m.dominant_wait = dominant_wait(m.wait_by_cause)
 
 
 def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str, float]:

@@ -259,3 +259,33 @@ def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     if isinstance(data, list):  # the JSON array format: events only
         data = {"traceEvents": data}
     return data
+
+
+def trace_requests(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary of every request in the trace (the args of its `request` slice), with
+    `finish_ts` (seconds from the trace's origin) added."""
+    requests = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "request" and e.get("ph") == "X":
+            args = dict(e.get("args") or {})
+            args["finish_ts"] = (e["ts"] + e.get("dur", 0)) / 1e6
+            requests.append(args)
+    return requests
+
+
+def trace_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every engine step (the args of its `step` slice), with `ts` and `dur` in seconds."""
+    steps = []
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "step" and e.get("ph") == "X":
+            args = dict(e.get("args") or {})
+            args["ts"], args["dur"] = e["ts"] / 1e6, e.get("dur", 0) / 1e6
+            steps.append(args)
+    return steps
+
+
+def trace_config(trace: dict[str, Any]) -> dict[str, Any]:
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "config":
+            return dict(e.get("args") or {})
+    return {}

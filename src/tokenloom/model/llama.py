@@ -12,14 +12,12 @@ know; it gets that from `attn_plan`, which the model runner prepares once per st
 
 q/k/v and gate/up are each one matmul over a fused weight: checkpoints store them apart, and
 `load_weights` copies each part into its rows of the fused parameter. As in vLLM, a layer hands
-the residual stream on beside its output, so the next norm adds the two itself (one pass with the
-float32 CPU kernels of `ops/cpu_kernels`, which `use_cpu_kernels` switches on for the norms,
-RoPE and SiLU-and-mul; the PyTorch ops stay the path for every other dtype and device).
+the residual stream on beside its output, so the next norm adds the two itself. The norms, RoPE
+and SiLU-and-mul are `ops.elementwise`'s, which picks the C kernels or the PyTorch ops.
 """
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,8 +27,8 @@ from torch import nn
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.packed_linear import linear
-from tokenloom.model.rope import apply_rope, check_rope_scaling, cos_sin_cache
-from tokenloom.ops import cpu_kernels
+from tokenloom.model.rope import check_rope_scaling, cos_sin_cache
+from tokenloom.ops import elementwise as ops
 
 
 class Linear(nn.Module):
@@ -60,30 +58,15 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Normalizes in float32 and casts back before scaling by the weight, as the reference does;
-    in bfloat16 this ordering is what keeps our outputs within rounding of transformers'."""
-
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.cpu_ops: ctypes.CDLL | None = None  # see LlamaForCausalLM.use_cpu_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-        if self.cpu_ops is not None and x.dim() == 2 and x.stride(1) == 1 and (
-                residual is None or residual.stride(1) == 1):
-            out = cpu_kernels.add_rms_norm(self.cpu_ops, x, residual, self.weight, self.eps)
-            return out if residual is None else (out, residual)  # residual updated in place
-        if residual is not None:
-            residual = x + residual
-            x = residual
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
-        return out if residual is None else (out, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -103,24 +86,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_cache: torch.Tensor, backend: AttentionBackend, plan: Any) -> torch.Tensor:
-        """`rotate` applies RoPE at this step's positions to a [T, heads, head_dim] tensor."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
-            # q and k heads side by side: one RoPE for both, then strided views of the result.
-            # At batch 1 a RoPE call is ~7 ops of dispatch (~32 us); two per layer were ~4% of
-            # a decode step.
+            # q and k heads side by side: one RoPE for both (half the per-op dispatch of two
+            # calls, which shows at batch 1), then strided views of the result.
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = ops.rope(qk, positions, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
                                                                    self.head_dim)
-            q, k = rotate(self.q_norm(q)), rotate(self.k_norm(k))
+            q = ops.rope(self.q_norm(q), positions, cos_sin)
+            k = ops.rope(self.k_norm(k), positions, cos_sin)
         out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -131,14 +113,9 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.cpu_ops: ctypes.CDLL | None = None  # see LlamaForCausalLM.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.cpu_ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
-            return self.down_proj(cpu_kernels.silu_and_mul(self.cpu_ops, gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -149,15 +126,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                rotate: Callable[[torch.Tensor], torch.Tensor], kv_cache: torch.Tensor,
-                backend: AttentionBackend, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_cache: torch.Tensor, backend: AttentionBackend,
+                plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(the block's output, the residual stream before it); the caller adds the two."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotate, kv_cache, backend, plan)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, backend, plan)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -184,70 +161,35 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.init_rope_cache()
+        # The RoPE table stays float32 whatever the model dtype (cast per step after indexing,
+        # as the reference casts its float32 cos/sin), so it is a plain attribute that `.to()`
+        # leaves alone; `forward` rebuilds it on the model's device when that changed.
+        self.cos_sin = self._rope_table(torch.device("cpu"))
         # The LM head's oneDNN-packed weight (also when tied to the embedding), see packed_linear.
         self.packed_lm_head: torch.Tensor | None = None
-        self.cpu_ops: ctypes.CDLL | None = None  # see use_cpu_kernels
 
-    def use_cpu_kernels(self, lib: ctypes.CDLL | None) -> bool:
-        """Route the norms, RoPE and SiLU-and-mul through `lib` (ops/cpu_kernels), or back to
-        the PyTorch ops with None. Only for a float32 model on the CPU; returns whether it is on."""
-        w = self.embed_tokens.weight
-        if lib is not None and (w.dtype != torch.float32 or w.device.type != "cpu"):
-            lib = None
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, MLP, LlamaForCausalLM)):
-                m.cpu_ops = lib
-        return lib is not None
-
-    def init_rope_cache(self) -> None:
-        """(Re)compute the cos/sin table on the model's device, in float32 whatever the model
-        dtype: it is cast per step after indexing, as the reference casts its float32 cos/sin."""
+    def _rope_table(self, device: torch.device) -> torch.Tensor:
         c = self.config
         with torch.device("cpu"):
             table = cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
-        self.cos_sin = table.to(self.embed_tokens.weight.device)
-
-    def _apply(self, fn, recurse=True):
-        # `.to(dtype)` would round the float32 table to the model dtype (and before the trig,
-        # not after); rebuild it on whatever device the parameters moved to instead.
-        super()._apply(fn, recurse)
-        self.init_rope_cache()
-        # Packed copies belong to the old dtype/device: drop them (a runner may pack again).
-        self.packed_lm_head = None
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.packed_weight = None
-        self.use_cpu_kernels(self.cpu_ops)  # off unless still float32 on the CPU
-        return self
+        return table.to(device)
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_backend: AttentionBackend, attn_plan: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm)."""
         h = self.embed_tokens(input_ids)
-        lib = self.cpu_ops
-        if lib is not None:
-            table = self.cos_sin
-            # The C RoPE reads table rows unchecked; index_select would raise on these.
-            if positions.numel() and int(positions.max()) >= table.shape[0]:
-                raise IndexError(f"position {int(positions.max())} is past the model's "
-                                 f"{table.shape[0]} RoPE positions")
-
-            def rotate(x: torch.Tensor) -> torch.Tensor:
-                if (x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                        and positions.dtype == torch.int64 and positions.is_contiguous()):
-                    return cpu_kernels.rope_(lib, x, positions, table)  # in place
-                return apply_rope(x, *table.index_select(0, positions).unsqueeze(1).chunk(2, -1))
-        else:
-            cos, sin = self.cos_sin.index_select(0, positions).to(h.dtype).unsqueeze(1).chunk(2, -1)
-
-            def rotate(x: torch.Tensor) -> torch.Tensor:
-                return apply_rope(x, cos, sin)
+        if self.cos_sin.device != h.device:
+            self.cos_sin = self._rope_table(h.device)
+        cos_sin = self.cos_sin
+        # The C RoPE reads table rows unchecked (index_select would raise on these; on a GPU
+        # the check would cost a sync, and the PyTorch path raises there itself).
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= cos_sin.shape[0]:
+            raise IndexError(f"position {int(positions.max())} is past the model's "
+                             f"{cos_sin.shape[0]} RoPE positions")
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rotate, kv_cache, attn_backend, attn_plan)
+            h, residual = layer(h, residual, positions, cos_sin, kv_cache, attn_backend, attn_plan)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

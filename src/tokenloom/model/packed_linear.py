@@ -65,7 +65,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """`F.linear(x, weight, bias)`, through the packed copy when there is one and `x` has fewer
     than `_PLAIN_FROM_ROWS` rows. oneDNN takes 2-D input; the model's activations are already
     [tokens, features]."""
-    if packed is not None and x.dim() == 2 and x.shape[0] < _PLAIN_FROM_ROWS:
+    # A packed copy is float32 on the CPU; a model cast or moved after packing reads its weight.
+    if (packed is not None and x.dim() == 2 and x.shape[0] < _PLAIN_FROM_ROWS
+            and x.dtype == torch.float32 and x.device.type == "cpu"):
         return _linear_packed(x.contiguous(), packed, bias)
     return nn.functional.linear(x, weight, bias)
 
@@ -83,3 +85,24 @@ def pack_linear_weights(model: nn.Module) -> int:
     if hasattr(model, "packed_lm_head"):
         model.packed_lm_head = pack_weight(model.lm_head_weight)
     return len(slots)
+
+
+@torch.no_grad()
+def use_input_major_weights(model: torch.nn.Module) -> None:
+    """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
+    transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
+    multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which on
+    this CPU makes the memory-bound batch-1 matmuls ~20% faster (single-thread, SmolLM2: 31 vs 39 ms
+    per step for all weights) and the batch-64 ones no slower. Embedding lookups read rows of the
+    view (strided; ~20 ms for a 2048-token prefill, negligible next to its matmuls)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 2 and param.is_contiguous():
+                param.data = param.data.t().contiguous().t()
+
+
+def prepare_cpu_weights(model: nn.Module) -> None:
+    """Lays out a CPU model's weights for its matmuls, once, before the first step: oneDNN-packed
+    float32 weights, else (bf16, no oneDNN) input-major weights."""
+    if not pack_linear_weights(model):
+        use_input_major_weights(model)

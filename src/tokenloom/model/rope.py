@@ -75,9 +75,3 @@ def cos_sin_cache(head_dim: int, max_positions: int, theta: float,
     inv_freq = inv_frequencies(head_dim, theta, rope_scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.int64).to(torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D/2]. Rotates (x[i], x[i + D/2]) by the pair's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -11,7 +11,7 @@ import heapq
 
 import numpy as np
 
-from tokenloom.core.sched_output import NewRequestData
+from tokenloom.sched_output import NewRequestData
 
 
 class InputBatch:
@@ -25,7 +25,6 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
-        self.row_to_req_id: list[str | None] = [None] * max_num_reqs
         # Lowest free row first keeps the live rows packed at the top of the arrays.
         self._free_rows = list(range(max_num_reqs))
 
@@ -43,13 +42,11 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, new.block_ids)
         self.req_id_to_row[new.req_id] = row
-        self.row_to_req_id[row] = new.req_id
         return row
 
     def remove_request(self, req_id: str) -> int | None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
-            self.row_to_req_id[row] = None
             heapq.heappush(self._free_rows, row)
         return row
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,14 +20,13 @@ from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
-from tokenloom.model.packed_linear import pack_linear_weights
-from tokenloom.ops import cpu_kernels
-from tokenloom.sample.sampler import Sampler
+from tokenloom.model.packed_linear import prepare_cpu_weights
+from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.worker.input_batch import InputBatch
-from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from tokenloom.core.sched_output import SchedulerOutput
+    from tokenloom.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +52,6 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int,
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-@torch.no_grad()
-def use_input_major_weights(model: torch.nn.Module) -> None:
-    """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
-    transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
-    multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which on
-    this CPU makes the memory-bound batch-1 matmuls ~20% faster (single-thread, SmolLM2: 31 vs 39 ms
-    per step for all weights) and the batch-64 ones no slower. Embedding lookups read rows of the
-    view (strided; ~20 ms for a 2048-token prefill, negligible next to its matmuls)."""
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.dim() == 2 and param.is_contiguous():
-                param.data = param.data.t().contiguous().t()
-
-
 class _StagedInput:
     """One per-step input (input_ids, positions, ...) in a buffer allocated once for the largest
     step: numpy fills the host side in place, and the model reads a view of its first n entries.
@@ -84,6 +70,23 @@ class _StagedInput:
         return self.dev[:n].copy_(self.cpu[:n], non_blocking=True)
 
 
+@dataclass(slots=True)
+class _StepInputs:
+    """One step's flat batch as `_prepare_inputs` laid it out (host-side arrays per request)."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # persistent-batch row of each scheduled request
+    num_sched: np.ndarray
+    computed: np.ndarray  # num_computed_tokens before the step
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    do_sample: np.ndarray  # bool: the request's last scheduled token is sampled
+    logits_indices: np.ndarray
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    plan: Any
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
         self.model = loaded.model
@@ -92,12 +95,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
-            # oneDNN-packed float32 weights; otherwise (bf16, no oneDNN) input-major weights.
-            if not pack_linear_weights(self.model):
-                use_input_major_weights(self.model)
-            # float32: norms, RoPE and SiLU-and-mul in C (ops/cpu_kernels; None without a compiler).
-            if hasattr(self.model, "use_cpu_kernels") and self.dtype == torch.float32:
-                self.model.use_cpu_kernels(cpu_kernels.load())
+            prepare_cpu_weights(self.model)
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).
@@ -183,6 +181,22 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        step = self._prepare_inputs(so)
+        t1 = time.perf_counter()
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plan)
+        prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
+        logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(self.device)])
+        t2 = time.perf_counter()
+        sampler_out = self.sampler.sample(logits, step.rows[step.do_sample].tolist())
+        t3 = time.perf_counter()
+        out = self._build_output(step, sampler_out)
+        out.prompt_logprobs = prompt_logprobs
+        out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
+        return out
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        """The flat batch of this step, gathered from the persistent batch with numpy vector ops
+        into the staged buffers (no per-step tensor allocation), and the attention plan."""
         batch = self.input_batch
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         num_reqs = len(req_ids)
@@ -191,8 +205,7 @@ class ModelRunner:
 
         # Scheduled tokens [2, 5, 3] give query_start_loc [0, 2, 7, 10] and per-token request
         # indices [0,0,1,1,1,1,1,2,2,2]; a token's position is its request's computed count plus
-        # its offset inside the request's query. Everything the model reads is written in place
-        # into the staged buffers (no per-step tensor allocation).
+        # its offset inside the request's query.
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -205,28 +218,19 @@ class ModelRunner:
             req_indices = np.repeat(self._arange[:num_reqs], num_sched)
             np.add(computed[req_indices], self._arange[:num_tokens], out=positions)
             positions -= query_start_loc[:-1][req_indices]
-        token_rows = rows[req_indices]
-        input_ids = self._input_ids.np[:num_tokens]
-        input_ids[:] = batch.token_ids[token_rows, positions]
+        self._input_ids.np[:num_tokens] = batch.token_ids[rows[req_indices], positions]
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         max_blocks = -(-max_seq_len // self.block_size)
         block_table = self._block_table.np[:num_reqs, :max_blocks]
         np.take(batch.block_table[:, :max_blocks], rows, axis=0, out=block_table)
-        block_size = self.block_size
         slot_mapping = self._slot_mapping.np[:num_tokens]
-        slot_mapping[:] = block_table[req_indices, positions // block_size]
-        slot_mapping *= block_size
-        slot_mapping += positions % block_size
+        slot_mapping[:] = block_table[req_indices, positions // self.block_size]
+        slot_mapping *= self.block_size
+        slot_mapping += positions % self.block_size
         self._query_start_loc.np[: num_reqs + 1] = query_start_loc
         self._seq_lens.np[:num_reqs] = seq_lens
 
-        # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
-        # short of it are not.
-        do_sample = seq_lens >= batch.num_tokens[rows]
-        logits_indices = query_start_loc[1:][do_sample] - 1
-
-        dev = self.device
         meta = AttentionMetadata(
             num_actual_tokens=num_tokens,
             num_reqs=num_reqs,
@@ -236,69 +240,55 @@ class ModelRunner:
             seq_lens=self._seq_lens.to_device(num_reqs),
             block_table=self._block_table.to_device(num_reqs)[:, :max_blocks],
             slot_mapping=self._slot_mapping.to_device(num_tokens),
-            block_size=block_size,
+            block_size=self.block_size,
             query_start_loc_cpu=self._query_start_loc.cpu[: num_reqs + 1],
             seq_lens_cpu=self._seq_lens.cpu[:num_reqs],
         )
-        plan = self.attn_backend.prepare(meta)
-        input_ids_t = self._input_ids.to_device(num_tokens)
-        positions_t = self._positions.to_device(num_tokens)
-        t1 = time.perf_counter()
-
-        hidden = self.model(input_ids_t, positions_t, self.kv_caches, self.attn_backend, plan)
-        prompt_logprobs = (
-            self._prompt_logprobs(req_ids, rows, num_sched, computed, query_start_loc, hidden)
-            if self._prompt_logprobs_k
-            else {}
+        # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
+        # short of it are not.
+        do_sample = seq_lens >= batch.num_tokens[rows]
+        return _StepInputs(
+            req_ids=req_ids, rows=rows, num_sched=num_sched, computed=computed,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,
+            logits_indices=query_start_loc[1:][do_sample] - 1,
+            input_ids=self._input_ids.to_device(num_tokens),
+            positions=self._positions.to_device(num_tokens),
+            plan=self.attn_backend.prepare(meta),
         )
-        sample_rows = rows[do_sample]
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-        t2 = time.perf_counter()
 
-        sampler_out = self.sampler.sample(logits, sample_rows.tolist())
+    def _build_output(self, step: _StepInputs, sampler_out: SamplerOutput) -> ModelRunnerOutput:
+        """Appends the sampled tokens to the persistent batch (the next decode step reads them)
+        and reports them, one list per scheduled request ([] for a prefill chunk)."""
+        batch = self.input_batch
         sampled = sampler_out.sampled_token_ids.tolist()
-        t3 = time.perf_counter()
-
-        # Append the sampled tokens to the persistent batch; the next decode step reads them.
+        sample_rows = step.rows[step.do_sample]
         if len(sample_rows):
             batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
             batch.num_tokens[sample_rows] += 1
-        batch.num_computed_tokens[rows] = seq_lens
+        batch.num_computed_tokens[step.rows] = step.seq_lens
 
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        req_ids = step.req_ids
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        sample_pos = np.flatnonzero(do_sample).tolist()
-        for i, (pos, tok) in enumerate(zip(sample_pos, sampled)):
+        for i, (pos, tok) in enumerate(zip(np.flatnonzero(step.do_sample).tolist(), sampled)):
             sampled_token_ids[pos] = [tok]
-            lp = sampler_out.logprobs[i] if sampler_out.logprobs is not None else None
-            if lp is not None:
-                logprobs[req_ids[pos]] = lp
+            if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
+                logprobs[req_ids[pos]] = sampler_out.logprobs[i]
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            prepare_time=t1 - t0,
-            forward_time=t2 - t1,
-            sample_time=t3 - t2,
         )
 
-    def _prompt_logprobs(
-        self,
-        req_ids: list[str],
-        rows: np.ndarray,
-        num_sched: np.ndarray,
-        computed: np.ndarray,
-        query_start_loc: np.ndarray,
-        hidden: torch.Tensor,
-    ) -> dict[str, LogprobsLists]:
+    def _prompt_logprobs(self, step: _StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens for the requests that asked for them (rare, so a Python loop
         over just those requests). Chunks accumulate until the prefill ends, then go out together;
         the first prompt token has none (nothing predicts it)."""
         done: dict[str, LogprobsLists] = {}
         batch = self.input_batch
-        for i, req_id in enumerate(req_ids):
+        rows, num_sched, computed, query_start_loc = step.rows, step.num_sched, step.computed, step.query_start_loc
+        for i, req_id in enumerate(step.req_ids):
             k = self._prompt_logprobs_k.get(req_id)
             if k is None:
                 continue

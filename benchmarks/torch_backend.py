@@ -1,6 +1,6 @@
 """Timings of the torch attention backend on CPU (not a test; run it directly).
 
-    .venv/bin/python tests/attention/bench_torch_backend.py [--threads N]
+    .venv/bin/python benchmarks/torch_backend.py [--threads N]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), block size 16, float32.
 Prints the minimum and median wall time of many single-layer forwards, the minimum process CPU
@@ -10,12 +10,15 @@ spend in attention.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 import random
 import time
 
 import torch
 
-from tokenloom.attention.testing import make_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "attention"))
+from attn_helpers import make_batch  # noqa: E402
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 
 

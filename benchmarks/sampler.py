@@ -1,6 +1,6 @@
 """Per-step cost of Sampler.sample() for a decode batch (not a test; run it by hand):
 
-    .venv/bin/python tests/sample/bench_sampler.py [num_rows] [vocab_size] [torch_threads]
+    .venv/bin/python benchmarks/sampler.py [num_rows] [vocab_size] [torch_threads]
 
 Wall-clock min and median over the steps, and the median process CPU time: on a shared machine
 the wall clock includes waiting for a core; with one torch thread the CPU time does not.

@@ -58,13 +58,18 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # The ledger: requests that wanted to run this step and did not, with the reason.
     wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    # The requests whose one scheduled token is a decode (the latest sampled token); every other
+    # scheduled token is prefill, including a preempted request's recompute.
+    decode_req_ids: set[str] = field(default_factory=set)
     step: int = 0
     # Why the head of the waiting queue was not admitted (None: nobody was left waiting). The
     # requests behind it wait with HEAD_OF_LINE; this says what they are really waiting for.
     blocked_reason: WaitReason | None = None
 
     @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_req_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.total_num_scheduled_tokens - len(self.decode_req_ids)

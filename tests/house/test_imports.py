@@ -1,0 +1,119 @@
+"""The package's imports run one way: from the request path's entry down to the kernels, with the
+shared vocabulary at the bottom (DESIGN.md, "Dependencies flow one way").
+
+Read from the source with `ast`, so it holds for every import, also those inside functions and
+under `TYPE_CHECKING`: a type-only import upward is still a dependency a reader must follow.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import tokenloom
+
+PACKAGE_DIR = Path(tokenloom.__file__).parent
+
+# The allowed direction, written once: a module may import modules of its own layer or of a
+# lower one (a smaller number), never a higher one. Top-level modules not named here are the
+# shared vocabulary (messages, outputs, sampling_params, config, the scheduler-to-runner
+# contract) and sit at the bottom.
+LAYERS: dict[str, int] = {
+    "tokenloom.entrypoints": 9,
+    "tokenloom.engine": 8,
+    "tokenloom.core": 7,
+    "tokenloom.executor": 6,
+    "tokenloom.worker": 5,
+    "tokenloom.model": 4,
+    "tokenloom.attention": 3,
+    "tokenloom.sample": 3,
+    "tokenloom.ops": 2,
+    "tokenloom.metrics": 1,
+}
+VOCABULARY = 0
+# `tokenloom/__init__.py` is the public facade (`from tokenloom import LLM`): it sits above
+# everything and imports the entry points lazily.
+FACADE = "tokenloom"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE_DIR.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    for prefix, layer in LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return VOCABULARY
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> the tokenloom modules it imports (a `from pkg import name` counts as importing
+    `pkg.name` when that is a module, else `pkg`)."""
+    modules = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("tokenloom"))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("tokenloom"):
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    deps.add(sub if sub in modules else target)
+        deps.discard(name)
+        graph[name] = {d for d in deps if d in modules}
+    return graph
+
+
+def test_no_import_runs_upward() -> None:
+    upward = [
+        f"{mod} (layer {layer_of(mod)}) imports {dep} (layer {layer_of(dep)})"
+        for mod, deps in sorted(package_imports().items()) if mod != FACADE
+        for dep in sorted(deps) if layer_of(dep) > layer_of(mod)
+    ]
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    graph = package_imports()
+    # A package's __init__ re-exporting its own modules is not a cycle a reader has to follow.
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module", ["tokenloom.messages", "tokenloom.outputs",
+                                    "tokenloom.sampling_params", "tokenloom.config"])
+def test_vocabulary_exists_and_is_at_the_bottom(module: str) -> None:
+    graph = package_imports()
+    assert module in graph
+    assert all(layer_of(d) == VOCABULARY for d in graph[module]), graph[module]
