@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c")]
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c")]
 _HEADERS = [_CSRC / "vec_math.h", _CSRC / "paged_decode_impl.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
