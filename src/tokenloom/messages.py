@@ -154,6 +154,8 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     attention_backend: str
     pid: int
     kv_cache_dtype: str = ""  # "" from an engine that predates the field
+    # What the matmuls compute with: "none" (float) or e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni".
+    quantization: str = ""
 
 
 class LedgerBucket(enum.IntEnum):

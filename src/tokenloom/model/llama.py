@@ -188,12 +188,14 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope_cache()
         # The LM head's oneDNN-packed weight (also when tied to the embedding), see packed_linear.
         self.packed_lm_head: torch.Tensor | None = None
+        # A quantized LM head (model/quant_linear), installed by the loader in place of the above.
+        self.quant_lm_head: nn.Module | None = None
         self.cpu_ops: ctypes.CDLL | None = None  # see use_cpu_kernels
 
     def use_cpu_kernels(self, lib: ctypes.CDLL | None) -> bool:
         """Route the norms, RoPE and SiLU-and-mul through `lib` (ops/cpu_kernels), or back to
         the PyTorch ops with None. Only for a float32 model on the CPU; returns whether it is on."""
-        w = self.embed_tokens.weight
+        w = self.norm.weight  # float even when the embedding is quantized
         if lib is not None and (w.dtype != torch.float32 or w.device.type != "cpu"):
             lib = None
         for m in self.modules():
@@ -207,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         with torch.device("cpu"):
             table = cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
-        self.cos_sin = table.to(self.embed_tokens.weight.device)
+        self.cos_sin = table.to(self.norm.weight.device)
 
     def _apply(self, fn, recurse=True):
         # `.to(dtype)` would round the float32 table to the model dtype (and before the trig,
@@ -252,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
+        if self.quant_lm_head is not None:
+            return self.quant_lm_head(hidden)
         return linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
 
     @property
