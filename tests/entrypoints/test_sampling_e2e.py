@@ -12,7 +12,7 @@ STORY = "Once upon a time, in a village by the sea,"
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(kv_cache_memory_bytes=128 * 1024**2) as llm:
+    with LLM(kv_cache_memory_bytes=128 * 1024**2, quantization=None) as llm:
         yield llm
 
 

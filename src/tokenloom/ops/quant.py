@@ -52,6 +52,8 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_record_bytes.argtypes = [_c_i32]
         lib.tl_q_isa.restype = _c_i32
         lib.tl_q_isa.argtypes = [_c_i32]
+        lib.tl_q_limit_isa.restype = _c_i32
+        lib.tl_q_limit_isa.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
@@ -61,6 +63,13 @@ def _lib() -> ctypes.CDLL:
 def kernel_isa(fmt: int) -> str:
     """Which kernel runs `fmt` on this CPU: avx512_vnni, avx2 or c (portable)."""
     return ISA_NAMES[_lib().tl_q_isa(fmt)]
+
+
+def limit_isa(name: str | None) -> str:
+    """Use at most kernel `name` (avx512_vnni, avx2, c; None: the best this CPU has), for tests
+    and benchmarks; returns the kernel level now in use."""
+    levels = {v: k for k, v in ISA_NAMES.items()}
+    return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
 
 
 @dataclass(eq=False)

@@ -246,7 +246,7 @@ typedef void (*tile_fn)(const uint8_t *, int, int64_t, const int8_t *, const flo
 static int isa_level = -1; /* 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 
 static int detect_isa(void) {
-    const char *force = getenv("TOKENLOOM_QUANT_ISA"); /* tests pin a kernel: avx512|avx2|c */
+    const char *force = getenv("TOKENLOOM_QUANT_ISA"); /* pin a kernel: avx512|avx2|c */
     __builtin_cpu_init();
     int best = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
@@ -264,6 +264,14 @@ static int detect_isa(void) {
 int32_t tl_q_isa(int32_t fmt) {
     if (isa_level < 0) isa_level = detect_isa();
     if (isa_level == 1 && fmt == TL_Q8) return 0;
+    return isa_level;
+}
+
+/* Use at most kernel `level` (tests run every kernel the CPU has); -1 restores the best.
+ * Returns the level now in use. */
+int32_t tl_q_limit_isa(int32_t level) {
+    isa_level = detect_isa();
+    if (level >= 0 && level < isa_level) isa_level = level;
     return isa_level;
 }
 
