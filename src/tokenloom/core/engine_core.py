@@ -16,6 +16,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import load_model
+from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class EngineCore:
             pid=os.getpid(),
             kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
             quantization=loaded.quantization,
+            weight_bytes_per_token=weight_bytes_per_token(loaded.model),
         )
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None

@@ -205,3 +205,21 @@ def quantize_int8_(model: nn.Module) -> QuantSummary:
     summary.formats["Q8_0"] += 1 if model.config.tie_word_embeddings else 2
     return summary
 
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of matrix weights one decode step reads: every linear layer and the LM head as held
+    in memory (quantized blocks or float); the embedding lookup reads only its rows."""
+    from tokenloom.model.llama import Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size()
+                         for p in m.parts)
+        elif isinstance(m, Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    if getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None:
+        embed = model.embed_tokens.weight  # a tied float head
+        total += embed.numel() * embed.element_size()
+    return total
