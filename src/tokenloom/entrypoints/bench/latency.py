@@ -151,8 +151,6 @@ class _LlamaCpp:
     def __init__(self, args: argparse.Namespace) -> None:
         from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
 
-        if args.batch_size != 1:
-            raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
         self.args = args
         self.base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
         self.prefill: list[float] = []
@@ -188,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         positive(name, getattr(args, name))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}.")
+    if args.baseline == "llamacpp" and not args.llamacpp_python:
+        raise ValueError("--baseline llamacpp needs --llamacpp-python: the python of an environment with llama-cpp-python installed.")
+    if args.baseline == "llamacpp" and args.batch_size != 1:
+        raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     batches = _iteration_prompts(args)
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
