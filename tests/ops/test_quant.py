@@ -30,21 +30,34 @@ def kernel(request):
     quant.limit_isa(None)
 
 
-def _reference(x: np.ndarray, w: np.ndarray, quantize_x: bool) -> np.ndarray:
-    """float64 x @ w.T; with `quantize_x` x first goes through the kernel's own activation
-    quantization (llama.cpp's Q8_0, but with a float32 scale), so only summation order is left."""
-    if quantize_x:
-        blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-        amax = np.abs(blocks).max(-1, keepdims=True)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-        q = np.rint(blocks * inv)
-        x = (q * (amax / np.float32(127))).reshape(x.shape)
+def _quantize_blocks(x: np.ndarray) -> np.ndarray:
+    """x [M, K] float32 -> what the kernel's int8 activation codes times their scale stand for:
+    llama.cpp's Q8_0 rounding, with a float32 scale per 32 elements."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(blocks * inv) * (amax / np.float32(127))).reshape(x.shape).astype(np.float32)
+
+
+def _reference(x: np.ndarray, w: np.ndarray, levels: int) -> np.ndarray:
+    """float64 x @ w.T, with x first as the kernel represents it in `levels` int8 planes (0: x
+    itself), so that only summation order is left between the two."""
+    if levels:
+        first = _quantize_blocks(x.astype(np.float32))
+        if levels == 2:  # the rounding error in steps of 1/256 of the first plane's scale
+            blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+            step = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)) / np.float32(256)
+            err = blocks - first.reshape(blocks.shape)
+            q2 = np.clip(np.rint(err / np.where(step > 0, step, 1)), -127, 127)
+            first = (first.reshape(blocks.shape).astype(np.float64) + q2 * step).reshape(x.shape)
+        x = first
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 40, 64), (3, 48, 96), (7, 100, 576), (70, 96, 160)])
-def test_matmul_matches_float64_reference(kernel, qtype, M, N, K):
+def test_matmul_matches_float64_reference(kernel, qtype, M, N, K, levels):
     rng = np.random.default_rng(M * 1000 + N + K)
     w = rng.standard_normal((N, K), dtype=np.float32)
     raw = quants.quantize(w, qtype)
@@ -52,14 +65,14 @@ def test_matmul_matches_float64_reference(kernel, qtype, M, N, K):
     tw = quant.tile_gguf(raw, qtype)
     assert tw.format_name == qtype.name and tw.nbytes == -(-N // 16) * 16 * raw.shape[1]
     x = rng.standard_normal((M, K), dtype=np.float32)
-    got = quant.qlinear(torch.from_numpy(x), tw).double().numpy()
+    got = quant.qlinear(torch.from_numpy(x), tw, act_levels=levels).double().numpy()
     assert got.shape == (M, N)
-    scale = np.abs(_reference(x, w_deq, False)).max()
-    exact = _reference(x, w_deq, True)
-    # Same int8 activations: float32 accumulation order only.
-    assert np.abs(got - exact).max() <= 2e-5 * scale
-    # Against the unquantized activations: int8 activations cost ~1% of the largest output.
-    assert np.abs(got - _reference(x, w_deq, False)).max() <= 0.02 * scale
+    plain = _reference(x, w_deq, 0)
+    scale = np.abs(plain).max()
+    # Same activation codes: float32 accumulation order only.
+    assert np.abs(got - _reference(x, w_deq, levels)).max() <= 2e-5 * scale
+    # Against the float activations: one int8 plane costs ~1% of the largest output, two ~1e-5.
+    assert np.abs(got - plain).max() <= (0.02 if levels == 1 else 5e-5) * scale
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)

@@ -69,46 +69,73 @@ static inline int code_at(const uint8_t *rec, int fmt, int n, int k) {
 }
 
 /* ---------------------------------------------------------------- activation quantization */
-/* Row m of x [M, K] (row stride ldx floats) -> xq [M, K] int8, xd [M, K/32] block scales and
- * xs [M, K/32] = xd * sum(xq) of each block. Rounding to nearest, as llama.cpp's Q8_0. */
-static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
-                          int8_t *xq, float *xd, float *xs) {
+/* Row m of x [M, K] (row stride ldx floats) -> per 32-element block int8 codes and a float scale,
+ * rounding to nearest as llama.cpp's Q8_0. With levels == 2 the block's rounding error (at most
+ * d / 2) is quantized again, in steps of d / 256, into a second plane: x ~ d * (q1 + q2 / 256),
+ * error <= amax / 65024, and since the ratio is a power of two the kernels combine the two integer
+ * dot products exactly as 256 * S1 + S2 (< 2^28) before one conversion to float. Twice the
+ * integer work, for activations about as exact as float32 matmuls need (see ops/quant.py).
+ * Planes: xq [levels][M][K]; xd [M][K/32] (d, or d / 256 with two levels); xs [M][K/32] = the
+ * block's sum of x as represented. */
+static void quantize_block(const float *xb, int8_t *qb, float *d_out, int *sum_out) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < QK; i++) {
+        int q = (int)nearbyintf(xb[i] * id);
+        qb[i] = (int8_t)q;
+        sum += q;
+    }
+    *d_out = d;
+    *sum_out = sum;
+}
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t M, int64_t K,
+                          int levels, int8_t *xq, float *xd, float *xs) {
     const int64_t nb = K / QK;
     for (int64_t m = m0; m < m1; m++) {
         const float *xr = x + m * ldx;
         for (int64_t j = 0; j < nb; j++) {
-            const float *xb = xr + j * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *qb = xq + m * K + j * QK;
-            int sum = 0;
-            for (int i = 0; i < QK; i++) {
-                int q = (int)nearbyintf(xb[i] * id);
-                qb[i] = (int8_t)q;
-                sum += q;
-            }
+            float d;
+            int sum;
+            quantize_block(xr + j * QK, qb, &d, &sum);
             xd[m * nb + j] = d;
             xs[m * nb + j] = d * (float)sum;
+            if (levels == 2) {
+                int8_t *q2 = xq + M * K + m * K + j * QK;
+                const float id = d > 0.0f ? 256.0f / d : 0.0f;
+                int sum2 = 0;
+                for (int i = 0; i < QK; i++) {
+                    int q = (int)nearbyintf((xr[j * QK + i] - d * (float)qb[i]) * id);
+                    q = q > 127 ? 127 : q < -127 ? -127 : q;
+                    q2[i] = (int8_t)q;
+                    sum2 += q;
+                }
+                xd[m * nb + j] = d / 256.0f;
+                xs[m * nb + j] = (d / 256.0f) * (float)(256 * sum + sum2);
+            }
         }
     }
 }
 
 /* ----------------------------------------------------------------------- portable kernel */
-static void tile_portable(const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq,
-                          const float *xd, const float *xs, int64_t K, int64_t rows,
-                          float *y, int64_t ldy, int ncols) {
+/* Every kernel: `rows` activation rows (codes xq, scales xd, block sums xs; the second level's
+ * codes and scales `xplane` / `dplane` elements further on) against one tile of 16 columns. */
+#define KERNEL_ARGS const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq, const float *xd, \
+    const float *xs, int64_t K, int64_t rows, float *y, int64_t ldy, int ncols, int levels,     \
+    int64_t xplane
+
+static void tile_portable(KERNEL_ARGS) {
     const int rb = record_bytes(fmt), cb = code_bytes(fmt);
     const float off = code_offset(fmt);
     for (int64_t m = 0; m < rows; m++) {
         float acc[TILE_N] = {0};
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *rec = tile + j * rb;
-            const int8_t *xb = xq + m * K + j * QK;
-            const float dx = xd[m * nb + j], sx = xs[m * nb + j];
+            const float sx = xs[m * nb + j];
             for (int n = 0; n < TILE_N; n++) {
-                int32_t s = 0;
-                for (int k = 0; k < QK; k++) s += code_at(rec, fmt, n, k) * (int32_t)xb[k];
                 uint16_t h;
                 memcpy(&h, rec + cb + 2 * n, 2);
                 const float d = half_to_float(h);
@@ -117,7 +144,14 @@ static void tile_portable(const uint8_t *tile, int fmt, int64_t nb, const int8_t
                     memcpy(&h, rec + cb + 32 + 2 * n, 2);
                     mn = half_to_float(h);
                 }
-                acc[n] += d * dx * (float)s + mn * sx;
+                int32_t s = 0;
+                for (int l = 0; l < levels; l++) {
+                    const int8_t *xb = xq + l * xplane + m * K + j * QK;
+                    int32_t sl = 0;
+                    for (int k = 0; k < QK; k++) sl += code_at(rec, fmt, n, k) * (int32_t)xb[k];
+                    s = s * 256 + sl;
+                }
+                acc[n] += d * xd[m * nb + j] * (float)s + mn * sx;
             }
         }
         for (int n = 0; n < ncols; n++) y[m * ldy + n] = acc[n];
@@ -140,55 +174,77 @@ AVX512_TARGET static inline void load_codes512(const uint8_t *rec, int fmt, __m5
     }
 }
 
-/* MR activation rows against one tile; MR is a constant in every caller, so the loops over it
- * unroll into MR independent accumulator chains. */
-#define DEFINE_TILE512(MR)                                                                        \
-AVX512_TARGET static void tile512_##MR(const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq, \
-                                       const float *xd, const float *xs, int64_t K, float *y,     \
-                                       int64_t ldy, int ncols) {                                  \
-    const int rb = record_bytes(fmt), cb = code_bytes(fmt);                                       \
-    const __m512 neg_off = _mm512_set1_ps(-code_offset(fmt));                                     \
-    __m512 acc[MR];                                                                               \
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                    \
-    for (int64_t j = 0; j < nb; j++) {                                                            \
-        const uint8_t *rec = tile + j * rb;                                                       \
-        __m512i w[8];                                                                             \
-        load_codes512(rec, fmt, w);                                                               \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));         \
-        const __m512 mn = fmt == TL_Q4_1                                                          \
-            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))               \
-            : _mm512_mul_ps(d, neg_off);                                                          \
-        for (int r = 0; r < MR; r++) {                                                            \
-            const int8_t *xb = xq + r * K + j * QK;                                               \
-            __m512i s = _mm512_setzero_si512();                                                   \
-            for (int g = 0; g < 8; g++) {                                                         \
-                int32_t x4;                                                                       \
-                memcpy(&x4, xb + 4 * g, 4);                                                       \
-                s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(x4));                          \
-            }                                                                                     \
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + j]));                \
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);                       \
-            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb + j]), acc[r]);                 \
-        }                                                                                         \
-    }                                                                                             \
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);                                       \
-    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);               \
+/* sum over the block of codes (16 columns) times the 32 activation codes at xb. */
+AVX512_TARGET static inline __m512i block_dot512(const __m512i w[8], const int8_t *xb) {
+    __m512i s = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+        int32_t x4;
+        memcpy(&x4, xb + 4 * g, 4);
+        s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(x4));
+    }
+    return s;
 }
-DEFINE_TILE512(1)
-DEFINE_TILE512(2)
-DEFINE_TILE512(3)
-DEFINE_TILE512(4)
 
-AVX512_TARGET static void tile_avx512(const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq,
-                                      const float *xd, const float *xs, int64_t K, int64_t rows,
-                                      float *y, int64_t ldy, int ncols) {
+/* MR activation rows against one tile; MR and LEVELS are constants in every caller, so the
+ * loops over them unroll into independent accumulator chains. */
+#define DEFINE_TILE512(MR, LEVELS)                                                               \
+AVX512_TARGET static void tile512_##MR##_##LEVELS(const uint8_t *tile, int fmt, int64_t nb,     \
+        const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t ldy,    \
+        int ncols, int64_t xplane) {                                                             \
+    const int rb = record_bytes(fmt), cb = code_bytes(fmt);                                      \
+    const __m512 neg_off = _mm512_set1_ps(-code_offset(fmt));                                    \
+    __m512 acc[MR];                                                                              \
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                   \
+    for (int64_t j = 0; j < nb; j++) {                                                           \
+        const uint8_t *rec = tile + j * rb;                                                      \
+        __m512i w[8];                                                                            \
+        load_codes512(rec, fmt, w);                                                              \
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));        \
+        const __m512 mn = fmt == TL_Q4_1                                                         \
+            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))              \
+            : _mm512_mul_ps(d, neg_off);                                                         \
+        for (int r = 0; r < MR; r++) {                                                           \
+            __m512i s = block_dot512(w, xq + r * K + j * QK);                                    \
+            if (LEVELS == 2)                                                                     \
+                s = _mm512_add_epi32(_mm512_slli_epi32(s, 8),                                    \
+                                     block_dot512(w, xq + xplane + r * K + j * QK));             \
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + j]));               \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);                      \
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb + j]), acc[r]);                \
+        }                                                                                        \
+    }                                                                                            \
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);                                      \
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);              \
+}
+DEFINE_TILE512(1, 1)
+DEFINE_TILE512(2, 1)
+DEFINE_TILE512(3, 1)
+DEFINE_TILE512(4, 1)
+DEFINE_TILE512(1, 2)
+DEFINE_TILE512(2, 2)
+DEFINE_TILE512(3, 2)
+DEFINE_TILE512(4, 2)
+
+#define TILE512_CALL(MR, LEVELS) tile512_##MR##_##LEVELS(tile, fmt, nb, xq + r * K, xd + r * nb,  \
+    xs + r * nb, K, y + r * ldy, ldy, ncols, xplane)
+
+AVX512_TARGET static void tile_avx512(KERNEL_ARGS) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-        tile512_4(tile, fmt, nb, xq + r * K, xd + r * nb, xs + r * nb, K, y + r * ldy, ldy, ncols);
+    if (levels == 2) {
+        for (; r + 4 <= rows; r += 4) TILE512_CALL(4, 2);
+        switch (rows - r) {
+        case 3: TILE512_CALL(3, 2); break;
+        case 2: TILE512_CALL(2, 2); break;
+        case 1: TILE512_CALL(1, 2); break;
+        default: break;
+        }
+        return;
+    }
+    for (; r + 4 <= rows; r += 4) TILE512_CALL(4, 1);
     switch (rows - r) {
-    case 3: tile512_3(tile, fmt, nb, xq + r * K, xd + r * nb, xs + r * nb, K, y + r * ldy, ldy, ncols); break;
-    case 2: tile512_2(tile, fmt, nb, xq + r * K, xd + r * nb, xs + r * nb, K, y + r * ldy, ldy, ncols); break;
-    case 1: tile512_1(tile, fmt, nb, xq + r * K, xd + r * nb, xs + r * nb, K, y + r * ldy, ldy, ncols); break;
+    case 3: TILE512_CALL(3, 1); break;
+    case 2: TILE512_CALL(2, 1); break;
+    case 1: TILE512_CALL(1, 1); break;
     default: break;
     }
 }
@@ -198,9 +254,7 @@ AVX512_TARGET static void tile_avx512(const uint8_t *tile, int fmt, int64_t nb, 
  * codes (2 * 15 * 128 < 32767), not for Q8's 8-bit ones, which take the portable kernel. */
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-AVX2_TARGET static void tile_avx2(const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq,
-                                  const float *xd, const float *xs, int64_t K, int64_t rows,
-                                  float *y, int64_t ldy, int ncols) {
+AVX2_TARGET static void tile_avx2(KERNEL_ARGS) {
     const int rb = record_bytes(fmt), cb = code_bytes(fmt);
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256 neg_off = _mm256_set1_ps(-code_offset(fmt));
@@ -208,27 +262,31 @@ AVX2_TARGET static void tile_avx2(const uint8_t *tile, int fmt, int64_t nb, cons
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *rec = tile + j * rb;
-            const int8_t *xb = xq + r * K + j * QK;
             for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
-                __m256i s = _mm256_setzero_si256();
-                for (int v = 0; v < 4; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * v + 32 * h));
-                    const __m256i lo = _mm256_and_si256(raw, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    int32_t a4, b4;
-                    memcpy(&a4, xb + 4 * v, 4);
-                    memcpy(&b4, xb + 4 * (v + 4), 4);
-                    const __m256i p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a4)),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b4)));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                }
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 16 * h)));
+                __m256i total = _mm256_setzero_si256();
+                for (int l = 0; l < levels; l++) {
+                    const int8_t *xb = xq + l * xplane + r * K + j * QK;
+                    __m256i s = _mm256_setzero_si256();
+                    for (int v = 0; v < 4; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * v + 32 * h));
+                        const __m256i lo = _mm256_and_si256(raw, low);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        int32_t a4, b4;
+                        memcpy(&a4, xb + 4 * v, 4);
+                        memcpy(&b4, xb + 4 * (v + 4), 4);
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a4)),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b4)));
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                    }
+                    total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), s);
+                }
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                                         _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + j])), acc[h]);
                 const __m256 mn = fmt == TL_Q4_1
                     ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 32 + 16 * h)))
                     : _mm256_mul_ps(d, neg_off);
-                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                         _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + j])), acc[h]);
                 acc[h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r * nb + j]), acc[h]);
             }
         }
@@ -240,8 +298,7 @@ AVX2_TARGET static void tile_avx2(const uint8_t *tile, int fmt, int64_t nb, cons
 }
 
 /* ------------------------------------------------------------------------- dispatch */
-typedef void (*tile_fn)(const uint8_t *, int, int64_t, const int8_t *, const float *,
-                        const float *, int64_t, int64_t, float *, int64_t, int);
+typedef void (*tile_fn)(KERNEL_ARGS);
 
 static int isa_level = -1; /* 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 
@@ -283,28 +340,28 @@ static tile_fn pick(int fmt) {
     }
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T, W the tiled weight of n_pad >= N
- * rows (a multiple of 16). `scratch` holds M*K int8 + 2*M*K/32 floats (see tl_q_scratch_bytes).
- * Returns 0, or -1 for a K that is not a multiple of 32. */
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias), W the tiled weight of N
+ * rows (padded to a multiple of 16), activations quantized in `levels` (1 or 2) int8 planes into
+ * `scratch` (tl_q_scratch_bytes). Returns 0, or -1 for a K that is not a multiple of 32. */
 int64_t tl_q_scratch_bytes(int64_t M, int64_t K) {
-    return M * K + 2 * M * (K / QK) * (int64_t)sizeof(float) + 64;
+    return 2 * M * K + 2 * M * (K / QK) * (int64_t)sizeof(float) + 64;
 }
 
 int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
-                    void *scratch) {
-    if (K % QK != 0 || N <= 0 || M < 0) return -1;
+                    void *scratch, int32_t levels) {
+    if (K % QK != 0 || N <= 0 || M < 0 || levels < 1 || levels > 2) return -1;
     const int64_t nb = K / QK, ntiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = nb * record_bytes(fmt);
     int8_t *xq = (int8_t *)scratch;
-    float *xd = (float *)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
+    float *xd = (float *)(((uintptr_t)(xq + levels * M * K) + 63) & ~(uintptr_t)63);
     float *xs = xd + M * nb;
     const tile_fn kern = pick(fmt);
     const int64_t mblocks = (M + M_BLOCK - 1) / M_BLOCK;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_rows(x, ldx, m, m + 1, K, xq, xd, xs);
+        for (int64_t m = 0; m < M; m++) quantize_rows(x, ldx, m, m + 1, M, K, levels, xq, xd, xs);
         /* Row blocks outermost: a block's activations stay in L2 while each thread streams its
          * share of the weight tiles past them. */
         #pragma omp for collapse(2) schedule(static)
@@ -314,7 +371,7 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
                 const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
                 float *yt = y + m0 * ldy + t * TILE_N;
                 kern(w + t * tile_bytes, fmt, nb, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, rows,
-                     yt, ldy, ncols);
+                     yt, ldy, ncols, levels, M * K);
                 if (bias)
                     for (int64_t r = 0; r < rows; r++)
                         for (int n = 0; n < ncols; n++) yt[r * ldy + n] += bias[t * TILE_N + n];
