@@ -105,6 +105,11 @@ def test_quantization_option_errors(tmp_path, smollm2_path):
     assert load_model(path, dtype="bfloat16").quantization == "none"
     # An all-float GGUF has nothing to compute quantized: said so, float path.
     assert "no quantized tensors" in load_model(path).quantization
+    from tokenloom.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, gguf, int8, none"):
+        EngineConfig(quantization="fp8").validate()
+    EngineConfig(quantization=None).validate()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
