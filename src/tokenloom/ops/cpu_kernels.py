@@ -6,6 +6,8 @@
   decode step. The kernel costs about 2x one plain pass over the layer's KV cache.
 - `add_rms_norm`, `silu_and_mul`, `rope` (csrc/elementwise.c): the decoder's element-wise steps,
   one pass each instead of 2-7 eager ops (the model uses them through `model/llama.py`).
+- `tl_q_*` (csrc/quant_gemm.c): matmuls on block-quantized weights (GGUF Q4_0/Q4_1/Q8_0, int8),
+  bound and called by `ops/quant.py`; that file dispatches on the CPU's ISA itself.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 in `$TOKENLOOM_CACHE_DIR/kernels` (default `~/.cache/tokenloom/kernels`), named by a hash of the
