@@ -7,6 +7,8 @@ random prompts, and reports the CPU seconds each spends per output token (prefil
 
     .venv/bin/python benchmarks/cpu_time_ab.py --batch-size 1 --rounds 4
     .venv/bin/python benchmarks/cpu_time_ab.py --batch-size 64 --input-len 32 --output-len 16 --rounds 2
+    # tokenloom's quantized GGUF path against its own float path (--baseline none) or int8
+    .venv/bin/python benchmarks/cpu_time_ab.py --quantization auto --baseline none
 
 tokenloom's `EngineCore` runs in-process here (no IPC: the step profile shows IPC is <0.1 % of a
 step anyway); transformers runs `generate()` on the same GGUF, greedy, `min_new_tokens` = output
@@ -29,6 +31,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quantization", default="auto", help="tokenloom's quantization (auto: the GGUF's own weights)")
+    p.add_argument("--baseline", default="hf", choices=["hf", "none", "int8"],
+                   help="transformers, or tokenloom itself with this quantization")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -42,11 +47,14 @@ def main() -> None:
     B, IN, OUT = args.batch_size, args.input_len, args.output_len
     tokenizer = load_tokenizer(None)
     blocks = B * (-(-(IN + OUT) // 16) + 1) + 8
-    core = EngineCore(EngineConfig(num_kv_blocks=blocks, max_num_seqs=max(B, 1)))
-    hf, _ = load_hf_model(None, "float32", "cpu")
+    core = EngineCore(EngineConfig(num_kv_blocks=blocks, max_num_seqs=max(B, 1), quantization=args.quantization))
+    other = None if args.baseline == "hf" else EngineCore(EngineConfig(num_kv_blocks=blocks, max_num_seqs=max(B, 1),
+                                                                       quantization=args.baseline))
+    hf = load_hf_model(None, "float32", "cpu")[0] if other is None else None
     params = SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True)
+    name = "transformers" if other is None else f"tokenloom[{args.baseline}]"
 
-    def ours(prompts: list[list[int]], tag: str) -> float:
+    def ours(prompts: list[list[int]], tag: str, core=core) -> float:
         for i, ids in enumerate(prompts):
             core.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params,
                                                eos_token_id=tokenizer.eos_token_id, arrival_time=time.monotonic()))
@@ -56,6 +64,8 @@ def main() -> None:
         return (time.process_time() - start) / OUT * 1e3
 
     def theirs(prompts: list[list[int]]) -> float:
+        if other is not None:
+            return ours(prompts, f"b{time.monotonic()}", core=other)
         start = time.process_time()
         hf_generate(hf, prompts, OUT, B, tokenizer.eos_token_id, "cpu")
         return (time.process_time() - start) / OUT * 1e3
@@ -68,11 +78,11 @@ def main() -> None:
         prompts = random_prompt_ids(tokenizer, 49152, B, IN, seed=r)
         a.append(ours(prompts, f"r{r}"))
         b.append(theirs(prompts))
-        print(f"round {r}: tokenloom {a[-1]:.2f} ms CPU/token-step, transformers {b[-1]:.2f}, ratio {b[-1] / a[-1]:.2f}x",
+        print(f"round {r}: tokenloom {a[-1]:.2f} ms CPU/token-step, {name} {b[-1]:.2f}, ratio {b[-1] / a[-1]:.2f}x",
               flush=True)
     ma, mb = statistics.median(a), statistics.median(b)
-    print(f"median (batch {B}, {IN} in, {OUT} out, {args.threads} thread): tokenloom {ma:.2f} ms, "
-          f"transformers {mb:.2f} ms, transformers / tokenloom = {mb / ma:.2f}x")
+    print(f"median (batch {B}, {IN} in, {OUT} out, {args.threads} thread): tokenloom "
+          f"[{core.info.quantization}] {ma:.2f} ms, {name} {mb:.2f} ms, {name} / tokenloom = {mb / ma:.2f}x")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: str):
-    """Our `LoadedModel` of SmolLM2 in float32. Shared: do not modify it."""
+    """Our `LoadedModel` of SmolLM2 in float32 (the dequantized float path, which the transformers
+    parity tests compare). Shared: do not modify it."""
     from tokenloom.model.loader import load_model
 
-    return load_model(smollm2_path, dtype="float32", device="cpu")
+    return load_model(smollm2_path, dtype="float32", device="cpu", quantization=None)
 
 
 @pytest.fixture(scope="session")

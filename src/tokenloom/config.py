@@ -37,6 +37,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # compiled for ~12 min and then ran batch-1 decode steps 3.6x slower than eager
     # (benchmarks/README.md, "CPU: what was tried").
     compile: bool = False
+    # What the matmuls compute with (model/loader.QUANTIZATION_METHODS): "auto" computes a GGUF's
+    # quantized tensors as shipped and an HF checkpoint in `dtype`; "int8" quantizes any
+    # checkpoint's matrices at load; None / "none" is the float path (a GGUF dequantized).
+    quantization: str | None = "auto"
 
     def validate(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -56,6 +60,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                              f"{self.kv_cache_dtype!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}.")
+        if self.quantization not in (None, "auto", "gguf", "int8", "none"):
+            raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
+                             f"{self.quantization!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

@@ -158,6 +158,10 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     attention_backend: str
     pid: int
     kv_cache_dtype: str = ""  # "" from an engine that predates the field
+    # What the matmuls compute with: "none" (float) or e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni".
+    quantization: str = ""
+    # Bytes of matrix weights one decode step reads (linear layers and the LM head, as stored).
+    weight_bytes_per_token: int = 0
 
 
 class LedgerBucket(enum.IntEnum):

@@ -61,6 +61,12 @@ def test_latency_with_hf_baseline():
             assert run[part]["median_ms"] > 0 and run[part]["p90_ms"] >= run[part]["median_ms"] * 0.999
     assert r["speedup_decode_per_token"] > 0 and r["speedup_prefill"] > 0
     assert r["tokenloom"]["profile"]["all_steps"]["num_steps"] >= 2 * 4
+    # Which path ran, what a decode step reads and what the engine core holds: the embedded GGUF
+    # is computed as shipped (Q4_1 linears, Q8_0 tied head: ~96 MB, not ~540 MB of float32).
+    ours = r["tokenloom"]
+    assert ours["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
+    assert 90e6 < ours["weight_bytes_per_token"] < 100e6
+    assert 0 < ours["memory"]["rss_mib"] <= ours["memory"]["peak_rss_mib"]
 
 
 def test_bad_arguments_are_clear_errors():
@@ -74,6 +80,12 @@ def test_bad_arguments_are_clear_errors():
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "--vllm-python" in proc.stderr
+    for kind in ("throughput", "latency"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", kind, "--baseline", "llamacpp"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 2 and "--llamacpp-python" in proc.stderr, proc.stderr
 
 
 def test_random_prompts_avoid_special_tokens_and_are_seeded():

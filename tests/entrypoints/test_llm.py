@@ -65,7 +65,7 @@ def _greedy(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def default_llm():
-    with LLM(kv_cache_memory_bytes=256 * 1024**2) as llm:
+    with LLM(kv_cache_memory_bytes=256 * 1024**2, quantization=None) as llm:
         yield llm
 
 
@@ -99,7 +99,7 @@ def test_outputs_in_input_order_with_text(default_llm):
     ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "inprocess-64", "preemption"],
 )
 def test_greedy_identical_across_configs(kwargs, counter, prompt_ids, reference):
-    with LLM(**{"kv_cache_memory_bytes": 128 * 1024**2, **kwargs}) as llm:
+    with LLM(**{"kv_cache_memory_bytes": 128 * 1024**2, "quantization": None, **kwargs}) as llm:
         assert _greedy(llm, prompt_ids) == reference
         if counter:
             state = llm.llm_engine.engine_core.call_utility("get_state")
@@ -128,7 +128,7 @@ def test_bfloat16_kv_cache(prompt_ids, reference):
     transformers'. Rounding K/V to bfloat16 moves logits by ~1e-2, so a near-tie may flip late
     in a reply; every reply must agree on its first 8 tokens and most replies entirely."""
     budget = 128 * 1024**2
-    with LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16") as llm:
+    with LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16", quantization=None) as llm:
         info = llm.llm_engine.engine_core.info
         ours = _greedy(llm, prompt_ids)
     assert (info.dtype, info.kv_cache_dtype) == ("float32", "bfloat16")

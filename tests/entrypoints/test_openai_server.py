@@ -29,7 +29,10 @@ def client(server):
 
 
 def test_models_health_version(server, client):
-    assert [m.id for m in client.models.list().data] == ["tiny", "alias"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny", "alias"]
+    # The embedded GGUF is served from its quantized weights by default, and says so.
+    assert models[0].model_extra["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert httpx.get(server.url("/health")).status_code == 200  # open without the key
     assert httpx.get(server.url("/version")).json()["version"]
 

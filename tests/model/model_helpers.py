@@ -48,7 +48,7 @@ def run_flat_batch(loaded, prompts: Sequence[Sequence[int]], chunk_sizes: int | 
         block_table[i, :n] = order[cursor:cursor + n].to(torch.int32)
         cursor += n
 
-    dev, dtype = model.embed_tokens.weight.device, loaded.dtype
+    dev, dtype = model.norm.weight.device, loaded.dtype  # the embedding may be quantized
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     kv_caches = [(torch.randn(shape, generator=g) * 50).to(dev, dtype) for _ in range(cfg.num_hidden_layers)]
 

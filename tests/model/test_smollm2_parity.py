@@ -59,6 +59,8 @@ def test_config_and_tokenizer(smollm2):
     assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
     assert cfg.eos_token_ids == [2] and cfg.bos_token_id == 1
     assert smollm2.dtype == torch.float32 and smollm2.tokenizer.eos_token_id == 2
+    # The parity tests compare transformers with the dequantized float path, not the Q4_1 kernels.
+    assert smollm2.quantization == "none"
 
 
 def test_flat_batch_matches_transformers(prompts, hf_logits, one_shot_logits):

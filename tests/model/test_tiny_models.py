@@ -108,7 +108,9 @@ def test_gguf_file_matches_transformers(case, tmp_path):
                       kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
                       head_dim=getattr(c, "head_dim", None), qtypes=qtypes, rope_theta=c.rope_parameters["rope_theta"],
                       eps=c.rms_norm_eps)
-    loaded = load_model(path, dtype="float32")
+    # The float path (dequantized, as transformers loads a GGUF); the quantized kernels' own
+    # tests are in test_quantized_models.
+    loaded = load_model(path, dtype="float32", quantization=None)
     assert loaded.config.architecture == kind and loaded.config.vocab_size == len(vocab)
     if case == "llama3":
         assert loaded.config.rope_scaling["rope_type"] == "freq_factors"

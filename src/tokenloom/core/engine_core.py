@@ -16,6 +16,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import load_model
+from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class EngineCore:
         config.validate()
         self.config = config
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                            quantization=config.quantization)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
         self.model_runner = ModelRunner(loaded, config, self.max_model_len)
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len)
@@ -49,6 +51,8 @@ class EngineCore:
             attention_backend=self.model_runner.attn_backend.name,
             pid=os.getpid(),
             kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
+            quantization=loaded.quantization,
+            weight_bytes_per_token=weight_bytes_per_token(loaded.model),
         )
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None

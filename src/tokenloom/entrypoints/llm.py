@@ -24,7 +24,9 @@ class LLM:
     Hugging Face directory. `dtype="auto"` is float32 on CPU (this CPU has no AMX: bfloat16
     matmuls run at about half float32 speed) and bfloat16 on CUDA; `kv_cache_dtype="bfloat16"`
     keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
-    K/V rounded to bfloat16). `multiprocess=True` runs the
+    K/V rounded to bfloat16). `quantization="auto"` computes a GGUF with its quantized weights
+    (Q4_0, Q4_1, Q8_0; as llama.cpp does), `"int8"` quantizes any model's matrices to int8 at load,
+    and `None` is the float path (a GGUF dequantized, as transformers does). `multiprocess=True` runs the
     engine core in a child process; `False` runs it in this process (debugging).
     """
 
@@ -50,6 +52,7 @@ class LLM:
         enable_ledger: bool = True,
         trace_path: str | None = None,
         compile: bool = False,
+        quantization: str | None = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -70,6 +73,7 @@ class LLM:
             enable_ledger=enable_ledger,
             trace_path=trace_path,
             compile=compile,
+            quantization=quantization,
         )
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down

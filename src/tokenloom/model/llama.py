@@ -167,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = self._rope_table(torch.device("cpu"))
         # The LM head's oneDNN-packed weight (also when tied to the embedding), see packed_linear.
         self.packed_lm_head: torch.Tensor | None = None
+        # A quantized LM head (model/quant_linear), installed by the loader in place of the above.
+        self.quant_lm_head: nn.Module | None = None
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         c = self.config
@@ -194,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
+        if self.quant_lm_head is not None:
+            return self.quant_lm_head(hidden)
         return linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
 
     @property

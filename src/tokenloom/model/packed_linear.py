@@ -82,7 +82,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     for m in slots:
         m.packed_weight = pack_weight(m.weight)
-    if hasattr(model, "packed_lm_head"):
+    if hasattr(model, "packed_lm_head") and getattr(model, "quant_lm_head", None) is None:
         model.packed_lm_head = pack_weight(model.lm_head_weight)
     return len(slots)
 

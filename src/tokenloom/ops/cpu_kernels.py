@@ -6,6 +6,8 @@
   decode step. The kernel costs about 2x one plain pass over the layer's KV cache.
 - `add_rms_norm`, `silu_and_mul`, `rope` (csrc/elementwise.c): the decoder's element-wise steps,
   one pass each instead of 2-7 eager ops (the model uses them through `model/llama.py`).
+- `tl_q_*` (csrc/quant_gemm.c): matmuls on block-quantized weights (GGUF Q4_0/Q4_1/Q8_0, int8),
+  bound and called by `ops/quant.py`; that file dispatches on the CPU's ISA itself.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 in `$TOKENLOOM_CACHE_DIR/kernels` (default `~/.cache/tokenloom/kernels`), named by a hash of the
@@ -33,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c")]
+_SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c")]
 _HEADERS = [_CSRC / "vec_math.h", _CSRC / "paged_decode_impl.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]

@@ -86,6 +86,20 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def process_memory_mib(pid: int) -> dict[str, float]:
+    """Resident memory of a process now and at its peak (Linux /proc VmRSS, VmHWM), in MiB."""
+    out = {"rss_mib": 0.0, "peak_rss_mib": 0.0}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key = "rss_mib" if line.startswith("VmRSS") else "peak_rss_mib"
+                    out[key] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
 @dataclass
 class CpuMeter:
     """CPU seconds used by the caller and by the engine-core process over a timed region: shows

@@ -7,7 +7,10 @@ to the last request's first token; decode = the time after that to the last toke
 `--output-len - 1` (ms per token: one decode step of the whole batch). Median and p90 over the
 iterations after `--warmup`. The transformers baseline (`--baseline hf`) runs the same prompts
 at the same batch size through `generate()`, timed by a logits processor that notes when each
-step's logits are ready; its iterations alternate with ours.
+step's logits are ready; llama.cpp (`--baseline llamacpp`, batch 1) runs them on the same GGUF
+in its own environment (entrypoints/bench/llamacpp_baseline.py). Baseline iterations alternate
+with ours. Next to the times: the bytes of matrix weights each decode step reads and the resident
+memory of the process that holds the model (our engine core, llama.cpp's process).
 """
 from __future__ import annotations
 
@@ -24,7 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     p.add_argument("--num-iters", type=int, default=5, help="timed iterations")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
-    p.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate() at the same batch size")
+    p.add_argument("--baseline", choices=["hf", "llamacpp"], default=None,
+                   help="also run transformers generate() at the same batch size (hf), or llama.cpp on the same GGUF (llamacpp, batch 1)")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="python of an environment with llama-cpp-python installed (for --baseline llamacpp)")
     p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_args(p)
@@ -68,9 +74,10 @@ class _Ours:
         self.decode: list[float] = []
         self.e2e: list[float] = []
         self.cpu_s: list[float] = []
+        self.memory: dict[str, float] = {}
 
     def iteration(self, prompts: list[list[int]], timed: bool) -> None:
-        from tokenloom.entrypoints.bench.common import CpuMeter
+        from tokenloom.entrypoints.bench.common import CpuMeter, process_memory_mib
 
         self.recorder.recording = timed
         with CpuMeter(self.info.pid) as cpu:
@@ -85,11 +92,14 @@ class _Ours:
         self.decode.append((last - first) / max(1, self.args.output_len - 1))
         self.e2e.append(max(m.finished_time for m in metrics) - start)
         self.cpu_s.append(cpu.result.get("core_cpu_s", 0.0) + cpu.result["caller_cpu_s"])
+        self.memory = process_memory_mib(self.info.pid)
 
     def result(self) -> dict[str, Any]:
         from tokenloom.entrypoints.bench.common import step_profile
 
-        out = {"backend": "tokenloom", "dtype": self.info.dtype, **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
+        out = {"backend": "tokenloom", "dtype": self.info.dtype, "quantization": self.info.quantization,
+               "weight_bytes_per_token": self.info.weight_bytes_per_token, "memory": self.memory,
+               **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
         if self.args.profile:
             out["profile"] = step_profile(self.recorder.stats)
         return out
@@ -135,6 +145,40 @@ class _HF:
         return {"backend": "transformers", "dtype": self.dtype, **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
 
 
+class _LlamaCpp:
+    """llama.cpp side: a subprocess in its own environment, one prompt at a time."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+
+        self.args = args
+        self.base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.e2e: list[float] = []
+        self.cpu_s: list[float] = []
+        self.memory: dict[str, float] = {}
+
+    def iteration(self, prompts: list[list[int]], timed: bool) -> None:
+        from tokenloom.entrypoints.bench.common import process_cpu_seconds
+
+        cpu0 = process_cpu_seconds(self.base.proc.pid)
+        run = self.base.run(prompts, self.args.output_len)[0]
+        if timed:
+            self.cpu_s.append(process_cpu_seconds(self.base.proc.pid) - cpu0)
+            self.prefill.append(run["prefill_s"])
+            self.decode.append(run["decode_s"] / max(1, self.args.output_len - 1))
+            self.e2e.append(run["e2e_s"])
+            self.memory = self.base.memory()
+
+    def result(self) -> dict[str, Any]:
+        return {**self.base.describe(), "memory": self.memory,
+                **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
+
+    def shutdown(self) -> None:
+        self.base.close()
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.bench.common import emit, positive
 
@@ -142,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         positive(name, getattr(args, name))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}.")
+    if args.baseline == "llamacpp" and not args.llamacpp_python:
+        raise ValueError("--baseline llamacpp needs --llamacpp-python: the python of an environment with llama-cpp-python installed.")
+    if args.baseline == "llamacpp" and args.batch_size != 1:
+        raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     batches = _iteration_prompts(args)
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
@@ -155,11 +203,15 @@ def run(args: argparse.Namespace) -> int:
     # same prompts), so a change in the machine's load hits both alike.
     ours = _Ours(args)
     try:
-        hf = _HF(args) if args.baseline == "hf" else None
-        for i, prompts in enumerate(batches):
-            ours.iteration(prompts, timed=i >= args.warmup)
-            if hf is not None:
-                hf.iteration(prompts, timed=i >= args.warmup)
+        hf = _HF(args) if args.baseline == "hf" else _LlamaCpp(args) if args.baseline == "llamacpp" else None
+        try:
+            for i, prompts in enumerate(batches):
+                ours.iteration(prompts, timed=i >= args.warmup)
+                if hf is not None:
+                    hf.iteration(prompts, timed=i >= args.warmup)
+        finally:
+            if isinstance(hf, _LlamaCpp):
+                hf.shutdown()
     finally:
         ours.shutdown()
     result["tokenloom"] = ours.result()
@@ -168,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         ours, base = result["tokenloom"], result["baseline"]
         # > 1 means tokenloom is faster (the baseline takes that many times as long).
         result["speedup_decode_per_token"] = base["decode_per_token"]["median_ms"] / ours["decode_per_token"]["median_ms"]
+        result["speedup_e2e"] = base["e2e"]["median_ms"] / ours["e2e"]["median_ms"]
         result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
         result["speedup_cpu"] = base["cpu_per_iteration"]["median_ms"] / ours["cpu_per_iteration"]["median_ms"]
     return emit(result, args.json, _print_report)
@@ -180,9 +233,15 @@ def _print_report(result: dict[str, Any]) -> None:
     print(f"model: {result['model']}")
     print(f"batch {result['batch_size']} x {result['input_len']} input tokens x {result['output_len']} output tokens; "
           f"{result['num_iters']} iterations after {result['warmup']} warm-up")
+    print(f"tokenloom quantization: {result['tokenloom'].get('quantization') or 'none'}")
     runs = result_runs(result)
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
-    print(f"{'dtype':<28}" + "".join(f"{r['dtype']:>22}" for r in runs))
+    print(f"{'dtype':<28}" + "".join(f"{r['dtype'][:21]:>22}" for r in runs))
+    if "weight_bytes_per_token" in result["tokenloom"]:
+        print(f"{'weights read / token (MB)':<28}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>22.1f}" for r in runs))
+    if result["tokenloom"].get("memory"):
+        print(f"{'resident memory (MiB)':<28}" + "".join(f"{r.get('memory', {}).get('rss_mib', 0):>22.0f}" for r in runs))
+        print(f"{'peak resident (MiB)':<28}" + "".join(f"{r.get('memory', {}).get('peak_rss_mib', 0):>22.0f}" for r in runs))
     for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end"),
                        ("cpu_per_iteration", "CPU per iteration")):
         for stat in ("median_ms", "p90_ms"):
@@ -191,7 +250,7 @@ def _print_report(result: dict[str, Any]) -> None:
     if "baseline" in result:
         print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
               f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x, "
-              f"CPU time per iteration {result['speedup_cpu']:.2f}x")
+              f"end to end {result['speedup_e2e']:.2f}x, CPU time per iteration {result['speedup_cpu']:.2f}x")
     if "profile" in result["tokenloom"]:
         for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
             print(line)

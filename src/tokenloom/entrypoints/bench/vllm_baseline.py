@@ -92,7 +92,7 @@ def run_vllm_throughput(
     gomp = _libgomp(python)
     if gomp:
         env["LD_PRELOAD"] = ":".join(p for p in (gomp, env.get("LD_PRELOAD", "")) if p)
-    dtype = "float32" if args.dtype == "auto" else args.dtype
+    dtype = getattr(args, "vllm_dtype", None) or ("float32" if args.dtype == "auto" else args.dtype)
     spec = {
         "model": export_hf_checkpoint(args.model),
         "dtype": dtype,

@@ -217,6 +217,9 @@ def build_app(
                 "owned_by": "tokenloom",
                 "root": engine.config.model or "SmolLM2-135M-Instruct",
                 "max_model_len": engine.max_model_len,
+                # What the matmuls compute with (EngineInfo.quantization): "none" or e.g.
+                # "gguf Q4_1x210+Q8_0x1 avx512_vnni".
+                "quantization": engine.engine_core.info.quantization,
             }
             for name in served_model_names
         ]

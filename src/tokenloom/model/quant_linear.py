@@ -1,0 +1,225 @@
+"""Quantized linear layers and embedding lookups, installed in place of the float ones.
+
+Two ways in:
+- `install_gguf_quantized`: a GGUF's quantized tensors are computed as shipped (Q4_0, Q4_1,
+  Q8_0; see ops/quant.py). The float `Linear` / `Embedding` modules are swapped out before any
+  weight is copied, so their (never touched) float32 storage is freed without being written and
+  no float copy of a quantized weight exists. A tensor of a type with no kernel is dequantized
+  for that layer alone, with a warning naming the tensor and its type.
+- `quantize_int8_`: a float model's matrices become Q8 codes with a scale per 32 weights of a row
+  (int8 weights, int8 activations: the W8A8 of vLLM's CPU backend, with llama.cpp's block scales).
+
+The decoder code does not change: a `QuantLinear` is called like `Linear`, a `QuantEmbedding`
+like `Embedding`, and the LM head is `LlamaForCausalLM.quant_lm_head`.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
+from tokenloom.model.gguf_loader import _to_torch, _undo_llama_permute
+from tokenloom.ops import quant
+from tokenloom.ops.quant import TiledQuantWeight
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_TYPES = frozenset(int(t) for t in (Q.F32, Q.F16, Q.BF16))
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ bias) with W held as quantized row blocks (`parts`, stacked along the
+    outputs: q|k|v or gate|up, one part when all share a format). A part may be a float tensor:
+    a tensor the file stores unquantized, or one of a type without a kernel (logged at load)."""
+
+    def __init__(self, parts: list[TiledQuantWeight | torch.Tensor], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.out_features = sum(p.out_features if isinstance(p, TiledQuantWeight) else p.shape[0]
+                                for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1 and isinstance(self.parts[0], TiledQuantWeight):
+            return quant.qlinear(x, self.parts[0], self.bias)
+        outs = [quant.qlinear(x, p) if isinstance(p, TiledQuantWeight)
+                else nn.functional.linear(x.to(p.dtype), p).float() for p in self.parts]
+        y = torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
+                         for p in self.parts)
+        return f"out_features={self.out_features}, parts={kinds}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup that dequantizes only the looked-up rows."""
+
+    def __init__(self, weight: TiledQuantWeight) -> None:
+        super().__init__()
+        self.qweight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quant.dequant_rows(self.qweight, ids)
+
+
+@dataclass
+class QuantSummary:
+    """What a load computed with: tensor count per format, and what was left in float."""
+
+    method: str  # "gguf" | "int8"
+    formats: Counter = field(default_factory=Counter)
+    fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
+
+    def describe(self) -> str:
+        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni"."""
+        if not self.formats:
+            return f"{self.method} (no quantized tensors: float path)"
+        fmts = "+".join(f"{k}x{v}" for k, v in sorted(self.formats.items()))
+        isa = quant.kernel_isa(quant.FMT_Q4_1)
+        text = f"{self.method} {fmts} {isa}"
+        if self.fallbacks:
+            text += f"; dequantized: {len(self.fallbacks)} tensors"
+        return text
+
+
+def _permute_rows(raw: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave (see gguf_loader._undo_llama_permute) on whole rows
+    of quantized bytes: a block never spans rows, so the rows move as they are."""
+    rows = raw.shape[0]
+    half = rows // n_heads // 2
+    return raw.reshape(n_heads, half, 2, -1).transpose(0, 2, 1, 3).reshape(rows, -1)
+
+
+class _GGUFParts:
+    def __init__(self, g: GGUFFile, config: ModelArchConfig, summary: QuantSummary) -> None:
+        self.g, self.config, self.summary = g, config, summary
+
+    def part(self, info: GGUFTensorInfo) -> TiledQuantWeight | torch.Tensor:
+        c = self.config
+        heads = None
+        if c.architecture == "llama" and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = c.num_attention_heads if "attn_q" in info.name else c.num_key_value_heads
+        if info.ggml_type in quant.GGML_FORMATS:
+            raw = self.g.raw(info)
+            if heads is not None:
+                raw = _permute_rows(raw, heads)
+            w = quant.tile_gguf(raw, info.ggml_type)
+            self.summary.formats[w.format_name] += 1
+            return w
+        if info.ggml_type not in _FLOAT_TYPES:
+            logger.warning("%s: no quantized kernel for %s; this tensor is dequantized to float32 "
+                           "(%.1f MB)", info.name, info.type_name, np.prod(info.shape) * 4 / 1e6)
+            self.summary.fallbacks.append(f"{info.name} ({info.type_name})")
+        t = _to_torch(self.g, info).float()
+        if heads is not None:
+            t = _undo_llama_permute(t, heads)
+        return t.contiguous()
+
+    def linear(self, infos: list[GGUFTensorInfo]) -> QuantLinear:
+        parts = [self.part(i) for i in infos]
+        if all(isinstance(p, TiledQuantWeight) for p in parts):
+            fused = quant.concat_rows(parts)  # type: ignore[arg-type]
+            if fused is not None:
+                parts = [fused]
+        return QuantLinear(parts)
+
+
+def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFTensorInfo]) -> tuple[set[str], QuantSummary]:
+    """Swap the model's linear layers, LM head and embedding for quantized ones over the GGUF's
+    quantized tensors (`found`: HF name -> tensor, from `check_gguf_tensors`). Returns the HF
+    names consumed (the float loader skips them) and a summary. Modules whose tensors are all
+    float in the file are left as they are."""
+    config: ModelArchConfig = model.config
+    summary = QuantSummary("gguf")
+    parts = _GGUFParts(g, config, summary)
+    consumed: set[str] = set()
+
+    def quantized(names: list[str]) -> bool:
+        return any(found[n].ggml_type not in _FLOAT_TYPES for n in names)
+
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        groups = {
+            (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
+            (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
+            (layer.mlp, "down_proj"): ["mlp.down_proj"],
+        }
+        for (parent, attr), suffixes in groups.items():
+            names = [f"{p}{s}.weight" for s in suffixes]
+            if not quantized(names):
+                continue
+            old = getattr(parent, attr)
+            new = parts.linear([found[n] for n in names])
+            if old.bias is not None:  # Qwen2's q/k/v bias: filled by load_weights (fused rows)
+                new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+            setattr(parent, attr, new)
+            consumed.update(names)
+
+    embed = "model.embed_tokens.weight"
+    if quantized([embed]):
+        info = found[embed]
+        w = parts.part(info)
+        if isinstance(w, TiledQuantWeight):
+            model.embed_tokens = QuantEmbedding(w)
+            if config.tie_word_embeddings:
+                model.quant_lm_head = QuantLinear([w])
+        else:  # dequantized fallback: a float embedding, as on the float path
+            model.embed_tokens.weight.data = w
+        consumed.add(embed)
+    if not config.tie_word_embeddings and quantized(["lm_head.weight"]):
+        model.quant_lm_head = parts.linear([found["lm_head.weight"]])
+        model.lm_head = None
+        consumed.add("lm_head.weight")
+    return consumed, summary
+
+
+@torch.no_grad()
+def quantize_int8_(model: nn.Module) -> QuantSummary:
+    """Every linear layer, the LM head and the embedding of a loaded float model -> Q8 codes
+    (int8 with a float16 scale per 32 weights of a row), in place."""
+    from tokenloom.model.llama import Linear
+
+    summary = QuantSummary("int8")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and child is not getattr(model, "lm_head", None):
+                new = QuantLinear([quant.quantize_q8(child.weight)],
+                                  None if child.bias is None else child.bias.detach().float().clone())
+                setattr(parent, name, new)
+                summary.formats["Q8_0"] += 1
+    emb = quant.quantize_q8(model.embed_tokens.weight)
+    head_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.quant_lm_head = QuantLinear([emb if model.lm_head is None else quant.quantize_q8(head_weight)])
+    model.embed_tokens = QuantEmbedding(emb)
+    model.lm_head = None
+    summary.formats["Q8_0"] += 1 if model.config.tie_word_embeddings else 2
+    return summary
+
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of matrix weights one decode step reads: every linear layer and the LM head as held
+    in memory (quantized blocks or float); the embedding lookup reads only its rows."""
+    from tokenloom.model.llama import Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size()
+                         for p in m.parts)
+        elif isinstance(m, Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    if getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None:
+        embed = model.embed_tokens.weight  # a tied float head
+        total += embed.numel() * embed.element_size()
+    return total

@@ -1,0 +1,218 @@
+"""Block-quantized weights and their matmul on the CPU (csrc/quant_gemm.c).
+
+A `TiledQuantWeight` holds an [N, K] weight as 4- or 8-bit codes with one fp16 scale (and for
+Q4_1 one fp16 min) per 32 weights, rearranged from the GGUF's row-major blocks into tiles of 16
+output columns so that one AVX-512 VNNI instruction multiplies 4 inputs into 16 columns (the
+layout is described in the C source). The rearrangement is a byte permutation: the tiled weight
+has exactly the GGUF's bytes per weight (Q4_0 18, Q4_1 20, Q8_0 34 per 32 weights), plus zero
+rows padding N to a multiple of 16.
+
+Formats: the GGUF's Q4_0, Q4_1 and Q8_0 as shipped, and Q8 codes made from a float weight at load
+(`quantize_q8`: the int8 path for float checkpoints; a scale per 32 weights of a row, which is
+Q8_0). The matmul quantizes the activations per 32-element block to int8 (llama.cpp's Q8_0
+activations) and runs integer dot products; see `qlinear`.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from tokenloom.ops import cpu_kernels
+
+QK = 32  # weights per block
+TILE_N = 16  # output columns per tile
+# Format ids of csrc/quant_gemm.c.
+FMT_Q4_0, FMT_Q4_1, FMT_Q8 = 0, 1, 2
+FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8: "Q8_0"}
+# GGUF tensor types computed as shipped, and their kernel format.
+GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q8}
+ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "c"}
+
+# int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
+# rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
+# within 0.2% of the float path but changed 9 of 16 greedy chat answers within 24 tokens (near
+# ties flip). Two planes leave an error of 1/65024 of the block's largest for twice the integer
+# work; measured figures in benchmarks/README.md.
+ACT_LEVELS = 2
+
+_c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_bound: set[int] = set()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = cpu_kernels.load()
+    if lib is None:
+        raise RuntimeError("quantized weights need the CPU kernels (ops/cpu_kernels), which could "
+                           "not be built here (no C compiler, or TOKENLOOM_CPU_KERNELS=0); use "
+                           "quantization='none'")
+    if id(lib) not in _bound:
+        lib.tl_q_linear.restype = _c_i32
+        lib.tl_q_linear.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
+                                    _c_i64, _c_p, _c_p, _c_i32]
+        lib.tl_q_scratch_bytes.restype = _c_i64
+        lib.tl_q_scratch_bytes.argtypes = [_c_i64, _c_i64]
+        lib.tl_q_record_bytes.restype = _c_i64
+        lib.tl_q_record_bytes.argtypes = [_c_i32]
+        lib.tl_q_isa.restype = _c_i32
+        lib.tl_q_isa.argtypes = [_c_i32]
+        lib.tl_q_limit_isa.restype = _c_i32
+        lib.tl_q_limit_isa.argtypes = [_c_i32]
+        lib.tl_q_dequant_rows.restype = None
+        lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
+        _bound.add(id(lib))
+    return lib
+
+
+def kernel_isa(fmt: int) -> str:
+    """Which kernel runs `fmt` on this CPU: avx512_vnni, avx2 or c (portable)."""
+    return ISA_NAMES[_lib().tl_q_isa(fmt)]
+
+
+def limit_isa(name: str | None) -> str:
+    """Use at most kernel `name` (avx512_vnni, avx2, c; None: the best this CPU has), for tests
+    and benchmarks; returns the kernel level now in use."""
+    levels = {v: k for k, v in ISA_NAMES.items()}
+    return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
+
+
+@dataclass(eq=False)
+class TiledQuantWeight:
+    """An [N, K] weight in the tiled layout; `data` is uint8 [ceil(N/16), K/32, record bytes]."""
+
+    fmt: int
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def format_name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _tile_codes(codes: np.ndarray, n_pad: int) -> np.ndarray:
+    """codes uint8 [N, nb, 32 or 16] (per block: Q8's 32 codes, or Q4's 16 nibble bytes in GGUF
+    order) -> [tiles, nb, groups, 16 columns, 4 bytes] flattened to [tiles, nb, bytes]."""
+    N, nb, width = codes.shape
+    if n_pad != N:
+        codes = np.concatenate([codes, np.zeros((n_pad - N, nb, width), np.uint8)])
+    t = codes.reshape(n_pad // TILE_N, TILE_N, nb, width // 4, 4).transpose(0, 2, 3, 1, 4)
+    return t.reshape(n_pad // TILE_N, nb, width * TILE_N)
+
+
+def _tile_halves(h: np.ndarray, n_pad: int) -> np.ndarray:
+    """fp16 [N, nb] -> bytes [tiles, nb, 32] (one fp16 per column of the tile)."""
+    N, nb = h.shape
+    if n_pad != N:
+        h = np.concatenate([h, np.zeros((n_pad - N, nb), np.float16)])
+    t = np.ascontiguousarray(h.reshape(n_pad // TILE_N, TILE_N, nb).transpose(0, 2, 1))
+    return t.view(np.uint8).reshape(n_pad // TILE_N, nb, 2 * TILE_N)
+
+
+def tile_gguf(raw: np.ndarray, ggml_type: int) -> TiledQuantWeight:
+    """A GGUF tensor's bytes, uint8 [N, K/32 * block bytes] (`GGUFFile.raw`), -> tiled weight."""
+    fmt = GGML_FORMATS.get(int(ggml_type))
+    if fmt is None:
+        raise ValueError(f"no quantized kernel for {Q(ggml_type).name}")
+    block, type_size = GGML_QUANT_SIZES[Q(ggml_type)]
+    N = raw.shape[0]
+    nb = raw.shape[1] // type_size
+    blocks = np.ascontiguousarray(raw).reshape(N, nb, type_size)
+    n_pad = -(-N // TILE_N) * TILE_N
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]
+    parts = []
+    if fmt == FMT_Q8:
+        parts.append(_tile_codes(blocks[:, :, 2:] ^ np.uint8(0x80), n_pad))
+    elif fmt == FMT_Q4_0:
+        parts.append(_tile_codes(blocks[:, :, 2:], n_pad))
+    else:
+        parts.append(_tile_codes(blocks[:, :, 4:], n_pad))
+    parts.append(_tile_halves(d, n_pad))
+    if fmt == FMT_Q4_1:
+        parts.append(_tile_halves(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0],
+                                  n_pad))
+    data = np.concatenate(parts, axis=2)
+    return TiledQuantWeight(fmt, torch.from_numpy(data), N, nb * block)
+
+
+def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:
+    """A float [N, K] weight -> Q8 codes with one scale per 32 weights of a row (Q8_0), for
+    computing a float checkpoint in int8. K must be a multiple of 32."""
+    N, K = weight.shape
+    if K % QK:
+        raise ValueError(f"int8 weights need in_features divisible by {QK}, got {K}")
+    w = weight.detach().to(torch.float32).reshape(N, K // QK, QK)
+    amax = w.abs().amax(-1)
+    d = (amax / 127).to(torch.float16)
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(amax))
+    q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    n_pad = -(-N // TILE_N) * TILE_N
+    codes = (q.numpy().view(np.uint8) ^ np.uint8(0x80))
+    data = np.concatenate([_tile_codes(codes, n_pad), _tile_halves(d.numpy(), n_pad)], axis=2)
+    return TiledQuantWeight(FMT_Q8, torch.from_numpy(data), N, K)
+
+
+def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
+    """One tiled weight with the rows of `parts` stacked (q|k|v, gate|up), when they share a
+    format and every part but the last fills whole tiles; else None (the caller keeps them
+    apart)."""
+    fmt, K = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != fmt or p.in_features != K for p in parts):
+        return None
+    if any(p.out_features % TILE_N for p in parts[:-1]):
+        return None
+    data = torch.cat([p.data for p in parts])
+    return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
+
+
+def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = None,
+            act_levels: int | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> x @ W^T (+ bias), float32 [..., N]. The activations are quantized
+    per 32 elements to int8 inside the call, in `act_levels` planes (default ACT_LEVELS): 1 is
+    llama.cpp's Q8_0 activations; 2 adds the rounding error as a second int8 plane, in steps of
+    1/256 of the first's."""
+    levels = ACT_LEVELS if act_levels is None else act_levels
+    lib = _lib()
+    K, N = w.in_features, w.out_features
+    if x.shape[-1] != K:
+        raise ValueError(f"input has {x.shape[-1]} features, the quantized weight takes {K}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    if M:
+        scratch = torch.empty(lib.tl_q_scratch_bytes(M, K), dtype=torch.uint8)
+        b = None
+        if bias is not None:
+            b = bias.float().contiguous()
+        rc = lib.tl_q_linear(w.fmt, w.data.data_ptr(), N, K, x2.data_ptr(), x2.stride(0), M,
+                             y.data_ptr(), N, None if b is None else b.data_ptr(),
+                             scratch.data_ptr(), levels)
+        if rc != 0:
+            raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
+    return y.reshape(*lead, N)
+
+
+def dequant_rows(w: TiledQuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight as float32 [..., K]: an embedding lookup that widens only the
+    looked-up rows."""
+    lib = _lib()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
+        raise IndexError(f"token id out of range [0, {w.out_features})")
+    out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+    if flat.numel():
+        lib.tl_q_dequant_rows(w.fmt, w.data.data_ptr(), w.in_features, flat.data_ptr(),
+                              flat.numel(), out.data_ptr())
+    return out.reshape(*ids.shape, w.in_features)

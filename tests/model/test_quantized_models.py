@@ -1,0 +1,147 @@
+"""Tiny GGUF files of each quantized type loaded on the quantized path (the default for a GGUF):
+every matrix is computed from the file's own blocks (no float copy), the logits follow the
+dequantized float path on the same file, and the files run through the whole engine."""
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_helpers import (byte_vocab, gguf_tensors_from_hf, llama_tensors, run_flat_batch, tiny_hf_model,
+                           write_gguf, FFN, HEADS, HIDDEN, KV, LAYERS)
+
+from tokenloom.model.loader import load_model
+from tokenloom.model.quant_linear import QuantEmbedding, QuantLinear
+from tokenloom.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
+Q = gguf.GGMLQuantizationType
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 6, 19, 70)]
+
+
+def _tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, **overrides) -> str:
+    """A 2-layer `kind` model (transformers config, random weights) written as llama.cpp would,
+    every matrix (embedding included) in `qtype`."""
+    vocab = byte_vocab()
+    ref = tiny_hf_model(kind, vocab_size=len(vocab), seed=seed, **overrides)
+    tensors = gguf_tensors_from_hf(ref, kind)
+    c = ref.config
+    return write_gguf(str(tmp_path / f"{kind}-{Q(qtype).name}.gguf"), kind, tensors, block_count=c.num_hidden_layers,
+                      hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                      kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
+                      head_dim=getattr(c, "head_dim", None), rope_theta=c.rope_parameters["rope_theta"],
+                      eps=c.rms_norm_eps, qtypes={n: qtype for n, t in tensors.items() if t.ndim == 2})
+
+
+def _no_float_matrices(model: torch.nn.Module) -> None:
+    assert not [n for n, p in model.named_parameters() if p.dim() >= 2]
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.quant_lm_head, QuantLinear)
+
+
+CASES = [("llama", {}), ("qwen2", dict(tie_word_embeddings=True)), ("qwen3", dict(head_dim=32))]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("kind,overrides", CASES, ids=[c[0] for c in CASES])
+def test_quantized_logits_follow_the_float_path(tmp_path, kind, overrides, qtype):
+    """Same file, two paths: the float path (dequantized; checked against transformers in
+    test_tiny_models) and the quantized kernels, whose only extra error is the int8 activations."""
+    path = _tiny_gguf(tmp_path, kind, qtype, **overrides)
+    quantized = load_model(path)
+    assert quantized.quantization.startswith(f"gguf {Q(qtype).name}x")
+    _no_float_matrices(quantized.model)
+    float_path = load_model(path, quantization=None)
+    assert float_path.quantization == "none"
+    prompts = _prompts(quantized.config.vocab_size)
+    want = run_flat_batch(float_path, prompts)
+    got = run_flat_batch(quantized, prompts, chunk_sizes=[1, 3, 8, 16])
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    print(f"{kind} {Q(qtype).name}: max |quantized - float| / max |float| = {err:.3g}")
+    assert err < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    # Chunked prefill reads context back from the paged cache: float32 rounding differences of
+    # ~1e-5 there can move an activation across an int8 rounding boundary, so the two agree to
+    # within the quantization error, not bit for bit.
+    one_shot = run_flat_batch(quantized, prompts)
+    assert torch.equal(one_shot.argmax(-1), got.argmax(-1))
+    assert (one_shot - got).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+def test_unsupported_type_is_dequantized_with_a_warning(tmp_path, caplog):
+    tensors = llama_tensors()
+    qtypes = {n: Q.Q4_1 for n, t in tensors.items() if t.ndim == 2}
+    qtypes["blk.1.attn_v.weight"] = Q.Q5_0  # no kernel for Q5_0: this one tensor goes float
+    qtypes["blk.0.ffn_down.weight"] = Q.F32  # stored unquantized: stays float, no warning
+    path = write_gguf(str(tmp_path / "mixed.gguf"), "llama", tensors, block_count=LAYERS, hidden=HIDDEN, ffn=FFN,
+                      heads=HEADS, kv_heads=KV, qtypes=qtypes)
+    with caplog.at_level(logging.WARNING, logger="tokenloom.model.quant_linear"):
+        loaded = load_model(path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "blk.1.attn_v.weight" in warnings[0] and "Q5_0" in warnings[0]
+    assert "dequantized: 1 tensors" in loaded.quantization
+    qkv = loaded.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and len(qkv.parts) == 3  # Q4_1 | Q4_1 | float
+    assert loaded.model.layers[0].mlp.down_proj.__class__.__name__ == "Linear"
+    prompts = _prompts(loaded.config.vocab_size)
+    want = run_flat_batch(load_model(path, quantization="none"), prompts)
+    got = run_flat_batch(loaded, prompts)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+def test_quantization_option_errors(tmp_path, smollm2_path):
+    path = write_gguf(str(tmp_path / "t.gguf"), "llama", llama_tensors(), block_count=LAYERS, hidden=HIDDEN,
+                      ffn=FFN, heads=HEADS, kv_heads=KV)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(path, quantization="q4")
+    with pytest.raises(ValueError, match="dtype float32"):
+        load_model(path, dtype="bfloat16", quantization="gguf")
+    # "auto" under bfloat16 is the float path, not an error.
+    assert load_model(path, dtype="bfloat16").quantization == "none"
+    # An all-float GGUF has nothing to compute quantized: said so, float path.
+    assert "no quantized tensors" in load_model(path).quantization
+    from tokenloom.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, gguf, int8, none"):
+        EngineConfig(quantization="fp8").validate()
+    EngineConfig(quantization=None).validate()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_tiny_gguf_through_the_engine(tmp_path, qtype):
+    """LLM on a tiny GGUF of each type, engine core in its own process: EngineInfo says which
+    path ran, and greedy tokens are the argmax of the quantized model's own logits."""
+    from tokenloom import LLM, SamplingParams
+
+    path = _tiny_gguf(tmp_path, "llama", qtype, seed=3)
+    prompt = _prompts(258)[2]
+    with LLM(path, num_kv_blocks=16, max_num_batched_tokens=64) as llm:
+        info = llm.llm_engine.engine_core.info
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert info.quantization.startswith(f"gguf {Q(qtype).name}x")
+    tokens = out[0].outputs[0].token_ids
+    assert len(tokens) == 6
+    loaded = load_model(path)
+    seq = list(prompt)
+    for tok in tokens:
+        assert int(run_flat_batch(loaded, [seq])[0].argmax()) == tok
+        seq.append(tok)
+
+
+def test_int8_path_for_a_float_checkpoint(tmp_path):
+    """quantization="int8" on a float (F32) GGUF: every matrix in int8, logits close to float32."""
+    path = _tiny_gguf(tmp_path, "qwen2", Q.F32, seed=5)
+    int8 = load_model(path, quantization="int8")
+    assert int8.quantization.startswith("int8 Q8_0x")
+    _no_float_matrices(int8.model)
+    prompts = _prompts(int8.config.vocab_size)
+    want = run_flat_batch(load_model(path, quantization=None), prompts)
+    got = run_flat_batch(int8, prompts)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert np.mean((got.argmax(-1) == want.argmax(-1)).numpy()) >= 0.75

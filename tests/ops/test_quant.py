@@ -1,0 +1,139 @@
+"""The quantized matmul kernels (ops/quant.py, csrc/quant_gemm.c) against a float64 reference:
+random weights quantized by gguf's own quantizer (gguf.quants), every format on every kernel this
+CPU can run (AVX-512 VNNI, AVX2, portable C)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from tokenloom.ops import cpu_kernels, quant
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
+
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def _kernels() -> list[str]:
+    best = quant.limit_isa(None)
+    order = ["c", "avx2", "avx512_vnni"]
+    return order[: order.index(best) + 1]
+
+
+@pytest.fixture(params=_kernels())
+def kernel(request):
+    used = quant.limit_isa(request.param)
+    assert used == request.param
+    yield used
+    quant.limit_isa(None)
+
+
+def _quantize_blocks(x: np.ndarray) -> np.ndarray:
+    """x [M, K] float32 -> what the kernel's int8 activation codes times their scale stand for:
+    llama.cpp's Q8_0 rounding, with a float32 scale per 32 elements."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(blocks * inv) * (amax / np.float32(127))).reshape(x.shape).astype(np.float32)
+
+
+def _reference(x: np.ndarray, w: np.ndarray, levels: int) -> np.ndarray:
+    """float64 x @ w.T, with x first as the kernel represents it in `levels` int8 planes (0: x
+    itself), so that only summation order is left between the two."""
+    if levels:
+        first = _quantize_blocks(x.astype(np.float32))
+        if levels == 2:  # the rounding error in steps of 1/256 of the first plane's scale
+            blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+            step = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)) / np.float32(256)
+            err = blocks - first.reshape(blocks.shape)
+            q2 = np.clip(np.rint(err / np.where(step > 0, step, 1)), -127, 127)
+            first = (first.reshape(blocks.shape).astype(np.float64) + q2 * step).reshape(x.shape)
+        x = first
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 40, 64), (3, 48, 96), (7, 100, 576), (70, 96, 160)])
+def test_matmul_matches_float64_reference(kernel, qtype, M, N, K, levels):
+    rng = np.random.default_rng(M * 1000 + N + K)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    raw = quants.quantize(w, qtype)
+    w_deq = quants.dequantize(raw, qtype)  # what the file says the weight is
+    tw = quant.tile_gguf(raw, qtype)
+    assert tw.format_name == qtype.name and tw.nbytes == -(-N // 16) * 16 * raw.shape[1]
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    got = quant.qlinear(torch.from_numpy(x), tw, act_levels=levels).double().numpy()
+    assert got.shape == (M, N)
+    plain = _reference(x, w_deq, 0)
+    scale = np.abs(plain).max()
+    # Same activation codes: float32 accumulation order only.
+    assert np.abs(got - _reference(x, w_deq, levels)).max() <= 2e-5 * scale
+    # Against the float activations: one int8 plane costs ~1% of the largest output, two ~1e-5.
+    assert np.abs(got - plain).max() <= (0.02 if levels == 1 else 5e-5) * scale
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_bias_leading_dims_and_empty_input(kernel, qtype):
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((24, 64), dtype=np.float32)
+    raw = quants.quantize(w, qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 64), dtype=np.float32))
+    bias = torch.arange(24, dtype=torch.float32)
+    got = quant.qlinear(x, tw, bias)
+    plain = quant.qlinear(x.reshape(6, 64), tw).reshape(2, 3, 24)
+    assert got.shape == (2, 3, 24) and torch.allclose(got, plain + bias)
+    assert quant.qlinear(torch.empty(0, 64), tw).shape == (0, 24)
+    with pytest.raises(ValueError, match="64"):
+        quant.qlinear(torch.zeros(1, 32), tw)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantized_rows(qtype):
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((50, 96), dtype=np.float32)
+    raw = quants.quantize(w, qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    ids = torch.tensor([[0, 49, 17], [17, 3, 48]])
+    got = quant.dequant_rows(tw, ids)
+    assert got.shape == (2, 3, 96)
+    expected = quants.dequantize(raw, qtype)[ids.numpy()]
+    assert np.array_equal(got.numpy(), expected)
+    with pytest.raises(IndexError, match="out of range"):
+        quant.dequant_rows(tw, torch.tensor([50]))
+
+
+def test_int8_weights_from_float(kernel):
+    """The int8 path: a float weight -> int8 codes with a scale per 32 weights (Q8_0 as gguf
+    writes it), then the same kernel."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((80, 128), dtype=np.float32) * 0.05
+    tw = quant.quantize_q8(torch.from_numpy(w))
+    assert tw.format_name == "Q8_0" and tw.nbytes == 80 * 128 // 32 * 34
+    # The same codes and scales as gguf's Q8_0 quantizer (ties aside): rows dequantize alike.
+    ref_rows = quants.dequantize(quants.quantize(w, Q.Q8_0), Q.Q8_0)
+    rows = quant.dequant_rows(tw, torch.arange(80)).numpy()
+    assert np.abs(rows - ref_rows).max() <= np.abs(w).max() / 127 + 1e-6
+    x = rng.standard_normal((5, 128), dtype=np.float32)
+    got = quant.qlinear(torch.from_numpy(x), tw).double().numpy()
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quant.quantize_q8(torch.zeros(4, 40))
+
+
+def test_fused_rows_and_unsupported_type():
+    rng = np.random.default_rng(4)
+    parts = [quant.tile_gguf(quants.quantize(rng.standard_normal((n, 64), dtype=np.float32), Q.Q4_1), Q.Q4_1)
+             for n in (32, 16, 20)]
+    fused = quant.concat_rows(parts)
+    assert fused is not None and fused.out_features == 68
+    x = torch.from_numpy(rng.standard_normal((3, 64), dtype=np.float32))
+    assert torch.equal(quant.qlinear(x, fused), torch.cat([quant.qlinear(x, p) for p in parts], dim=1))
+    other = quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q8_0), Q.Q8_0)
+    assert quant.concat_rows([parts[0], other]) is None
+    with pytest.raises(ValueError, match="Q5_0"):
+        quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q5_0), Q.Q5_0)
