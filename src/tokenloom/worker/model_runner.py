@@ -21,7 +21,7 @@ from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import pack_linear_weights
 from tokenloom.ops import cpu_kernels
-from tokenloom.sample.sampler import Sampler
+from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -133,6 +133,8 @@ class ModelRunner:
         # parts computed so far (one per chunk), joined and sent when the prefill ends.
         self._prompt_logprobs_k: dict[str, int] = {}
         self._pending_prompt_logprobs: dict[str, list[LogprobsLists]] = {}
+        # Requests failed in this step (see _fail_request), reported in its ModelRunnerOutput.
+        self._failed: dict[str, str] = {}
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -163,7 +165,11 @@ class ModelRunner:
         self.remove_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             row = batch.add_request(new)
-            self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+            try:
+                self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+            except Exception as e:  # noqa: BLE001 - one request's parameters: fail it alone
+                self._fail_request(new.req_id, row, "admitting it to the sampler", e)
+                continue
             # A request resumed after preemption (it has outputs) already sent its prompt logprobs.
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
                 self._prompt_logprobs_k[new.req_id] = new.sampling_params.prompt_logprobs
@@ -175,13 +181,49 @@ class ModelRunner:
             batch.num_computed_tokens[row] = num_computed
             batch.append_block_ids(row, new_blocks)
 
+    def _fail_request(self, req_id: str, row: int, stage: str, error: BaseException) -> None:
+        """Fails one request whose sampler state raised, leaving everyone else running. Its row
+        stays in the persistent batch until the scheduler's finished ids remove it (its forward
+        only writes its own KV blocks); the sampler forgets it now, and it is never sampled.
+        Faults that can corrupt shared state (the model forward, the KV cache) are not caught."""
+        logger.exception("request %s failed while %s; the engine keeps running", req_id, stage)
+        self.sampler.remove_request(row)
+        self._prompt_logprobs_k.pop(req_id, None)
+        self._pending_prompt_logprobs.pop(req_id, None)
+        self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str]) -> SamplerOutput:
+        """One batched draw; if it raises, each row again on its own, so that only the rows that
+        raise on their own fail (their token is -1). A row's draw does not depend on the others
+        (sample/ops), and a failed sample() changes no row's history, so the retry is exact."""
+        try:
+            return self.sampler.sample(logits, sample_rows)
+        except Exception:  # noqa: BLE001 - find the culprits below
+            logger.warning("batched sampling failed; sampling its %d rows one by one", len(sample_rows))
+        tokens = torch.full((len(sample_rows),), -1, dtype=torch.int64)
+        logprobs: list[LogprobsLists | None] = [None] * len(sample_rows)
+        for i, row in enumerate(sample_rows.tolist()):
+            try:
+                out = self.sampler.sample(logits[i : i + 1], [row])
+            except Exception as e:  # noqa: BLE001 - this row's own fault
+                self._fail_request(sample_req_ids[i], row, "sampling its next token", e)
+                continue
+            tokens[i] = out.sampled_token_ids[0]
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[0]
+        has_logprobs = any(lp is not None for lp in logprobs)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs if has_logprobs else None)
+
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        self._failed = {}
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            if self._failed:
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[], failed_req_ids=self._failed)
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         req_ids = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
@@ -224,7 +266,6 @@ class ModelRunner:
         # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
         # short of it are not.
         do_sample = seq_lens >= batch.num_tokens[rows]
-        logits_indices = query_start_loc[1:][do_sample] - 1
 
         dev = self.device
         meta = AttentionMetadata(
@@ -251,24 +292,31 @@ class ModelRunner:
             if self._prompt_logprobs_k
             else {}
         )
+        if self._failed:  # failed in this step: computed with the rest, never sampled
+            do_sample &= np.fromiter((r not in self._failed for r in req_ids), dtype=bool, count=num_reqs)
+        logits_indices = query_start_loc[1:][do_sample] - 1
         sample_rows = rows[do_sample]
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
         t2 = time.perf_counter()
 
-        sampler_out = self.sampler.sample(logits, sample_rows.tolist())
+        sample_pos = np.flatnonzero(do_sample).tolist()
+        sampler_out = self._sample(logits, sample_rows, [req_ids[p] for p in sample_pos])
         sampled = sampler_out.sampled_token_ids.tolist()
         t3 = time.perf_counter()
 
         # Append the sampled tokens to the persistent batch; the next decode step reads them.
         if len(sample_rows):
-            batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
-            batch.num_tokens[sample_rows] += 1
+            ok = sampler_out.sampled_token_ids.numpy() >= 0  # -1: the row failed (see _sample)
+            kept = sample_rows[ok]
+            batch.token_ids[kept, batch.num_tokens[kept]] = np.asarray(sampled, dtype=np.int64)[ok]
+            batch.num_tokens[kept] += 1
         batch.num_computed_tokens[rows] = seq_lens
 
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: dict[str, LogprobsLists] = {}
-        sample_pos = np.flatnonzero(do_sample).tolist()
         for i, (pos, tok) in enumerate(zip(sample_pos, sampled)):
+            if tok < 0:
+                continue
             sampled_token_ids[pos] = [tok]
             lp = sampler_out.logprobs[i] if sampler_out.logprobs is not None else None
             if lp is not None:
@@ -282,6 +330,7 @@ class ModelRunner:
             prepare_time=t1 - t0,
             forward_time=t2 - t1,
             sample_time=t3 - t2,
+            failed_req_ids=self._failed,
         )
 
     def _prompt_logprobs(
@@ -311,9 +360,12 @@ class ModelRunner:
                 flat = torch.arange(end - start, device=hidden.device) + int(query_start_loc[i])
                 logits = self.model.compute_logits(hidden[flat])
                 targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy())
-                self._pending_prompt_logprobs.setdefault(req_id, []).append(
-                    self.sampler.compute_prompt_logprobs(logits, targets, k)
-                )
+                try:
+                    part = self.sampler.compute_prompt_logprobs(logits, targets, k)
+                except Exception as e:  # noqa: BLE001 - this request's k: fail it alone
+                    self._fail_request(req_id, row, "computing its prompt logprobs", e)
+                    continue
+                self._pending_prompt_logprobs.setdefault(req_id, []).append(part)
             if start + int(num_sched[i]) >= n_prompt:
                 del self._prompt_logprobs_k[req_id]
                 parts = self._pending_prompt_logprobs.pop(req_id, [])
