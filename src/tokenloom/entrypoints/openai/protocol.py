@@ -34,7 +34,6 @@ from tokenloom.sampling_params import (
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MIN_REPETITION_PENALTY,
-    MIN_TOP_P,
     UINT64_MAX,
 )
 
@@ -94,7 +93,8 @@ class _SamplingFields(_Request):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)  # None: OpenAI's default, 1.0
-    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)  # None: 1.0
+    # None: 1.0. Its float32 floor (MIN_TOP_P) is SamplingParams' check, whose message reads better.
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
