@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,10 +91,30 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse_body(request: Request, model: type[pydantic.BaseModel], max_body_bytes: int) -> Any:
+# Bodies at least this big are parsed on the tokenizer pool. The parsers hold the GIL while they
+# run, but between their steps (JSON decode, surrogate scan, validation) the loop gets it back, so
+# a 20 MB body never holds it for all of them at once; small ones are not worth the thread hop.
+_PARSE_OFF_LOOP_BYTES = 1 << 20
+
+
+async def _parse_body(request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM) -> Any:
     raw = await _read_body(request, max_body_bytes)
+    if len(raw) >= _PARSE_OFF_LOOP_BYTES:
+        return await engine.run_off_loop(_decode_body, raw, model)
+    return _decode_body(raw, model)
+
+
+def _decode_body(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
     try:
-        data = json.loads(raw)
+        # msgspec first: twice as fast on big bodies. What it refuses (the NaN and Infinity literals
+        # Python's json reads, lone surrogate escapes, invalid input) goes to json for the
+        # same result, or the same error message, as before.
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        data = None
+    try:
+        if data is None:
+            data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -250,12 +271,12 @@ def build_app(
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(request: Request) -> Response:
-        req = await _parse_body(request, CompletionRequest, max_request_body_bytes)
+        req = await _parse_body(request, CompletionRequest, max_request_body_bytes, engine)
         return await completions.create_completion(req, request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(request: Request) -> Response:
-        req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes)
+        req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
         return await chat.create_chat_completion(req, request)
 
     @app.get("/v1/models")
