@@ -4,12 +4,13 @@ The server helpers are those of tests/entrypoints (its conftest, loaded by path,
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
@@ -27,6 +28,19 @@ API_KEY = "reliability-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SMALL_SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2)]
 MODEL = "SmolLM2-135M-Instruct"
+
+
+@contextlib.contextmanager
+def running_server(extra_args: list[str], api_key: str | None = None) -> Iterator:
+    """A `tokenloom serve` of its own for one test or module: stopped, its engine core killed if it
+    lingers, and its log removed at the end."""
+    srv = ServerProcess(extra_args, api_key)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        kill_quietly(srv.core_pid)
+        os.unlink(srv.log.name)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:

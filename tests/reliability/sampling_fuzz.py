@@ -36,15 +36,16 @@ _EXTREME_FLOATS += [-v for v in _EXTREME_FLOATS] + [math.inf, -math.inf]
 
 
 def floats(lo: float, hi: float) -> st.SearchStrategy[float]:
-    """Ordinary values in [lo, hi], or an extreme one anywhere (in range or not)."""
-    return st.one_of(st.floats(lo, hi), st.sampled_from(_EXTREME_FLOATS))
+    """Ordinary values in [lo, hi] or its ends (3 in 4), or an extreme one anywhere (in range or
+    not): most examples construct, and carry an extreme value into the engine."""
+    return st.one_of(st.floats(lo, hi), st.floats(lo, hi), st.sampled_from([lo, hi]), st.sampled_from(_EXTREME_FLOATS))
 
 
 _INT_EDGES = [0, 1, 2, -1, -2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), 2**64 - 1, 2**64, VOCAB_SIZE - 1, VOCAB_SIZE]
 
 
 def ints(lo: int, hi: int) -> st.SearchStrategy[int]:
-    return st.one_of(st.integers(lo, hi), st.sampled_from(_INT_EDGES))
+    return st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi]), st.sampled_from(_INT_EDGES))
 
 
 def token_ids() -> st.SearchStrategy[int]:

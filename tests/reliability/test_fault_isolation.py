@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import httpx
 import pytest
-from reliability_helpers import SMALL_SERVER_ARGS, ServerProcess, kill_quietly, wait_until
+from reliability_helpers import SMALL_SERVER_ARGS, running_server, wait_until
 
 from tokenloom.config import EngineConfig
 from tokenloom.messages import EngineCoreRequest, FinishReason, now
@@ -127,12 +127,8 @@ def test_a_request_the_core_cannot_decode_fails_alone(offline_llm):
 def unchunked_server():
     """Chunked prefill off: a prompt longer than the step's token budget can never be scheduled,
     which the core reports as that request's error."""
-    srv = ServerProcess([*SMALL_SERVER_ARGS, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "32"], None)
-    try:
+    with running_server([*SMALL_SERVER_ARGS, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "32"]) as srv:
         yield srv
-    finally:
-        srv.stop()
-        kill_quietly(srv.core_pid)
 
 
 def test_an_isolated_error_is_a_500_naming_the_request_and_is_counted(unchunked_server):

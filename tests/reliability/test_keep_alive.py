@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_helpers import SMALL_SERVER_ARGS, ServerProcess, ipc_dir_of, kill_quietly, pid_alive, wait_until
+from reliability_helpers import SMALL_SERVER_ARGS, ipc_dir_of, pid_alive, running_server, wait_until
 
 ROUTES = [
     ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
@@ -30,13 +30,8 @@ def _zombie_or_alive(pid: int) -> bool:
 
 @pytest.fixture
 def keep_alive_server():
-    srv = ServerProcess([*SMALL_SERVER_ARGS, "--keep-alive-on-engine-death"], None)
-    try:
+    with running_server([*SMALL_SERVER_ARGS, "--keep-alive-on-engine-death"]) as srv:
         yield srv
-    finally:
-        srv.stop()
-        kill_quietly(srv.core_pid)
-        os.unlink(srv.log.name)
 
 
 def test_every_route_is_a_503_and_the_dead_core_is_reaped(keep_alive_server):

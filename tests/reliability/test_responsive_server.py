@@ -18,7 +18,7 @@ import statistics
 
 import httpx
 import pytest
-from reliability_helpers import SMALL_SERVER_ARGS, ServerProcess, kill_quietly, probe_while_in_flight, wait_until_clean
+from reliability_helpers import SMALL_SERVER_ARGS, probe_while_in_flight, running_server, wait_until_clean
 
 LIMIT = 25_000_000
 BIG_PROMPT = json.dumps({"prompt": "hello " * (20_000_000 // 6), "max_tokens": 4}).encode()  # 20 MB
@@ -26,12 +26,8 @@ BIG_PROMPT = json.dumps({"prompt": "hello " * (20_000_000 // 6), "max_tokens": 4
 
 @pytest.fixture(scope="module")
 def srv():
-    server = ServerProcess([*SMALL_SERVER_ARGS, "--max-request-body-bytes", str(LIMIT)], None)
-    try:
+    with running_server([*SMALL_SERVER_ARGS, "--max-request-body-bytes", str(LIMIT)]) as server:
         yield server
-    finally:
-        server.stop()
-        kill_quietly(server.core_pid)
 
 
 def test_the_default_body_limit_is_16_mib():

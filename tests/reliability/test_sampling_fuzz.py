@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sampling_fuzz import F32_MAX, VOCAB_SIZE, sampling_kwargs
 
@@ -47,8 +47,15 @@ def _logits(kind: str, n: int, rng: np.random.Generator) -> torch.Tensor:
     return logits  # mostly masked
 
 
+# The issue's cases, always run: past float32's maximum (the crash), and just below it.
+ISSUE_CASES = [{"repetition_penalty": 1e39}, {"repetition_penalty": 3.5e38, "temperature": 0.0}, {"frequency_penalty": 2.0, "repetition_penalty": 3e38}]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(kwargs=sampling_kwargs(), kind=st.sampled_from(["model", "huge", "sparse"]), seed=st.integers(0, 2**32 - 1))
+@example(kwargs=ISSUE_CASES[0], kind="model", seed=0)
+@example(kwargs=ISSUE_CASES[1], kind="model", seed=0)
+@example(kwargs=ISSUE_CASES[2], kind="huge", seed=0)
 def test_extreme_accepted_params_never_raise_in_the_sampler(sampler, kwargs, kind, seed):
     params = _accepted(kwargs)
     if params is None:
@@ -78,6 +85,7 @@ def inproc_llm():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(kwargs=sampling_kwargs())
+@example(kwargs={**ISSUE_CASES[0], "max_tokens": 2})
 def test_extreme_accepted_params_run_through_the_engine(inproc_llm, kwargs):
     params = _accepted(kwargs)
     if params is None:
