@@ -87,6 +87,7 @@ class AsyncLLM:
             self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics)
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
+        self._num_pending_seqs = 0  # being tokenized (see add_request)
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._reaper: asyncio.Task | None = None
@@ -116,9 +117,16 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
         params = params if params is not None else SamplingParams()
         arrival_time = now()
-        request, prompt_text = await self.run_off_loop(
-            self.input_processor.process, request_id, prompt, params, arrival_time, priority
-        )
+        # Counted as unfinished while it is tokenized, so that a burst of requests checked against
+        # --max-waiting-requests meanwhile sees it (see get_num_unfinished_seqs).
+        pending = params.n if isinstance(params, SamplingParams) else 1
+        self._num_pending_seqs += pending
+        try:
+            request, prompt_text = await self.run_off_loop(
+                self.input_processor.process, request_id, prompt, params, arrival_time, priority
+            )
+        finally:
+            self._num_pending_seqs -= pending
         # Checked again: the loop ran other requests while this one was being tokenized.
         self._check_alive()
         if request_id in self._streams:
@@ -343,8 +351,9 @@ class AsyncLLM:
         return len(self._streams)
 
     def get_num_unfinished_seqs(self) -> int:
-        """Core-side requests accepted and not finished (a request with n=4 counts 4)."""
-        return self._num_unfinished_seqs
+        """Core-side requests accepted and not finished (a request with n=4 counts 4), including
+        those still being tokenized."""
+        return self._num_unfinished_seqs + self._num_pending_seqs
 
     async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         self._check_alive()

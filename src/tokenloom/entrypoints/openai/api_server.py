@@ -110,7 +110,7 @@ def _decode_body(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
         # Python's json reads, lone surrogate escapes, invalid input) goes to json for the
         # same result, or the same error message, as before.
         data = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         data = None
     try:
         if data is None:

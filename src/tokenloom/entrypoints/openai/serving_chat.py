@@ -60,6 +60,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt = await self.engine.run_off_loop(processor.apply_chat_template, conversation, req.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
             raise bad_request(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        self.check_capacity(params.n)  # again: other requests were admitted while it was rendered
         request_id = req.request_id or random_id("chatcmpl")
         streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages")
         created = unix_time()
