@@ -78,7 +78,9 @@ class EngineCore:
         decoded): its caller gets a final output with finish_reason "error" and `error`."""
         if request_id in self.scheduler.requests:
             return  # see add_request: never finish a live request under a clashing id
-        stub = Request(request_id=request_id, prompt_token_ids=[], sampling_params=SamplingParams(), eos_token_id=None, arrival_time=now())
+        stub = Request(
+            request_id=request_id, prompt_token_ids=[], sampling_params=SamplingParams(), eos_token_id=None, arrival_time=now()
+        )
         self.scheduler.reject_request(stub, error)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -274,7 +274,8 @@ class AsyncLLM:
                 del self._streams[out.request_id]
                 self._num_unfinished_seqs -= stream.num_seqs
                 self._record_finished(out)
-                if self.metrics is not None and (out.error is not None or any(c.finish_reason == "error" for c in out.outputs)):
+                failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+                if failed and self.metrics is not None:
                     self.metrics.request_errors.inc()  # failed alone: the core is still running
             stream.collector.put(out)
 

@@ -97,7 +97,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 _PARSE_OFF_LOOP_BYTES = 1 << 20
 
 
-async def _parse_body(request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM) -> Any:
+async def _parse_body(
+    request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM
+) -> Any:
     raw = await _read_body(request, max_body_bytes)
     if len(raw) >= _PARSE_OFF_LOOP_BYTES:
         return await engine.run_off_loop(_decode_body, raw, model)
@@ -386,7 +388,9 @@ async def _watch_engine(server: Any, engine: AsyncLLM, *, exit_on_death: bool) -
                 logger.error("engine core is dead (%s): shutting the server down", reason)
                 server.should_exit = True
             else:
-                logger.error("engine core is dead (%s): answering 503 until restarted (--keep-alive-on-engine-death)", reason)
+                logger.error(
+                    "engine core is dead (%s): answering 503 until restarted (--keep-alive-on-engine-death)", reason
+                )
             await engine.reap_dead_core()
             return True
         await asyncio.sleep(ENGINE_WATCHDOG_INTERVAL_S)
