@@ -184,6 +184,14 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+# OpenAPI links: a model id that /v1/models lists is what the generation routes take as `model`.
+# They document the API's one data flow, and give schemathesis' stateful phase a chain to follow.
+_MODEL_LINKS = {
+    name: {"operationId": op, "requestBody": {"model": "$response.body#/data/0/id"}}
+    for name, op in (("Complete", "create_completion"), ("Chat", "create_chat_completion"))
+}
+
+
 class ApiKeyMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): it only gates requests and passes `receive` through
     untouched, so client disconnects still reach the endpoints."""
@@ -271,17 +279,19 @@ def build_app(
         logger.exception("internal error")
         return _error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", operation_id="create_completion", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(request: Request) -> Response:
         req = await _parse_body(request, CompletionRequest, max_request_body_bytes, engine)
         return await completions.create_completion(req, request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions", operation_id="create_chat_completion", openapi_extra=_body_schema(ChatCompletionRequest)
+    )
     async def create_chat_completion(request: Request) -> Response:
         req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
         return await chat.create_chat_completion(req, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="list_models", responses={200: {"description": "The served models", "links": _MODEL_LINKS}})
     async def list_models() -> Response:
         created = unix_time()
         data = [
