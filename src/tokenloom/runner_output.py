@@ -22,6 +22,9 @@ class ModelRunnerOutput:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    # Requests this step failed on their own (admitting them to the sampler, or sampling them,
+    # raised), with the reason; the scheduler finishes them with ERROR. Nothing else is affected.
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

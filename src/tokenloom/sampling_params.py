@@ -21,7 +21,22 @@ Where tokenloom departs from vLLM, or picks one of its settings, the constant be
   dividing logits by a tinier value overflows float32. (vLLM raises everything in (0, 0.01) to
   0.01; tokenloom treats the vanishing ones as the greedy request they almost surely are.)
 - logit_bias values are clamped to [-100, 100] like OpenAI's API (vLLM's OpenAI server does the
-  same); keys must be token ids (ints, or strings of digits as JSON clients send them).
+  same); keys must be token ids (ints, or strings of ASCII digits as JSON clients send them: not
+  " 1 ", "1_0" or "٣", which Python's int() would read).
+
+Every number must also survive the sampler's storage: its per-row parameters are float32 tensors,
+so a float that is finite in Python can overflow float32 (repetition_penalty=1e39 crashed the
+engine core) or round to 0 (repetition_penalty=1e-300 divides by 0). The ranges below are the
+ones where a value both fits and still means something:
+
+- repetition_penalty in [`MIN_REPETITION_PENALTY`, `MAX_REPETITION_PENALTY`] = [1e-4, 1e4]
+  (vLLM: any value > 0). A seen token's logit is divided or multiplied by it; at 1e4 a positive
+  logit of any real model is already pushed below every unseen one, so larger values change
+  nothing, and within the range no finite float32 logit under 3e34 overflows.
+- top_p in [`MIN_TOP_P`, 1]: the smallest normal float32, so it never rounds to 0.
+- seed: any 64-bit value (the sampler hashes it as uint64); token ids below 2**31 (int32
+  tensors) and then below the vocabulary size; integer counts (max_tokens, min_tokens,
+  priority) within int64, what msgpack and the numpy/torch counters carry.
 """
 from __future__ import annotations
 
@@ -33,6 +48,7 @@ import operator
 from typing import Any
 
 import msgspec
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +65,10 @@ MAX_TEMPERATURE = 2.0
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
+MIN_TOP_P = float(np.finfo(np.float32).tiny)  # 1.18e-38: the smallest normal float32
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
@@ -56,8 +76,11 @@ def _fail(name: str, requirement: str, value: Any) -> ValueError:
 
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_MIN, INT64_MAX = _INT64_MIN, _INT64_MAX
+UINT64_MAX = (1 << 64) - 1
 # Token ids: a vocabulary is far smaller; the bound keeps ids inside int32 tensors.
 _MAX_TOKEN_ID = (1 << 31) - 1
+MAX_TOKEN_ID = _MAX_TOKEN_ID
 
 
 def _int(name: str, value: Any, requirement: str, lo: int = _INT64_MIN, hi: int = _INT64_MAX) -> int:
@@ -113,9 +136,9 @@ class SamplingParams(
     n: int = 1  # in [1, MAX_N]; must be 1 when greedy
     presence_penalty: float = 0.0  # in [-2, 2]; output tokens only
     frequency_penalty: float = 0.0  # in [-2, 2]; output tokens only
-    repetition_penalty: float = 1.0  # > 0; prompt and output tokens; 1 = off
+    repetition_penalty: float = 1.0  # in [1e-4, 1e4]; prompt and output tokens; 1 = off
     temperature: float = 1.0  # in [0, 2]; 0 = greedy
-    top_p: float = 1.0  # in (0, 1]
+    top_p: float = 1.0  # in [MIN_TOP_P, 1]
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0  # in [0, 1]
     seed: int | None = None  # any 64-bit int (signed or not); -1 means None (as vLLM)
@@ -152,19 +175,21 @@ class SamplingParams(
             raise _fail("n", f"an integer in [1, {MAX_N}]", self.n)
 
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _float(name, getattr(self, name), "a number in [-2, 2]")
-            if not -2.0 <= value <= 2.0:
-                raise _fail(name, "a number in [-2, 2]", value)
+            value = _float(name, getattr(self, name), f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise _fail(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", value)
             setattr(self, name, value)
-        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, "a number > 0")
-        if self.repetition_penalty <= 0.0:
-            raise _fail("repetition_penalty", "a number > 0", self.repetition_penalty)
+        requirement = f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)"
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, requirement)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise _fail("repetition_penalty", requirement, self.repetition_penalty)
 
         self._verify_temperature()
 
-        self.top_p = _float("top_p", self.top_p, "a number in (0, 1]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _fail("top_p", "a number in (0, 1]", self.top_p)
+        requirement = f"a number in (0, 1], at least {MIN_TOP_P:.3g} (it must not round to 0 in float32)"
+        self.top_p = _float("top_p", self.top_p, requirement)
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise _fail("top_p", requirement, self.top_p)
         self.top_k = _int("top_k", self.top_k, "0 or -1 (disabled) or an integer >= 1")
         if self.top_k < -1:
             raise _fail("top_k", "0 or -1 (disabled) or an integer >= 1", self.top_k)
@@ -307,11 +332,9 @@ def _logit_bias(value: Any) -> dict[int, float]:
     for key, bias in value.items():
         token: int | None
         if isinstance(key, str):
-            # JSON object keys arrive as strings (OpenAI clients).
-            try:
-                token = int(key)
-            except ValueError:
-                token = None
+            # JSON object keys arrive as strings (OpenAI clients). Only plain ASCII digits: int()
+            # also reads " 1 ", "1_0" and other scripts' digits ("٣"), which no client means.
+            token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else None
         else:
             token = None if isinstance(key, bool) else _index_or_none(key)
         if token is None or not 0 <= token <= _MAX_TOKEN_ID:

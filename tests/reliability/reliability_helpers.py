@@ -4,12 +4,13 @@ The server helpers are those of tests/entrypoints (its conftest, loaded by path,
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
@@ -27,6 +28,19 @@ API_KEY = "reliability-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SMALL_SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2)]
 MODEL = "SmolLM2-135M-Instruct"
+
+
+@contextlib.contextmanager
+def running_server(extra_args: list[str], api_key: str | None = None) -> Iterator:
+    """A `tokenloom serve` of its own for one test or module: stopped, its engine core killed if it
+    lingers, and its log removed at the end."""
+    srv = ServerProcess(extra_args, api_key)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        kill_quietly(srv.core_pid)
+        os.unlink(srv.log.name)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
@@ -124,3 +138,57 @@ def bound_lengths(body):
     if unlimited and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2
     return body
+
+
+def probe_while_in_flight(srv, big_body: bytes | None, num_probes: int = 20, hz: float = 10.0, stream_tokens: int = 48) -> dict:
+    """Issue 21's responsiveness check. A streamed completion runs; once its first chunk is in,
+    `big_body` (a raw /v1/completions body, or None for the baseline) is posted back to back
+    while `num_probes` GET /health calls go out at `hz`. Returns the /health latencies and
+    statuses, the big requests' statuses and messages, and the stream's gaps between chunks."""
+    import threading
+
+    import httpx
+
+    headers = {**(srv.headers or {}), "Content-Type": "application/json"}
+    first_chunk = threading.Event()
+    stop = threading.Event()
+    chunk_times: list[float] = []
+    big_results: list[tuple[int, str]] = []
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": stream_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url("/v1/completions"), json=body, headers=headers, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk_times.append(time.monotonic())
+                    first_chunk.set()
+        first_chunk.set()
+
+    def post_big() -> None:
+        with httpx.Client(timeout=300) as client:
+            while not stop.is_set():
+                r = client.post(srv.url("/v1/completions"), content=big_body, headers=headers)
+                big_results.append((r.status_code, r.text[:300]))
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    first_chunk.wait(300)
+    poster = threading.Thread(target=post_big) if big_body is not None else None
+    if poster is not None:
+        poster.start()
+        time.sleep(0.05)  # the first big body is on its way
+    latencies: list[float] = []
+    statuses: list[int] = []
+    with httpx.Client(timeout=120) as client:
+        start = time.monotonic()
+        for i in range(num_probes):
+            time.sleep(max(0.0, start + i / hz - time.monotonic()))
+            t0 = time.monotonic()
+            statuses.append(client.get(srv.url("/health")).status_code)
+            latencies.append(time.monotonic() - t0)
+    stop.set()
+    if poster is not None:
+        poster.join()
+    streamer.join()
+    gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    return {"health_latencies": latencies, "health_statuses": statuses, "big": big_results, "stream_gaps": gaps, "num_chunks": len(chunk_times)}

@@ -17,20 +17,15 @@ import time
 import httpx
 import openai
 import pytest
-from reliability_helpers import MODEL, SMALL_SERVER_ARGS, ServerProcess, child_pids, ipc_dir_of, kill_quietly, pid_alive, wait_until
+from reliability_helpers import MODEL, SMALL_SERVER_ARGS, child_pids, ipc_dir_of, pid_alive, running_server, wait_until
 
 LONG = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture
 def fresh_server():
-    srv = ServerProcess(SMALL_SERVER_ARGS, None)
-    try:
+    with running_server(SMALL_SERVER_ARGS) as srv:
         yield srv
-    finally:
-        srv.stop()
-        kill_quietly(srv.core_pid)
-        os.unlink(srv.log.name)
 
 
 def test_engine_core_killed_mid_run(fresh_server):

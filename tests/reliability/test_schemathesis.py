@@ -1,8 +1,8 @@
 """Schemathesis against the live server's own OpenAPI document (/openapi.json, which documents the
 request bodies): generated requests, valid and invalid, never get a 5xx.
 
-Bounded: TOKENLOOM_SCHEMATHESIS_EXAMPLES (25) per operation, fuzzing phase only (positive and
-negative data), one worker, and valid length fields brought down to 2 by the hooks
+Bounded: TOKENLOOM_SCHEMATHESIS_EXAMPLES (25) per operation, the fuzzing and stateful phases
+(positive and negative data), one worker, and valid length fields brought down to 2 by the hooks
 (schemathesis_hooks.py), so no generated request runs long. The hand-picked boundary cases are in
 test_bad_input.py.
 """
@@ -20,6 +20,9 @@ from reliability_helpers import API_KEY, AUTH, wait_until_clean
 ST = Path(sys.executable).with_name("st")
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 EXAMPLES = int(os.environ.get("TOKENLOOM_SCHEMATHESIS_EXAMPLES", "25"))
+# The stateful phase chains operations through the schema's links; TOKENLOOM_SCHEMATHESIS_PHASES
+# widens the run (e.g. "examples,coverage,fuzzing,stateful" for the long one in the report).
+PHASES = os.environ.get("TOKENLOOM_SCHEMATHESIS_PHASES", "fuzzing,stateful")
 
 
 @pytest.mark.slow
@@ -31,7 +34,7 @@ def test_schemathesis_finds_no_server_error(shared_server, tmp_path):
     cmd = [
         str(ST), "run", shared_server.url("/openapi.json"),
         "--checks", "not_a_server_error",
-        "--phases", "fuzzing",  # the coverage phase alone sends ~700 boundary cases
+        "--phases", PHASES,  # the coverage phase alone sends ~700 boundary cases
         "--max-examples", str(EXAMPLES),
         "--workers", "1",
         "--seed", "1",

@@ -91,8 +91,19 @@ def test_wrong_keys_of_equal_length_are_rejected(shared_server):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(shared_server, scheme):
+    """RFC 9110: the authentication scheme is case-insensitive; the key itself is not."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    r = httpx.post(shared_server.url("/v1/completions"), headers={"Authorization": f"{scheme} {API_KEY}"}, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    r = httpx.post(shared_server.url("/v1/completions"), headers={"Authorization": f"{scheme} {API_KEY.upper()}"}, json=body, timeout=120)
+    assert r.status_code == 401, r.text
+
+
 def test_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
-    """The middleware's only comparison is hmac.compare_digest of the whole header value."""
+    """The middleware's only comparison of the key is hmac.compare_digest of the header's token
+    (after a case-insensitive "Bearer" scheme)."""
     calls = []
     real = api_server.hmac.compare_digest
 
@@ -120,9 +131,9 @@ def test_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
 
         await middleware(scope, receive, send)
 
-    for auth in (b"Bearer secreT", b"Bearer secret", b""):
+    for auth in (b"Bearer secreT", b"Bearer secret", b"", b"Basic secret"):
         asyncio.run(call(auth))
-    assert calls == [(b"Bearer secreT", b"Bearer secret"), (b"Bearer secret", b"Bearer secret"), (b"", b"Bearer secret")]
+    assert calls == [(b"secreT", b"secret"), (b"secret", b"secret"), (b"", b"secret"), (b"", b"secret")]
     assert reached == ["/v1/completions"]  # only the right key got through
     source = ast.parse(Path(api_server.__file__).read_text())
     compares = [

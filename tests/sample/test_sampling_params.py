@@ -108,7 +108,7 @@ def test_every_user_field_has_an_invalid_case():
 
 
 def test_out_of_range_message_states_the_range():
-    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got 0\.0"):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], at least 1.18e-38 .*, got 0\.0"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match=r"presence_penalty must be a number in \[-2, 2\]"):
         SamplingParams(presence_penalty=5)

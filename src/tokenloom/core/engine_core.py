@@ -17,6 +17,7 @@ from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo,
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
+from tokenloom.sampling_params import SamplingParams
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,32 @@ class EngineCore:
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request. A request that cannot be admitted fails alone (finish_reason
+        "error" with the reason, sent with the next step); the core keeps running."""
         received = request.received_time or now()  # the in-process client has no input thread
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        if request.request_id in self.scheduler.requests:
+            # The caller keeps ids unique among requests in flight; an error output under this id
+            # would finish the live request, so the duplicate is dropped with a log line.
+            logger.error("dropped a request whose id %r is already in flight", request.request_id)
+            return
+        try:
+            self.scheduler.add_request(Request.from_engine_core_request(request))
+        except Exception as e:  # noqa: BLE001 - one malformed request must not stop the core
+            logger.exception("request %s could not be admitted; the engine keeps running", request.request_id)
+            self.reject_request(request.request_id, f"request {request.request_id} could not be admitted: {e!r}")
+            return
         if self.ledger is not None:
             self.ledger.add(request.request_id, request.sent_time, received, now())
+
+    def reject_request(self, request_id: str, error: str) -> None:
+        """Fails a request that never reached the scheduler (e.g. its message could not be
+        decoded): its caller gets a final output with finish_reason "error" and `error`."""
+        if request_id in self.scheduler.requests:
+            return  # see add_request: never finish a live request under a clashing id
+        stub = Request(
+            request_id=request_id, prompt_token_ids=[], sampling_params=SamplingParams(), eos_token_id=None, arrival_time=now()
+        )
+        self.scheduler.reject_request(stub, error)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -40,6 +40,19 @@ from tokenloom.messages import (
 logger = logging.getLogger("tokenloom.engine_core")
 
 _SHUTDOWN = object()
+_REJECT = "reject"  # input-queue kind: an ADD message that failed to decode, (request_id, error)
+
+
+def _request_id_of(payload: Any) -> str | None:
+    """The request id of an ADD message that failed validation: the first field of the
+    array-like EngineCoreRequest, read without validating anything else."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str):
+        return fields[0]
+    return None
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -93,16 +106,28 @@ class EngineCoreProc:
         abort_decoder = msgspec.msgpack.Decoder(list[str])
         util_decoder = msgspec.msgpack.Decoder(UtilityRequest)
         while True:
-            kind_frame, payload = self.in_sock.recv_multipart(copy=False)
-            kind = EngineCoreRequestType(bytes(kind_frame.buffer))
+            frames = self.in_sock.recv_multipart(copy=False)
+            try:
+                kind_frame, payload = frames
+                kind = EngineCoreRequestType(bytes(kind_frame.buffer))
+            except ValueError:
+                logger.error("dropped a malformed message of %d frame(s) on the input socket", len(frames))
+                continue
             if kind is EngineCoreRequestType.ADD:
-                request = add_decoder.decode(payload.buffer)
+                try:
+                    request = add_decoder.decode(payload.buffer)
+                except (msgspec.DecodeError, ValueError) as e:  # ValidationError is a ValueError
+                    # Fail that request alone: a dead input thread would leave the core deaf.
+                    self.input_queue.put((_REJECT, (_request_id_of(payload.buffer), f"{e!r}")))
+                    continue
                 request.received_time = now()  # the ledger's "received by core"
                 self.input_queue.put((kind, request))
-            elif kind is EngineCoreRequestType.ABORT:
-                self.input_queue.put((kind, abort_decoder.decode(payload.buffer)))
-            elif kind is EngineCoreRequestType.UTILITY:
-                self.input_queue.put((kind, util_decoder.decode(payload.buffer)))
+            elif kind is EngineCoreRequestType.ABORT or kind is EngineCoreRequestType.UTILITY:
+                decoder = abort_decoder if kind is EngineCoreRequestType.ABORT else util_decoder
+                try:
+                    self.input_queue.put((kind, decoder.decode(payload.buffer)))
+                except (msgspec.DecodeError, ValueError) as e:
+                    logger.error("dropped a malformed %s message: %r", kind.name, e)
             else:
                 self.input_queue.put((kind, None))
                 return
@@ -130,6 +155,11 @@ class EngineCoreProc:
         """Applies one input message; False means shut down."""
         if kind is EngineCoreRequestType.ADD:
             self.engine.add_request(obj)
+        elif kind is _REJECT:
+            request_id, error = obj
+            logger.error("request %s could not be decoded: %s", request_id, error)
+            if request_id is not None:
+                self.engine.reject_request(request_id, f"request {request_id} could not be decoded: {error}")
         elif kind is EngineCoreRequestType.ABORT:
             self.engine.abort_requests(obj)
         elif kind is EngineCoreRequestType.UTILITY:

@@ -86,14 +86,19 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         error = self._admission_error(request)
         if error is not None:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = error
-            self.rejected.append(request)
+            self.reject_request(request, error)
             return
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def reject_request(self, request: Request, error: str) -> None:
+        """Finishes a request that was never admitted with ERROR; its final output goes out with
+        the next update_from_output()."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self.rejected.append(request)
 
     def _admission_error(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -285,6 +290,7 @@ class Scheduler:
         step's outputs. This is the only function that loops over the runner's results."""
         outputs: list[EngineCoreOutput] = []
         index = model_runner_output.req_id_to_index
+        failed = model_runner_output.failed_req_ids
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -292,9 +298,14 @@ class Scheduler:
                 continue  # aborted while the step ran
             # num_computed_tokens already includes this step, whose K/V are now written.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            i = index.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            new_token_ids = self._append_and_check_stop(request, sampled)
+            if req_id in failed:  # the runner failed this request alone (see ModelRunner._fail_request)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = failed[req_id]
+                new_token_ids = []
+            else:
+                i = index.get(req_id)
+                sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+                new_token_ids = self._append_and_check_stop(request, sampled)
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(
@@ -306,6 +317,7 @@ class Scheduler:
                         finish_reason=request.get_finish_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
+                        error=request.error,
                     )
                 )
             if request.is_finished:

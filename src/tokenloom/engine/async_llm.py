@@ -1,8 +1,10 @@
 """AsyncLLM: the asyncio face of the engine (vLLM's V1 `AsyncLLM`), used by the HTTP server.
 
 Everything runs on one event loop, so no locks:
-- `generate()` tokenizes and validates in the caller, registers a `RequestStream` and sends the
-  request to the core, then yields whatever the stream receives;
+- `generate()` tokenizes and validates in the caller, on a small thread pool (a long prompt or
+  chat template never stalls the loop: the tokenizer releases the GIL), then registers a
+  `RequestStream` on the loop and sends the request to the core, then yields whatever the stream
+  receives;
 - one background task, the output handler, is the only reader of the core's outputs: it
   detokenizes them in chunks (yielding to the loop between chunks, so a big batch never stalls
   the HTTP side), feeds the Prometheus metrics and routes each `RequestOutput` to its stream.
@@ -17,7 +19,10 @@ Three ways a request ends early, all of which free its KV blocks in the core:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # Engine-core outputs detokenized per slice of the output handler before it yields to the loop.
 OUTPUT_CHUNK_SIZE = 128
+# Threads that tokenize prompts and render chat templates off the event loop. Bounded: more
+# would only contend for the same cores as the engine; requests beyond them queue.
+NUM_TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(slots=True)
@@ -77,8 +85,14 @@ class AsyncLLM:
             self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics)
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
+        self._num_pending_seqs = 0  # being tokenized (see add_request)
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
+        self._reaper: asyncio.Task | None = None
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            NUM_TOKENIZER_THREADS, thread_name_prefix="tokenloom-tokenize"
+        )
+        self._metrics_refreshed_at = time.monotonic()
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "AsyncLLM":
@@ -101,7 +115,20 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
         params = params if params is not None else SamplingParams()
         arrival_time = now()
-        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        # Counted as unfinished while it is tokenized, so that a burst of requests checked against
+        # --max-waiting-requests meanwhile sees it (see get_num_unfinished_seqs).
+        pending = params.n if isinstance(params, SamplingParams) else 1
+        self._num_pending_seqs += pending
+        try:
+            request, prompt_text = await self.run_off_loop(
+                self.input_processor.process, request_id, prompt, params, arrival_time, priority
+            )
+        finally:
+            self._num_pending_seqs -= pending
+        # Checked again: the loop ran other requests while this one was being tokenized.
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight.")
         n = request.sampling_params.n
         stream = RequestStream(request_id, n, RequestOutputCollector(request.sampling_params.output_kind))
         children = self.output_processor.add_user_request(request, prompt_text)
@@ -114,6 +141,10 @@ class AsyncLLM:
             self.abort_nowait(request_id)
             raise
         return stream
+
+    async def run_off_loop(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the tokenizer pool (tokenizing, chat templates), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     async def generate(
         self,
@@ -225,6 +256,9 @@ class AsyncLLM:
                 del self._streams[out.request_id]
                 self._num_unfinished_seqs -= stream.num_seqs
                 self._record_finished(out)
+                failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+                if failed and self.metrics is not None:
+                    self.metrics.request_errors.inc()  # failed alone: the core is still running
             stream.collector.put(out)
 
     def _record_finished(self, out: RequestOutput) -> None:
@@ -253,6 +287,31 @@ class AsyncLLM:
             stream.collector.put(error)
         self._streams.clear()
         self._num_unfinished_seqs = 0
+        self._start_reaper()
+
+    def _start_reaper(self) -> asyncio.Task:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_core(), name="tokenloom-reap-core")
+        return self._reaper
+
+    async def reap_dead_core(self) -> None:
+        """Once the core is dead: reap its process and release the sockets (idempotent). The
+        output handler does this when it sees the death; a server's watchdog calls it for a core
+        that dies while nothing is in flight."""
+        if self.is_dead:
+            await self._start_reaper()
+
+    async def _reap_core(self) -> None:
+        """Waits for the dead core's process (off the loop) so it does not stay a zombie, then
+        closes the sockets and removes the IPC directory. Only the process handle and the sockets
+        go: `is_dead` and the 503s stay as they are."""
+        proc = self.engine_core.proc
+        try:
+            await asyncio.to_thread(proc.wait, 10)
+        except Exception:  # noqa: BLE001 - a core that lingers after its error message: kill it
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+        self.engine_core.shutdown()
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -275,8 +334,9 @@ class AsyncLLM:
         return len(self._streams)
 
     def get_num_unfinished_seqs(self) -> int:
-        """Core-side requests accepted and not finished (a request with n=4 counts 4)."""
-        return self._num_unfinished_seqs
+        """Core-side requests accepted and not finished (a request with n=4 counts 4), including
+        those still being tokenized."""
+        return self._num_unfinished_seqs + self._num_pending_seqs
 
     async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         self._check_alive()
@@ -289,15 +349,22 @@ class AsyncLLM:
         return await self.call_utility("get_state", timeout=timeout)
 
     async def refresh_metrics(self, timeout: float = 2.0) -> None:
-        """Brings the gauges up to date before a scrape (an idle core sends no steps)."""
+        """Brings the gauges up to date before a scrape (an idle core sends no steps). When the
+        core does not answer in time the gauges keep their last values, and
+        tokenloom:metrics_staleness_seconds says how old those are."""
         if self.metrics is None or self.is_dead:
             return
         try:
             self.metrics.record_core_state(await self.get_state(timeout=timeout))
+            self._metrics_refreshed_at = time.monotonic()
         except (EngineDeadError, asyncio.TimeoutError, RuntimeError) as e:
-            logger.warning("could not refresh metrics from the engine core: %s", e)
+            # repr: a TimeoutError's str() is empty, which left the warning without a reason.
+            logger.warning("could not refresh metrics from the engine core (serving gauges %.1fs old): %r",
+                           time.monotonic() - self._metrics_refreshed_at, e)
+        self.metrics.metrics_staleness.set(time.monotonic() - self._metrics_refreshed_at)
 
     def shutdown(self) -> None:
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         for stream in self._streams.values():

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any
@@ -24,6 +23,7 @@ import msgspec
 import zmq
 
 from tokenloom.config import EngineConfig
+from tokenloom.engine.ipc_dir import make_ipc_dir
 from tokenloom.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -114,8 +114,8 @@ def _cleanup(proc: subprocess.Popen, ctx: zmq.Context, tmpdir: str) -> None:
 class MPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        # mkdtemp creates the directory 0700: only this user can reach the sockets.
-        self._tmpdir = tempfile.mkdtemp(prefix="tokenloom-")
+        # A private 0700 directory (mkdtemp) recording its owner; stale ones are swept first.
+        self._tmpdir = make_ipc_dir()
         in_addr = f"ipc://{self._tmpdir}/input"
         out_addr = f"ipc://{self._tmpdir}/output"
         self.ctx = zmq.Context()

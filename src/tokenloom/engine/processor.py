@@ -41,6 +41,30 @@ class InputProcessor:
         eos_ids += [t for t in model_config.eos_token_ids if t != tokenizer_eos]
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.eos_token_ids: list[int] = eos_ids
+        self.max_chars_per_token = _max_chars_per_token(tokenizer)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: shorter than max_model_len, within the whole KV cache."""
+        limit = self.max_model_len - 1
+        if self.num_kv_blocks is not None and self.block_size is not None:
+            limit = min(limit, self.num_kv_blocks * self.block_size)
+        return limit
+
+    def check_prompt_chars(self, num_chars: int, what: str = "prompt") -> None:
+        """Rejects a text too long to fit before tokenizing it: no token spans more than
+        `max_chars_per_token` characters, so the text has at least num_chars / that many tokens.
+        A 20 MB prompt is refused at once instead of after seconds of tokenizing."""
+        per_token = self.max_chars_per_token
+        if per_token is None:
+            return
+        min_tokens = -(-num_chars // per_token)
+        if min_tokens > self.max_prompt_tokens:
+            raise ValueError(
+                f"The {what} is {num_chars} characters long, so at least {min_tokens} tokens (no token of this "
+                f"tokenizer spans more than {per_token} characters), but a prompt may have at most "
+                f"{self.max_prompt_tokens} tokens (max_model_len is {self.max_model_len})."
+            )
 
     def process(
         self,
@@ -136,6 +160,7 @@ class InputProcessor:
             assert prompt_text is not None
             if not prompt_text:
                 raise ValueError("prompt must not be empty.")
+            self.check_prompt_chars(len(prompt_text))
             token_ids = self._encode_prompt(prompt_text)
             if not token_ids:
                 raise ValueError(f"prompt {prompt_text!r} tokenizes to no tokens.")
@@ -157,6 +182,11 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids must be {requirement}, got {type(token_ids).__name__}.")
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty.")
+        if len(token_ids) >= self.max_model_len:  # before looking at millions of elements
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long but max_model_len is {self.max_model_len}: "
+                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens)."
+            )
         ids: list[int] = []
         for t in token_ids:
             try:
@@ -212,3 +242,16 @@ class InputProcessor:
                     continue
                 result.append(ids)
         return result
+
+
+def _max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None when that is unknown. A
+    vocabulary entry's string has one character per byte it encodes (byte-level BPE) or more
+    (sentencepiece's byte tokens "<0x41>"), and text has at least one byte per character, so the
+    longest entry bounds it from above. Only without a normalizer, which could shrink the text
+    before it is split (collapsing whitespace, say)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    return longest or None

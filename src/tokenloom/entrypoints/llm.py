@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -179,10 +179,13 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    requirement = "a prompt (a str, a list of token ids or a dict) or a list of prompts"
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence | Iterable):
+        raise TypeError(f"prompts must be {requirement}, got {type(prompts).__name__}: {prompts!r:.80}.")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts must not be empty.")
@@ -194,7 +197,17 @@ def _broadcast(name: str, value: Any, n: int, default: Any, per_item: bool = Fal
         return [default] * n
     if isinstance(value, SamplingParams) or (per_item and not isinstance(value, (list, tuple))):
         return [value] * n
+    if not per_item and (isinstance(value, (dict, str, bytes)) or not isinstance(value, Iterable)):
+        # A dict would otherwise be read as a list of its keys ("got str" further down).
+        hint = f" (build one with SamplingParams(**{value!r:.60}))" if isinstance(value, dict) else ""
+        raise TypeError(
+            f"{name} must be a SamplingParams or a list of them (one per prompt), got {type(value).__name__}{hint}."
+        )
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts.")
+    if not per_item:
+        for i, item in enumerate(value):
+            if not isinstance(item, SamplingParams):
+                raise TypeError(f"{name}[{i}] must be a SamplingParams, got {type(item).__name__}.")
     return value

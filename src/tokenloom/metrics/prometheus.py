@@ -68,6 +68,16 @@ class PrometheusMetrics:
             "tokenloom:request_success", "Finished requests, by finish reason.", labels + ["finished_reason"], registry=r
         )
         self._request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
+        self.request_errors = counter(
+            "request_errors",
+            "Requests the engine failed on their own (finish_reason=error) while it kept running: rejected "
+            "by the engine core or faulted while sampling. A dead engine core is not counted here.",
+        )
+        # How old the scrape-time gauges are (see AsyncLLM.refresh_metrics): 0 right after a
+        # refresh; growing while the engine core does not answer in time.
+        self.metrics_staleness = gauge(
+            "metrics_staleness_seconds", "Seconds since the engine core's state was last read for these gauges."
+        )
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", _TTFT_BUCKETS

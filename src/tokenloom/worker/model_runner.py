@@ -81,7 +81,6 @@ class _StepInputs:
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     do_sample: np.ndarray  # bool: the request's last scheduled token is sampled
-    logits_indices: np.ndarray
     input_ids: torch.Tensor
     positions: torch.Tensor
     plan: Any
@@ -131,6 +130,8 @@ class ModelRunner:
         # parts computed so far (one per chunk), joined and sent when the prefill ends.
         self._prompt_logprobs_k: dict[str, int] = {}
         self._pending_prompt_logprobs: dict[str, list[LogprobsLists]] = {}
+        # Requests failed in this step (see _fail_request), reported in its ModelRunnerOutput.
+        self._failed: dict[str, str] = {}
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -161,7 +162,11 @@ class ModelRunner:
         self.remove_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             row = batch.add_request(new)
-            self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+            try:
+                self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+            except Exception as e:  # noqa: BLE001 - one request's parameters: fail it alone
+                self._fail_request(new.req_id, row, "admitting it to the sampler", e)
+                continue
             # A request resumed after preemption (it has outputs) already sent its prompt logprobs.
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
                 self._prompt_logprobs_k[new.req_id] = new.sampling_params.prompt_logprobs
@@ -173,23 +178,64 @@ class ModelRunner:
             batch.num_computed_tokens[row] = num_computed
             batch.append_block_ids(row, new_blocks)
 
+    def _fail_request(self, req_id: str, row: int, stage: str, error: BaseException) -> None:
+        """Fails one request whose sampler state raised, leaving everyone else running. Its row
+        stays in the persistent batch until the scheduler's finished ids remove it (its forward
+        only writes its own KV blocks); the sampler forgets it now, and it is never sampled.
+        Faults that can corrupt shared state (the model forward, the KV cache) are not caught."""
+        logger.exception("request %s failed while %s; the engine keeps running", req_id, stage)
+        self.sampler.remove_request(row)
+        self._prompt_logprobs_k.pop(req_id, None)
+        self._pending_prompt_logprobs.pop(req_id, None)
+        self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str]) -> SamplerOutput:
+        """One batched draw; if it raises, each row again on its own, so that only the rows that
+        raise on their own fail (their token is -1). A row's draw does not depend on the others
+        (sample/ops), and a failed sample() changes no row's history, so the retry is exact."""
+        try:
+            return self.sampler.sample(logits, sample_rows)
+        except Exception:  # noqa: BLE001 - find the culprits below
+            logger.warning("batched sampling failed; sampling its %d rows one by one", len(sample_rows))
+        tokens = torch.full((len(sample_rows),), -1, dtype=torch.int64)
+        logprobs: list[LogprobsLists | None] = [None] * len(sample_rows)
+        for i, row in enumerate(sample_rows.tolist()):
+            try:
+                out = self.sampler.sample(logits[i : i + 1], [row])
+            except Exception as e:  # noqa: BLE001 - this row's own fault
+                self._fail_request(sample_req_ids[i], row, "sampling its next token", e)
+                continue
+            tokens[i] = out.sampled_token_ids[0]
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[0]
+        has_logprobs = any(lp is not None for lp in logprobs)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs if has_logprobs else None)
+
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        self._failed = {}
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            if self._failed:
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[], failed_req_ids=self._failed)
             return EMPTY_MODEL_RUNNER_OUTPUT
         step = self._prepare_inputs(so)
         t1 = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plan)
         prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
-        logits = self.model.compute_logits(hidden[torch.from_numpy(step.logits_indices).to(self.device)])
+        if self._failed:  # failed in this step: computed with the rest, never sampled
+            step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
+                                          count=len(step.req_ids))
+        logits_indices = step.query_start_loc[1:][step.do_sample] - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         t2 = time.perf_counter()
-        sampler_out = self.sampler.sample(logits, step.rows[step.do_sample].tolist())
+        sample_pos = np.flatnonzero(step.do_sample).tolist()
+        sampler_out = self._sample(logits, step.rows[step.do_sample], [step.req_ids[p] for p in sample_pos])
         t3 = time.perf_counter()
-        out = self._build_output(step, sampler_out)
+        out = self._build_output(step, sample_pos, sampler_out)
         out.prompt_logprobs = prompt_logprobs
         out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
         return out
@@ -250,27 +296,32 @@ class ModelRunner:
         return _StepInputs(
             req_ids=req_ids, rows=rows, num_sched=num_sched, computed=computed,
             query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,
-            logits_indices=query_start_loc[1:][do_sample] - 1,
             input_ids=self._input_ids.to_device(num_tokens),
             positions=self._positions.to_device(num_tokens),
             plan=self.attn_backend.prepare(meta),
         )
 
-    def _build_output(self, step: _StepInputs, sampler_out: SamplerOutput) -> ModelRunnerOutput:
+    def _build_output(self, step: _StepInputs, sample_pos: list[int], sampler_out: SamplerOutput
+                      ) -> ModelRunnerOutput:
         """Appends the sampled tokens to the persistent batch (the next decode step reads them)
-        and reports them, one list per scheduled request ([] for a prefill chunk)."""
+        and reports them, one list per scheduled request ([] for a prefill chunk, or a request
+        that failed in this step)."""
         batch = self.input_batch
         sampled = sampler_out.sampled_token_ids.tolist()
         sample_rows = step.rows[step.do_sample]
         if len(sample_rows):
-            batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
-            batch.num_tokens[sample_rows] += 1
+            ok = sampler_out.sampled_token_ids.numpy() >= 0  # -1: the row failed (see _sample)
+            kept = sample_rows[ok]
+            batch.token_ids[kept, batch.num_tokens[kept]] = np.asarray(sampled, dtype=np.int64)[ok]
+            batch.num_tokens[kept] += 1
         batch.num_computed_tokens[step.rows] = step.seq_lens
 
         req_ids = step.req_ids
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        for i, (pos, tok) in enumerate(zip(np.flatnonzero(step.do_sample).tolist(), sampled)):
+        for i, (pos, tok) in enumerate(zip(sample_pos, sampled)):
+            if tok < 0:
+                continue
             sampled_token_ids[pos] = [tok]
             if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
                 logprobs[req_ids[pos]] = sampler_out.logprobs[i]
@@ -279,6 +330,7 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
+            failed_req_ids=self._failed,
         )
 
     def _prompt_logprobs(self, step: _StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
@@ -301,9 +353,12 @@ class ModelRunner:
                 flat = torch.arange(end - start, device=hidden.device) + int(query_start_loc[i])
                 logits = self.model.compute_logits(hidden[flat])
                 targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy())
-                self._pending_prompt_logprobs.setdefault(req_id, []).append(
-                    self.sampler.compute_prompt_logprobs(logits, targets, k)
-                )
+                try:
+                    part = self.sampler.compute_prompt_logprobs(logits, targets, k)
+                except Exception as e:  # noqa: BLE001 - this request's k: fail it alone
+                    self._fail_request(req_id, row, "computing its prompt logprobs", e)
+                    continue
+                self._pending_prompt_logprobs.setdefault(req_id, []).append(part)
             if start + int(num_sched[i]) >= n_prompt:
                 del self._prompt_logprobs_k[req_id]
                 parts = self._pending_prompt_logprobs.pop(req_id, [])

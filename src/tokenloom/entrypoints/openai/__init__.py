@@ -31,9 +31,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "(counted on the caller side as unfinished requests beyond --max-num-seqs); default: no limit",
     )
     p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="answer 413 to a request body larger than this (default: 16 MiB, far above any prompt a context "
+        "window holds)",
+    )
+    p.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
-        help="when the engine core dies, stay up answering 503 (/health included) instead of exiting "
+        help="when the engine core dies, stay up answering 503 on every route (/health, /version, /metrics "
+        "and /v1/models included) instead of exiting "
         "with status 1 (the default, as vLLM: let the supervisor restart the server)",
     )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

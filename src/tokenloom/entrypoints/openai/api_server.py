@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +40,19 @@ logger = logging.getLogger("tokenloom.serve")
 
 # Paths that stay open when --api-key is set: probes and scrapers carry no key.
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# --max-request-body-bytes: far above any real prompt (a 128k-token prompt is about 1 MiB of
+# JSON), low enough that parsing a body never holds the event loop for long (see README).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+def body_too_large(limit: int) -> OpenAIServingError:
+    return OpenAIServingError(
+        f"The request body is larger than {limit} bytes (--max-request-body-bytes).",
+        413,
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 def _error_response(e: OpenAIServingError) -> Response:
@@ -61,10 +75,48 @@ def _validation_error(e: pydantic.ValidationError | RequestValidationError) -> O
     return bad_request(message + extra, param=loc[0] if loc else None)
 
 
-async def _parse_body(request: Request, model: type[pydantic.BaseModel]) -> Any:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit`: from Content-Length before
+    reading anything, else while the chunks arrive (nothing past the limit is buffered)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# Bodies at least this big are parsed on the tokenizer pool. The parsers hold the GIL while they
+# run, but between their steps (JSON decode, surrogate scan, validation) the loop gets it back, so
+# a 20 MB body never holds it for all of them at once; small ones are not worth the thread hop.
+_PARSE_OFF_LOOP_BYTES = 1 << 20
+
+
+async def _parse_body(
+    request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM
+) -> Any:
+    raw = await _read_body(request, max_body_bytes)
+    if len(raw) >= _PARSE_OFF_LOOP_BYTES:
+        return await engine.run_off_loop(_decode_body, raw, model)
+    return _decode_body(raw, model)
+
+
+def _decode_body(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
     try:
-        data = json.loads(raw)
+        # msgspec first: twice as fast on big bodies. What it refuses (the NaN and Infinity literals
+        # Python's json reads, lone surrogate escapes, invalid input) goes to json for the
+        # same result, or the same error message, as before.
+        data = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        data = None
+    try:
+        if data is None:
+            data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -132,13 +184,21 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+# OpenAPI links: a model id that /v1/models lists is what the generation routes take as `model`.
+# They document the API's one data flow, and give schemathesis' stateful phase a chain to follow.
+_MODEL_LINKS = {
+    name: {"operationId": op, "requestBody": {"model": "$response.body#/data/0/id"}}
+    for name, op in (("Complete", "create_completion"), ("Chat", "create_chat_completion"))
+}
+
+
 class ApiKeyMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): it only gates requests and passes `receive` through
     untouched, so client disconnects still reach the endpoints."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
@@ -148,10 +208,30 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
+        # The scheme is case-insensitive (RFC 9110 section 11.1): "bearer KEY" is as good.
+        scheme, _, token = given.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = b""
         # Constant time in the key's content: no early exit on the first differing byte.
-        if not hmac.compare_digest(given, self.expected):
+        if not hmac.compare_digest(token.strip(), self.expected):
             error = OpenAIServingError("Invalid or missing API key.", 401, "invalid_request_error", None, "invalid_api_key")
             return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class EngineDeadMiddleware:
+    """Once the engine core is dead, every new request gets a 503 (`engine_dead`), whatever the
+    route: /health, /version, /metrics and /v1/models too, so that no probe mistakes a server
+    that can no longer generate for a healthy one. Responses already in flight are not touched
+    (their streams end with the engine_dead error event)."""
+
+    def __init__(self, app: Any, engine: AsyncLLM) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.engine.is_dead:
+            return await _error_response(engine_dead_error(self.engine.dead_error))(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -162,6 +242,7 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     shutdown_engine_on_exit: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -175,6 +256,8 @@ def build_app(
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests)
 
+    # The last one added runs first: the key is checked before the engine's state is revealed.
+    app.add_middleware(EngineDeadMiddleware, engine=engine)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -196,17 +279,19 @@ def build_app(
         logger.exception("internal error")
         return _error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", operation_id="create_completion", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(request: Request) -> Response:
-        req = await _parse_body(request, CompletionRequest)
+        req = await _parse_body(request, CompletionRequest, max_request_body_bytes, engine)
         return await completions.create_completion(req, request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions", operation_id="create_chat_completion", openapi_extra=_body_schema(ChatCompletionRequest)
+    )
     async def create_chat_completion(request: Request) -> Response:
-        req = await _parse_body(request, ChatCompletionRequest)
+        req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
         return await chat.create_chat_completion(req, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="list_models", responses={200: {"description": "The served models", "links": _MODEL_LINKS}})
     async def list_models() -> Response:
         created = unix_time()
         data = [
@@ -227,9 +312,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_dead:
-            return _error_response(engine_dead_error(engine.dead_error))
-        return Response(status_code=200)
+        return Response(status_code=200)  # a dead engine is answered by EngineDeadMiddleware
 
     @app.get("/version")
     async def version() -> Response:
@@ -257,6 +340,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -269,6 +354,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_engine_on_exit=True,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
@@ -279,18 +365,17 @@ def run_serve(args: argparse.Namespace) -> int:
     async def serve() -> None:
         nonlocal engine_died
         task = asyncio.create_task(server.serve())
-        watchdog = None
-        if not getattr(args, "keep_alive_on_engine_death", False):
-            watchdog = asyncio.create_task(_exit_on_engine_death(server, engine))
+        keep_alive = getattr(args, "keep_alive_on_engine_death", False)
+        watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
             host = f"[{args.host}]" if ":" in args.host else args.host
             print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
         await task
-        if watchdog is not None:
-            engine_died = watchdog.done() and watchdog.result()
-            watchdog.cancel()
+        # Exit status 1 tells a supervisor to restart; kept up by hand, a later stop is a clean exit.
+        engine_died = not keep_alive and watchdog.done() and not watchdog.cancelled() and watchdog.result()
+        watchdog.cancel()
 
     try:
         asyncio.run(serve())
@@ -302,16 +387,24 @@ def run_serve(args: argparse.Namespace) -> int:
 ENGINE_WATCHDOG_INTERVAL_S = 0.5
 
 
-async def _exit_on_engine_death(server: Any, engine: AsyncLLM) -> bool:
+async def _watch_engine(server: Any, engine: AsyncLLM, *, exit_on_death: bool) -> bool:
     """vLLM's policy: an engine core that died is not restarted in place, so the server shuts down
     (gracefully: responses in flight still deliver their error) and exits with status 1 for its
-    supervisor to restart it. Until then everything answers 503. Polling also catches a core that
-    dies while no request is in flight. True when it shut the server down."""
+    supervisor to restart it. Until then everything answers 503. With --keep-alive-on-engine-death
+    (`exit_on_death=False`) it stays up answering 503 on every route. Either way the dead core is
+    reaped (no zombie) and its sockets released. Polling also catches a core that dies while no
+    request is in flight. True when the engine died."""
     while not server.should_exit:
         if engine.is_dead:
             reason = str(engine.dead_error or "the engine core process exited").splitlines()[0]
-            logger.error("engine core is dead (%s): shutting the server down", reason)
-            server.should_exit = True
+            if exit_on_death:
+                logger.error("engine core is dead (%s): shutting the server down", reason)
+                server.should_exit = True
+            else:
+                logger.error(
+                    "engine core is dead (%s): answering 503 until restarted (--keep-alive-on-engine-death)", reason
+                )
+            await engine.reap_dead_core()
             return True
         await asyncio.sleep(ENGINE_WATCHDOG_INTERVAL_S)
     return False

@@ -7,14 +7,41 @@ Unknown fields are ignored, as OpenAI-compatible servers usually do, so newer cl
 fields this server does not know still work. Fields whose meaning this server cannot honour
 (`echo`, `suffix`, `best_of` > n, tools) are rejected with a 400 naming them instead of being
 silently dropped.
+
+Types are strict (pydantic's strict mode): `"max_tokens": "16"`, `"max_tokens": true`,
+`"stream": "yes"` and `"n": 2.0` get a 400 instead of being coerced. The one leniency kept on
+purpose: a float field takes an integer (`"temperature": 1`), because JSON has one number type
+and every client writes whole numbers that way.
+
+Numeric ranges are those of `SamplingParams` (its constants), declared here too so that the
+OpenAPI document states them and a value out of range is refused before anything else runs.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tokenloom.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MIN_REPETITION_PENALTY,
+    UINT64_MAX,
+)
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+# A logit_bias key: a token id as a JSON object key, ASCII digits only (" 1 ", "1_0" and "٣" are
+# refused: Python's int() would read them).
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 
 
 class OpenAIServingError(Exception):
@@ -52,7 +79,7 @@ def unix_time() -> int:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -64,40 +91,41 @@ class _SamplingFields(_Request):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None  # None: OpenAI's default, 1.0
-    top_p: float | None = None  # None: 1.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)  # None: OpenAI's default, 1.0
+    # None: 1.0. Its float32 floor (MIN_TOP_P) is SamplingParams' check, whose message reads better.
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[TokenIdKey, float] | None = None  # values clamped to [-100, 100] (as OpenAI)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[TokenId] | None = None
+    priority: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = Field(default=None, description="optional caller-chosen id (vLLM extra)")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 class TextContentPart(_Request):
@@ -120,9 +148,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: up to max_model_len
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: up to max_model_len
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # vLLM extra

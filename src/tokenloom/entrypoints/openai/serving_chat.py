@@ -49,13 +49,18 @@ class OpenAIServingChat(OpenAIServing):
             field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
         )
         self.check_capacity(params.n)
+        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        processor = self.engine.input_processor
         try:
-            prompt = self.engine.input_processor.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-            )
+            # The rendered prompt holds every message's text: their length alone may rule it out.
+            processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+        try:
+            prompt = await self.engine.run_off_loop(processor.apply_chat_template, conversation, req.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
             raise bad_request(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        self.check_capacity(params.n)  # again: other requests were admitted while it was rendered
         request_id = req.request_id or random_id("chatcmpl")
         streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages")
         created = unix_time()

@@ -217,9 +217,15 @@ class OpenAIServing:
 
 
 def check_output_error(out: RequestOutput) -> None:
+    """A request the engine failed on its own (the engine keeps running): a 500 that names the
+    request and the cause (counted in tokenloom:request_errors_total)."""
     if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
         raise OpenAIServingError(
-            f"The engine failed this request: {out.error or 'unknown error'}", 500, "server_error", None, "engine_error"
+            f"The engine failed request {out.request_id}: {out.error or 'unknown error'}",
+            500,
+            "server_error",
+            None,
+            "engine_error",
         )
 
 
