@@ -61,9 +61,10 @@ def test_packed_model_logits_and_dtype_change(tied):
         assert model.lm_head.packed_weight is None
     torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.layers[0].mlp(mlp_in), expected_mlp, rtol=1e-5, atol=1e-5)
-    # Packed copies belong to float32: converting the model drops them, and bf16 is not packed.
+    # Packed copies are float32: after a cast the model reads its own (cast) weights.
     model.to(torch.bfloat16)
-    assert model.packed_lm_head is None
-    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    h16 = hidden.to(torch.bfloat16)
+    torch.testing.assert_close(model.compute_logits(h16),
+                               torch.nn.functional.linear(h16, model.lm_head_weight).float())
     assert pack_linear_weights(model) == 0
     assert not packed_linear_available(torch.bfloat16)
