@@ -154,6 +154,11 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     attention_backend: str
     pid: int
     kv_cache_dtype: str = ""  # "" from an engine that predates the field
+    # What the engine chose for the CPU it runs on ("" on other devices or older engines): the
+    # CPU (model name, usable cores, ISA flags), the C kernels' ISA level, the matmul path and
+    # the thread policy, one line (ops/cpu_features.engine_cpu_line).
+    cpu: str = ""
+    cpu_kernels_isa: str = ""  # "avx512" | "avx2" | "scalar" | "off"
 
 
 class LedgerBucket(enum.IntEnum):

@@ -65,7 +65,9 @@ def _greedy(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def default_llm():
-    with LLM(kv_cache_memory_bytes=256 * 1024**2) as llm:
+    # float32: the parity below is exact-greedy against transformers in float32 ("auto" picks
+    # bfloat16 on CPUs with native bf16, tested in test_llm_bf16.py).
+    with LLM(dtype="float32", kv_cache_memory_bytes=256 * 1024**2) as llm:
         yield llm
 
 
@@ -99,7 +101,7 @@ def test_outputs_in_input_order_with_text(default_llm):
     ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "inprocess-64", "preemption"],
 )
 def test_greedy_identical_across_configs(kwargs, counter, prompt_ids, reference):
-    with LLM(**{"kv_cache_memory_bytes": 128 * 1024**2, **kwargs}) as llm:
+    with LLM(**{"dtype": "float32", "kv_cache_memory_bytes": 128 * 1024**2, **kwargs}) as llm:
         assert _greedy(llm, prompt_ids) == reference
         if counter:
             state = llm.llm_engine.engine_core.call_utility("get_state")
@@ -128,7 +130,7 @@ def test_bfloat16_kv_cache(prompt_ids, reference):
     transformers'. Rounding K/V to bfloat16 moves logits by ~1e-2, so a near-tie may flip late
     in a reply; every reply must agree on its first 8 tokens and most replies entirely."""
     budget = 128 * 1024**2
-    with LLM(kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16") as llm:
+    with LLM(dtype="float32", kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16") as llm:
         info = llm.llm_engine.engine_core.info
         ours = _greedy(llm, prompt_ids)
     assert (info.dtype, info.kv_cache_dtype) == ("float32", "bfloat16")
@@ -148,3 +150,46 @@ def test_kv_cache_dtype_checked():
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"))
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+# Four more chat prompts for the bfloat16 parity count (16 in all).
+MORE_QUESTIONS = [
+    "What is 12 times 12?",
+    "Name the largest planet in the solar system.",
+    "Write one sentence about the history of Rome.",
+    "What does a CPU do?",
+]
+
+
+def test_bfloat16_greedy_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
+    """dtype="bfloat16" (what "auto" picks on CPUs with native bf16: packed bf16 matmuls and the
+    C kernels' bf16 variants) against transformers run in bfloat16 on the same weights. bf16
+    logits move by ~1e-1 between two correct implementations (their matmuls round differently),
+    so a near-tie may flip; at least 14 of the 16 chat prompts must give the same reply."""
+    import copy
+
+    from tokenloom.model.loader import resolve_dtype
+    from tokenloom.ops.cpu_features import detect
+
+    native = detect().native_bf16 and torch.backends.mkldnn.is_available()
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    texts = [llm_tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                               add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS + MORE_QUESTIONS]
+    prompts = [llm_tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    hf_bf16 = copy.deepcopy(hf_smollm2).to(torch.bfloat16)
+    ref = []
+    for ids in prompts:
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            gen = hf_bf16.generate(inp, attention_mask=torch.ones_like(inp),
+                                   max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
+                                   pad_token_id=2)
+        ref.append(gen[0, len(ids):].tolist())
+    with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2) as llm:
+        info = llm.llm_engine.engine_core.info
+        ours = _greedy(llm, prompts)
+    assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    same = sum(a == b for a, b in zip(ours, ref))
+    print(f"bfloat16: {same} of {len(ref)} replies identical to transformers in bfloat16")
+    assert same >= 14, [(i, a, b) for i, (a, b) in enumerate(zip(ours, ref)) if a != b]

@@ -71,6 +71,64 @@ def test_rope_in_place(lib, T, heads, D):
     assert torch.equal(qkv[:, heads * D:], tail)  # nothing past the rotated heads is touched
 
 
+# ---- bfloat16: the kernels follow the reference's bf16 rounding step by step, so they must agree
+# with the PyTorch ops run in bfloat16 (as transformers runs them) bit for bit on most elements, and
+# elsewhere to within two bf16 roundings (exp's last float32 bit can flip an intermediate's
+# rounding, which the next bf16 op carries).
+BF16_ULP = 2 ** -7  # relative spacing of bfloat16
+
+
+def _close_bf16(got: torch.Tensor, expected: torch.Tensor, min_exact: float) -> None:
+    assert got.dtype == torch.bfloat16
+    diff = (got.float() - expected.float()).abs()
+    assert (diff <= 2 * BF16_ULP * expected.float().abs() + 1e-6).all(), diff.max()
+    assert (got == expected).float().mean().item() >= min_exact
+
+
+@pytest.mark.parametrize("T,H", [(1, 576), (5, 100), (300, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_bf16(lib, T, H, with_residual):
+    from tokenloom.model.llama import RMSNorm
+
+    torch.manual_seed(T + H)
+    wide = (torch.randn(T, H + 24) * 3).bfloat16()
+    x = wide[:, 8:8 + H]
+    norm = RMSNorm(H, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(H).bfloat16()
+    residual = torch.randn(T, H).bfloat16() if with_residual else None
+    with torch.no_grad():  # the model's PyTorch path in bfloat16, the reference's op order
+        expected = norm(x) if residual is None else norm(x, residual.clone())
+    res_in = None if residual is None else residual.clone()
+    got = cpu_kernels.add_rms_norm(lib, x, res_in, norm.weight.data, 1e-5)
+    if with_residual:
+        expected, expected_res = expected
+        assert torch.equal(res_in, expected_res)  # one bf16 addition per element
+    _close_bf16(got, expected, min_exact=0.97)
+
+
+@pytest.mark.parametrize("T,I", [(1, 1536), (3, 37), (64, 1536)])
+def test_silu_and_mul_bf16(lib, T, I):
+    torch.manual_seed(I)
+    gate_up = (torch.randn(T, 2 * I) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])
+    got = cpu_kernels.silu_and_mul(lib, gate_up)
+    expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    _close_bf16(got, expected, min_exact=0.97)
+
+
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 5, 36), (40, 4, 128)])
+def test_rope_bf16(lib, T, heads, D):
+    torch.manual_seed(D)
+    table = cos_sin_cache(D, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (T,), dtype=torch.int64)
+    qkv = torch.randn(T, (heads + 2) * D).bfloat16()
+    x = qkv[:, :heads * D].view(T, heads, D)
+    cos, sin = table.index_select(0, positions).bfloat16().unsqueeze(1).chunk(2, dim=-1)
+    expected = apply_rope(x.clone(), cos, sin)
+    cpu_kernels.rope_(lib, x, positions, table)
+    _close_bf16(x, expected, min_exact=0.97)
+
+
 def test_kernel_benchmark_script_runs():
     """benchmarks/cpu_kernels.py (the figures in benchmarks/README.md) still runs and reports
     every case, on a one-layer, one-round workload."""

@@ -16,6 +16,8 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import load_model
+from tokenloom.ops import cpu_features, cpu_kernels
+from tokenloom.ops.cpu_threads import ThreadGovernor
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,18 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
             f"max_model_len={requested} is larger than the model's context length ({model_max})."
         )
     return requested
+
+
+def _cpu_choice(model: object, dtype: str, thread_policy: str) -> tuple[str, str]:
+    """(the start-up line of what runs on this CPU, the C kernels' ISA level or "off")."""
+    import torch
+
+    features = cpu_features.detect()
+    kernels = cpu_kernels.isa() if getattr(model, "cpu_ops", None) is not None else None
+    packed = getattr(model, "packed_lm_head", None) is not None
+    threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
+    return (cpu_features.engine_cpu_line(features, dtype, kernels, packed, threads),
+            kernels or "off")
 
 
 class EngineCore:
@@ -50,6 +64,13 @@ class EngineCore:
             pid=os.getpid(),
             kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
         )
+        # Threads follow what other processes leave of our cores (CPU only).
+        self.thread_governor: ThreadGovernor | None = None
+        if self.model_runner.device.type == "cpu":
+            self.thread_governor = ThreadGovernor()
+            self.info.cpu, self.info.cpu_kernels_isa = _cpu_choice(
+                loaded.model, self.info.dtype, self.thread_governor.describe())
+            logger.info("CPU: %s", self.info.cpu)
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
@@ -79,6 +100,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=now())
+        if self.thread_governor is not None:
+            self.thread_governor.step()
         step_start = now()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()

@@ -13,8 +13,8 @@ know; it gets that from `attn_plan`, which the model runner prepares once per st
 q/k/v and gate/up are each one matmul over a fused weight: checkpoints store them apart, and
 `load_weights` copies each part into its rows of the fused parameter. As in vLLM, a layer hands
 the residual stream on beside its output, so the next norm adds the two itself (one pass with the
-float32 CPU kernels of `ops/cpu_kernels`, which `use_cpu_kernels` switches on for the norms,
-RoPE and SiLU-and-mul; the PyTorch ops stay the path for every other dtype and device).
+float32/bfloat16 CPU kernels of `ops/cpu_kernels`, which `use_cpu_kernels` switches on for the
+norms, RoPE and SiLU-and-mul; the PyTorch ops stay the path for every other dtype and device).
 """
 from __future__ import annotations
 
@@ -192,9 +192,11 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, lib: ctypes.CDLL | None) -> bool:
         """Route the norms, RoPE and SiLU-and-mul through `lib` (ops/cpu_kernels), or back to
-        the PyTorch ops with None. Only for a float32 model on the CPU; returns whether it is on."""
+        the PyTorch ops with None. Only for a float32 or bfloat16 model on the CPU; returns
+        whether it is on."""
         w = self.embed_tokens.weight
-        if lib is not None and (w.dtype != torch.float32 or w.device.type != "cpu"):
+        if lib is not None and (w.dtype not in (torch.float32, torch.bfloat16)
+                                or w.device.type != "cpu"):
             lib = None
         for m in self.modules():
             if isinstance(m, (RMSNorm, MLP, LlamaForCausalLM)):
@@ -219,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed_weight = None
-        self.use_cpu_kernels(self.cpu_ops)  # off unless still float32 on the CPU
+        self.use_cpu_kernels(self.cpu_ops)  # off unless still float32/bfloat16 on the CPU
         return self
 
     # ---------------------------------------------------------------- forward

@@ -25,6 +25,7 @@ from tokenloom.model.gguf_loader import gguf_model_config, iter_gguf_weights
 from tokenloom.model.hf_loader import hf_model_config, iter_hf_weights
 from tokenloom.model.registry import build_model
 from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+from tokenloom.ops.cpu_features import detect as detect_cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,17 @@ def _resolve(path: str | None) -> tuple[str, str]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """"auto": float32 on CPU, bfloat16 on CUDA. On CPU bfloat16 would halve memory, but without
-    AMX (this class of host has none) bf16 matmuls run at about half the fp32 speed, and fp32 is
-    also what the transformers parity tests compare against."""
+    """"auto": bfloat16 on CUDA; on the CPU bfloat16 where it multiplies bfloat16 natively
+    (AVX-512 BF16 or AMX: oneDNN's packed bf16 matmuls ran 1.7-2x the float32 ones on a Zen 4,
+    benchmarks/README.md), else float32 (on AVX2-only CPUs bf16 matmuls are widened in software
+    and run at about half the fp32 speed). "float32" stays exact on every CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        native = detect_cpu_features().native_bf16 and torch.backends.mkldnn.is_available()
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]

@@ -16,11 +16,12 @@ import torch
 
 from tokenloom.attention import get_attn_backend
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from tokenloom.config import EngineConfig, default_kv_cache_bytes
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
-from tokenloom.model.packed_linear import pack_linear_weights
+from tokenloom.model.packed_linear import pack_linear_weights, release_plain_weights
 from tokenloom.ops import cpu_kernels
+from tokenloom.ops.cpu_memory import lazy_zeros
 from tokenloom.sample.sampler import Sampler
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -92,11 +93,15 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
-            # oneDNN-packed float32 weights; otherwise (bf16, no oneDNN) input-major weights.
-            if not pack_linear_weights(self.model):
+            # oneDNN-packed weights (float32; bfloat16 where the CPU has bf16 dot products),
+            # without their plain copy where it is never faster; otherwise input-major weights.
+            if pack_linear_weights(self.model):
+                release_plain_weights(self.model)
+            else:
                 use_input_major_weights(self.model)
-            # float32: norms, RoPE and SiLU-and-mul in C (ops/cpu_kernels; None without a compiler).
-            if hasattr(self.model, "use_cpu_kernels") and self.dtype == torch.float32:
+            # Norms, RoPE and SiLU-and-mul in C (ops/cpu_kernels; None without a compiler).
+            if hasattr(self.model, "use_cpu_kernels") and self.dtype in (torch.float32,
+                                                                         torch.bfloat16):
                 self.model.use_cpu_kernels(cpu_kernels.load())
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
@@ -110,8 +115,10 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks(loaded, config)
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # On the CPU, pages are committed as blocks are first written (ops/cpu_memory).
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            lazy_zeros(shape, self.kv_cache_dtype) if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         max_blocks_per_req = -(-max_model_len // self.block_size)
@@ -137,8 +144,9 @@ class ModelRunner:
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
         per_block = kv_cache_bytes_per_block(loaded, config.block_size, self.kv_cache_dtype)
+        budget = config.kv_cache_memory_bytes or default_kv_cache_bytes(
+            -(-per_block // config.block_size), config.max_num_seqs, self.max_model_len)
         num = budget // per_block
         if num < 1:
             raise ValueError(

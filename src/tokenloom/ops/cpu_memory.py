@@ -1,0 +1,25 @@
+"""Large zero-filled CPU tensors whose pages are committed as they are first written.
+
+`torch.zeros` writes every byte, so a KV cache sized for the worst case is resident from the
+start even when a run uses a tenth of it. An anonymous mapping is zero-filled by the kernel page
+by page on first touch: the engine's resident memory then grows with the KV blocks actually
+written (the block pool hands out blocks in LRU order, so a long-running server does reach the
+full size). Reads of never-written pages see zeros, as with `torch.zeros`.
+"""
+from __future__ import annotations
+
+import mmap
+import math
+
+import torch
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of zeros backed by its own anonymous mapping (freed with the
+    tensor)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps `buf` alive as long as the tensor (or a view of it) lives.
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
