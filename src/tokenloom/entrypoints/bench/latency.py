@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=5, help="timed iterations")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     p.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate() at the same batch size")
+    p.add_argument("--baseline-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the transformers baseline's dtype")
     p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_engine_args(p)
@@ -106,7 +108,7 @@ class _HF:
         from tokenloom.model.loader import load_tokenizer
 
         self.args = args
-        self.hf, dtype = load_hf_model(args.model, args.dtype, args.device)
+        self.hf, dtype = load_hf_model(args.model, args.baseline_dtype, args.device)
         self.dtype = str(dtype).removeprefix("torch.")
         tokenizer = load_tokenizer(args.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -142,9 +144,12 @@ def run(args: argparse.Namespace) -> int:
         positive(name, getattr(args, name))
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}.")
+    from tokenloom.entrypoints.bench.machine import Progress, machine_info, rss_mb
+
     batches = _iteration_prompts(args)
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
+        "machine": machine_info(),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -153,16 +158,25 @@ def run(args: argparse.Namespace) -> int:
     }
     # Both engines stay loaded and the iterations alternate (ours, then the baseline's on the
     # same prompts), so a change in the machine's load hits both alike.
+    progress = Progress()
+    progress.step("tokenloom: starting the engine")
     ours = _Ours(args)
     try:
+        if args.baseline == "hf":
+            progress.step(f"transformers ({args.baseline_dtype}): loading")
         hf = _HF(args) if args.baseline == "hf" else None
         for i, prompts in enumerate(batches):
+            kind = "warm-up" if i < args.warmup else "timed"
+            progress.step(f"iteration {i + 1}/{len(batches)} ({kind}): tokenloom")
             ours.iteration(prompts, timed=i >= args.warmup)
             if hf is not None:
+                progress.step(f"iteration {i + 1}/{len(batches)} ({kind}): transformers")
                 hf.iteration(prompts, timed=i >= args.warmup)
+        memory = rss_mb(ours.info.pid)
     finally:
         ours.shutdown()
-    result["tokenloom"] = ours.result()
+        progress.close()
+    result["tokenloom"] = ours.result() | {"engine_memory": memory, "cpu_choice": ours.info.cpu}
     if hf is not None:
         result["baseline"] = hf.result()
         ours, base = result["tokenloom"], result["baseline"]
@@ -175,11 +189,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_report(result: dict[str, Any]) -> None:
     from tokenloom.entrypoints.bench.common import format_profile, result_runs
+    from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
     print(f"model: {result['model']}")
     print(f"batch {result['batch_size']} x {result['input_len']} input tokens x {result['output_len']} output tokens; "
           f"{result['num_iters']} iterations after {result['warmup']} warm-up")
+    print(format_machine(result["machine"]))
     runs = result_runs(result)
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
     print(f"{'dtype':<28}" + "".join(f"{r['dtype']:>22}" for r in runs))
@@ -192,6 +208,12 @@ def _print_report(result: dict[str, Any]) -> None:
         print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
               f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x, "
               f"CPU time per iteration {result['speedup_cpu']:.2f}x")
+    ours = result["tokenloom"]
+    if ours.get("engine_memory"):
+        print(f"tokenloom engine memory: {ours['engine_memory']['rss_mb']:.0f} MB resident, peak "
+              f"{ours['engine_memory']['peak_rss_mb']:.0f} MB")
+    if ours.get("cpu_choice"):
+        print(f"tokenloom CPU path: {ours['cpu_choice']}")
     if "profile" in result["tokenloom"]:
         for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
             print(line)
