@@ -193,3 +193,13 @@ def test_bfloat16_greedy_follows_transformers_in_bfloat16(hf_smollm2, llm_tokeni
     same = sum(a == b for a, b in zip(ours, ref))
     print(f"bfloat16: {same} of {len(ref)} replies identical to transformers in bfloat16")
     assert same >= 14, [(i, a, b) for i, (a, b) in enumerate(zip(ours, ref)) if a != b]
+
+
+def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
+    """No kv_cache_memory_bytes: room for max_num_seqs sequences of max_model_len tokens (below
+    the 1 GiB cap), whatever the dtype; the engine reports what it chose for this CPU."""
+    with LLM(max_model_len=256, max_num_seqs=4) as llm:
+        info = llm.llm_engine.engine_core.info
+    assert info.num_kv_blocks == 4 * 256 // 16
+    assert info.cpu_kernels_isa in ("avx512", "avx2", "scalar", "off")
+    assert "cores" in info.cpu and info.dtype in info.cpu

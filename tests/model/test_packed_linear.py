@@ -79,14 +79,18 @@ def test_packed_model_logits_and_dtype_change(tied):
 
 
 def test_release_plain_weights_keeps_results():
-    """The runner frees the plain float32 weights the packed copies replace at every row count
-    (also prefill-sized inputs); the tied embedding stays for lookups."""
+    """On AVX-512 CPUs the runner frees the plain float32 weights, which the packed copies
+    replace at every row count (also prefill-sized inputs); the tied embedding stays for
+    lookups."""
     model = _tiny_model(tied=True)
     x_small, x_big = torch.randn(3, 64), torch.randn(700, 64)
     layer = model.layers[0].mlp
     expected = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
     assert pack_linear_weights(model) == 8
     freed = release_plain_weights(model)
+    if cpu_features.detect().isa != "avx512":  # MKL on the plain weight wins prefill there
+        assert freed == 0
+        return
     # 2 layers x float32 x (qkv 128x64, o 64x64, gate_up 192x64, down 64x96)
     assert freed == 2 * 4 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96)
     assert layer.gate_up_proj.weight.numel() == 0

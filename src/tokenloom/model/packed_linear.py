@@ -45,9 +45,12 @@ _PACK_HINT_ROWS = 64
 # From this many input rows up, `F.linear` on the plain weight beats the packed copy; None: the
 # packed copy is never slower enough to keep the plain one for it (release_plain_weights).
 # float32: MKL on the plain weight is ~5% faster from 512 rows on the AVX2 Zen 3 and slower on the
-# AVX-512 Zen 4, so the plain copy (a second 4 bytes per weight) is not kept for it. bfloat16:
-# oneDNN's packed kernels are 2x slower than `F.linear` at 1024+ rows on the Zen 4.
-_PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 256}
+# AVX-512 Zen 4, where the plain copy (a second 4 bytes per weight) is therefore not kept.
+# bfloat16: oneDNN's packed kernels are ~2x slower than `F.linear` at 1024+ rows on the Zen 4.
+_PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
+    torch.float32: None if cpu_features.detect().isa == "avx512" else 512,
+    torch.bfloat16: 256,
+}
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

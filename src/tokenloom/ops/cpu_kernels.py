@@ -47,6 +47,7 @@ _LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_isa: str | None = None  # the ISA level `_lib` was built for
 
 _c_i64, _c_i32, _c_p, _c_f = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 
@@ -109,7 +110,33 @@ def isa() -> str | None:
     return _isa if load() is not None else None
 
 
-_isa: str | None = None
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the C signatures on a loaded library."""
+    for fn in (lib.tl_paged_decode_f32, lib.tl_paged_decode_f32_bf16kv,
+               lib.tl_paged_decode_bf16):
+        fn.restype = _c_i32
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
+                       _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
+    for sfx in ("f32", "bf16"):
+        fn = getattr(lib, f"tl_add_rms_norm_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_p, _c_p, _c_i64, _c_i32, _c_i32, _c_f]
+        fn = getattr(lib, f"tl_silu_and_mul_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_i32, _c_i32]
+        fn = getattr(lib, f"tl_rope_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
+    return lib
+
+
+def load_isa(level: str) -> ctypes.CDLL:
+    """The kernels built for ISA `level` (one of cpu_features.ISA_LEVELS, at most what this CPU
+    has), whatever `load()` chose: for benchmarks comparing the levels in one process."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC or cc)")
+    return _bind(ctypes.CDLL(str(_build(cc, level))))
 
 
 def load() -> ctypes.CDLL | None:
@@ -125,8 +152,8 @@ def load() -> ctypes.CDLL | None:
             return None
         cc = _compiler()
         if cc is None:
-            logger.warning("no C compiler found ($CC or cc): the float32 CPU path uses the "
-                           "slower PyTorch ops")
+            logger.warning("no C compiler found ($CC or cc): the CPU path uses the slower "
+                           "PyTorch ops")
             return None
         level = cpu_features.detect().isa
         try:
@@ -136,21 +163,7 @@ def load() -> ctypes.CDLL | None:
             detail = getattr(exc, "stderr", "") or exc
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
-        for fn in (lib.tl_paged_decode_f32, lib.tl_paged_decode_f32_bf16kv,
-                   lib.tl_paged_decode_bf16):
-            fn.restype = _c_i32
-            fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
-                           _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
-        for sfx in ("f32", "bf16"):
-            fn = getattr(lib, f"tl_add_rms_norm_{sfx}")
-            fn.restype = None
-            fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_p, _c_p, _c_i64, _c_i32, _c_i32, _c_f]
-            fn = getattr(lib, f"tl_silu_and_mul_{sfx}")
-            fn.restype = None
-            fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_i32, _c_i32]
-            fn = getattr(lib, f"tl_rope_{sfx}")
-            fn.restype = None
-            fn.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
+        _bind(lib)
         _lib, _isa = lib, level
         return _lib
 
