@@ -60,11 +60,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
 
-# The most the default KV cache takes (kv_cache_memory_bytes=None): 1 GiB holds ~46k tokens of
-# SmolLM2-135M in bfloat16 (~23k in float32). Below it the default is what max_num_seqs
-# sequences of max_model_len tokens need (default_kv_cache_bytes), as vLLM's CPU backend sizes its
-# cache by VLLM_CPU_KVCACHE_SPACE rather than by the whole memory.
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1024**3
+# The most the default KV cache takes (kv_cache_memory_bytes=None): 768 MiB holds ~34k tokens of
+# SmolLM2-135M in bfloat16 (~17k in float32: 64 sequences of 256 tokens). Below it the default
+# is what max_num_seqs sequences of max_model_len tokens need (default_kv_cache_bytes), as vLLM's
+# CPU backend sizes its cache by VLLM_CPU_KVCACHE_SPACE rather than by the whole memory.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 768 * 1024**2
 
 
 def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int,

@@ -46,10 +46,11 @@ _PACK_HINT_ROWS = 64
 # packed copy is never slower enough to keep the plain one for it (release_plain_weights).
 # float32: MKL on the plain weight is ~5% faster from 512 rows on the AVX2 Zen 3 and slower on the
 # AVX-512 Zen 4, where the plain copy (a second 4 bytes per weight) is therefore not kept.
-# bfloat16: oneDNN's packed kernels are ~2x slower than `F.linear` at 1024+ rows on the Zen 4.
+# bfloat16 (packed only on CPUs with native bf16): the packed copy was 5-8% faster than `F.linear`
+# from 128 to 2048 rows on the Zen 4 (one thread, CPU time), so its plain copy is not kept either.
 _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
     torch.float32: None if cpu_features.detect().isa == "avx512" else 512,
-    torch.bfloat16: 256,
+    torch.bfloat16: None,
 }
 
 
