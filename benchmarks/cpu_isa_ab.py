@@ -1,14 +1,16 @@
 """The C kernels built for each ISA level this CPU has (AVX-512, AVX2, plain), side by side in one
 process: which variant wins, per kernel and dtype (benchmarks/README.md, "ISA variants").
 
-    .venv/bin/python benchmarks/cpu_isa_ab.py [--layers 30] [--repeat 10]
+    .venv/bin/python benchmarks/cpu_isa_ab.py [--layers 30] [--repeat 10] [--threads 1]
 
 Decode attention (the torch backend's forward, KV write included, one cache per layer so K/V
 come from memory) at batch 64 with 192 tokens of context and at batch 1 with 512, SmolLM2's heads
 (9 query, 3 KV, head_dim 64), for a float32 model and for a bfloat16 one (bf16 queries and
 cache); and the element-wise kernels (norm with its residual add, RoPE, SiLU-and-mul) at 64 and
 2048 rows, float32 and bfloat16, each call over all the layers. Medians of `--repeat` rounds
-after one warm-up, the levels alternating within each round.
+after one warm-up, the levels alternating within each round. With one thread (the default) the
+figure is the thread's CPU time, which other processes on a shared machine barely move; with
+more, wall time.
 """
 from __future__ import annotations
 
@@ -25,14 +27,15 @@ from tokenloom.ops import cpu_features, cpu_kernels
 
 
 def _median_ms(fns: dict, repeat: int) -> dict[str, float]:
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(repeat):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -88,7 +91,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     f = cpu_features.detect()
     print(f"{f.summary()}; torch threads {torch.get_num_threads()}")
     levels = cpu_features.ISA_LEVELS[cpu_features.ISA_LEVELS.index(f.isa):]
