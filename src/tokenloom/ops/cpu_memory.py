@@ -8,8 +8,9 @@ full size). Reads of never-written pages see zeros, as with `torch.zeros`.
 """
 from __future__ import annotations
 
-import mmap
+import ctypes
 import math
+import mmap
 
 import torch
 
@@ -23,3 +24,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # frombuffer keeps `buf` alive as long as the tensor (or a view of it) lives.
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def release_freed_heap() -> None:
+    """Returns the heap that loading freed (the float32 dequantized tensors, the plain weights
+    the packed copies replaced) to the OS: glibc keeps freed arena memory mapped, ~320 MB of
+    resident memory for SmolLM2 after load. No-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -21,7 +21,7 @@ from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import pack_linear_weights, release_plain_weights
 from tokenloom.ops import cpu_kernels
-from tokenloom.ops.cpu_memory import lazy_zeros
+from tokenloom.ops.cpu_memory import lazy_zeros, release_freed_heap
 from tokenloom.sample.sampler import Sampler
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -103,6 +103,7 @@ class ModelRunner:
             if hasattr(self.model, "use_cpu_kernels") and self.dtype in (torch.float32,
                                                                          torch.bfloat16):
                 self.model.use_cpu_kernels(cpu_kernels.load())
+            release_freed_heap()
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).
