@@ -85,12 +85,6 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
 
 /* The online-softmax update of head g for a block's n scores st->s[g] (padded with -FLT_MAX to
  * a multiple of 8): the scores become probabilities under the new running max, the running sum
@@ -108,7 +102,7 @@ static inline float block_softmax8(item_state *st, int g, int n) {
         sum8 = _mm256_add_ps(sum8, p);
     }
     const float alpha = _mm256_cvtss_f32(exp8_nonpos(_mm256_set1_ps(st->m[g] - mx)));
-    st->l[g] = st->l[g] * alpha + hsum8(sum8);
+    st->l[g] = st->l[g] * alpha + tl_hsum8(sum8);
     st->m[g] = mx;
     return alpha;
 }

@@ -101,7 +101,7 @@ static inline void TL_NAME(head_block_avx2)(item_state *st, int g, const KV_T *k
         __m256 a = _mm256_setzero_ps();
         for (int i = 0; i < D; i += 8)
             a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), KV_LOAD8(kg + t * tok_stride + i), a);
-        sg[t] = hsum8(a);
+        sg[t] = tl_hsum8(a);
     }
     for (; t % 8; t++) sg[t] = -FLT_MAX;  /* pad to 8: exp gives 0 there */
     const __m256 al = _mm256_set1_ps(block_softmax8(st, g, n));
