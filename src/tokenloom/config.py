@@ -67,5 +67,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
 
-# Default KV cache size on CPU: 2 GiB holds ~45k tokens of SmolLM2-135M in float32.
-DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * 1024**3
+# The most the default KV cache takes (kv_cache_memory_bytes=None): 768 MiB holds ~34k tokens of
+# SmolLM2-135M in bfloat16 (~17k in float32: 64 sequences of 256 tokens). Below it the default
+# is what max_num_seqs sequences of max_model_len tokens need (default_kv_cache_bytes), as vLLM's
+# CPU backend sizes its cache by VLLM_CPU_KVCACHE_SPACE rather than by the whole memory.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 768 * 1024**2
+
+
+def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int,
+                           cap: int = DEFAULT_KV_CACHE_MEMORY_BYTES) -> int:
+    """The default KV cache budget: room for `max_num_seqs` full-length sequences, at most `cap`,
+    and at least one full-length sequence (so every admitted request can finish)."""
+    need = bytes_per_token * max_num_seqs * max_model_len
+    return max(min(need, cap), bytes_per_token * max_model_len)

@@ -162,6 +162,11 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     quantization: str = ""
     # Bytes of matrix weights one decode step reads (linear layers and the LM head, as stored).
     weight_bytes_per_token: int = 0
+    # What the engine chose for the CPU it runs on ("" on other devices or older engines): the
+    # CPU (model name, usable cores, ISA flags), the C kernels' ISA level, the matmul path and
+    # the thread policy, one line (ops/cpu_features.engine_cpu_line).
+    cpu: str = ""
+    cpu_kernels_isa: str = ""  # "avx512" | "avx2" | "scalar" | "off"
 
 
 class LedgerBucket(enum.IntEnum):

@@ -77,6 +77,26 @@ def test_decode_matches_pytorch_path_in_mixed_batch():
     assert not fast[T:].any()
 
 
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 36)])
+def test_decode_bf16_queries_and_cache(hq, hkv, head_dim):
+    """A bfloat16 model: bfloat16 queries, cache and output, through the kernel (not the gather
+    path), within bfloat16 rounding of the float64 reference on the same bf16 inputs."""
+    seq_lens = [1, 15, 17, 64, 257]
+    batch = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, head_dim, 16, seed=head_dim)
+    batch.query, batch.key, batch.value = (t.bfloat16() for t in (batch.query, batch.key,
+                                                                 batch.value))
+    batch.kv_cache = batch.kv_cache.bfloat16()
+    ref, _ = reference_attention(batch)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(batch.meta)
+    assert plan.decode.block_table_i32 is not None, "kernel not planned"
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), plan,
+                          batch.scale)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2 ** -7 * ref.abs().max().item() + 1e-3, err
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 36])
 def test_bfloat16_cache_under_float32_queries(head_dim, monkeypatch):
     """kv_cache_dtype=bfloat16 with a float32 model: the kernel widens the cached K/V as it reads

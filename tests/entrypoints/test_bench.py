@@ -22,6 +22,8 @@ def _bench(*args: str, timeout: float = 600) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-2000:]
+    # Progress goes to stderr, phase by phase, so the JSON on stdout stays one object.
+    assert "[bench" in proc.stderr and "timed" in proc.stderr, proc.stderr[-2000:]
     return json.loads(lines[0])
 
 
@@ -33,13 +35,25 @@ def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
 
 def test_throughput_with_hf_baseline_and_profile():
     r = _bench("throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
-               "--baseline", "hf", "--hf-batch-size", "2", "--profile")
+               "--baseline", "hf", "--hf-batch-size", "2", "--profile", "--num-iters", "2")
     assert (r["num_prompts"], r["input_len"], r["output_len"]) == (4, 8, 4)
+    assert len(r["tokenloom"]["elapsed_runs_s"]) == len(r["baseline"]["elapsed_runs_s"]) == 2
     ours, base = r["tokenloom"], r["baseline"]
     _check_rates(ours, 4, 4)
     _check_rates(base, 4, 4)
     assert ours["num_input_tokens"] == base["num_input_tokens"] == 32
-    assert ours["dtype"] == base["dtype"] == "float32"
+    from tokenloom.model.loader import resolve_dtype
+
+    # tokenloom runs its default dtype ("auto": bfloat16 on CPUs with native bf16, but float32
+    # activations when the GGUF is computed quantized, as the embedded one is by default), the
+    # transformers baseline float32 unless --baseline-dtype says otherwise.
+    quantized = ours["quantization"] != "none"
+    assert ours["dtype"] == ("float32" if quantized else str(resolve_dtype("auto", "cpu")).removeprefix("torch."))
+    assert base["dtype"] == "float32" and [b["dtype"] for b in r["baselines"]] == ["float32"]
+    machine = r["machine"]
+    assert machine["cpu_model_name"] and machine["usable_cores"] >= 1
+    assert machine["kernel_isa"] in ("avx512", "avx2", "scalar")
+    assert ours["memory"]["rss_mib"] > 0 and ours["cpu_choice"]
     assert base["backend"] == "transformers" and base["batch_size"] == 2
     assert r["ratio_output_tokens_per_s"] > 0
     assert ours["cpu"]["caller_cpu_s"] >= 0 and "core_cpu_s" in ours["cpu"]

@@ -30,7 +30,7 @@ def test_quantized_greedy_answers_follow_the_float_path(hf_smollm2_tokenizer):
     tokenizer = hf_smollm2_tokenizer
     path, quantized = _answers(tokenizer)
     assert path.startswith("gguf Q4_1x210+Q8_0x1")
-    none, reference = _answers(tokenizer, quantization=None)
+    none, reference = _answers(tokenizer, dtype="float32", quantization=None)
     assert none == "none" and len(reference) == 16
     same = sum(a == b for a, b in zip(quantized, reference))
     assert same >= 14, f"{same}/16 greedy answers identical"

@@ -12,7 +12,7 @@ STORY = "Once upon a time, in a village by the sea,"
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(kv_cache_memory_bytes=128 * 1024**2, quantization=None) as llm:
+    with LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, quantization=None) as llm:
         yield llm
 
 
@@ -48,7 +48,8 @@ def test_same_seed_same_tokens_alone_in_a_crowd_chunked_and_preempted(llm):
     assert len(others | {tuple(alone)}) == 4
     # A 16-token budget chunks every prompt; 8 blocks of 16 tokens cannot hold the requests that
     # run together, so some are preempted and recomputed.
-    with LLM(max_num_batched_tokens=16, num_kv_blocks=8, enable_prefix_caching=False, quantization=None) as small:
+    with LLM(dtype="float32", max_num_batched_tokens=16, num_kv_blocks=8,
+             enable_prefix_caching=False, quantization=None) as small:
         assert _with_crowd(small, _seeded(1234), _crowd(32)) == alone
         assert small.llm_engine.engine_core.call_utility("get_state")["num_preemptions"] > 0
 

@@ -1,11 +1,14 @@
-"""oneDNN-packed linear weights (model/packed_linear.py), the float32 CPU fast path."""
+"""oneDNN-packed linear weights (model/packed_linear.py), the CPU fast path (float32, and bfloat16
+where the CPU multiplies it natively)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tokenloom.model.llama import Linear
-from tokenloom.model.packed_linear import pack_linear_weights, packed_linear_available
+from tokenloom.model.packed_linear import (pack_linear_weights, packed_linear_available,
+                                           release_plain_weights)
+from tokenloom.ops import cpu_features
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="this torch build has no oneDNN packed linear")
@@ -61,10 +64,53 @@ def test_packed_model_logits_and_dtype_change(tied):
         assert model.lm_head.packed_weight is None
     torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.layers[0].mlp(mlp_in), expected_mlp, rtol=1e-5, atol=1e-5)
-    # Packed copies are float32: after a cast the model reads its own (cast) weights.
+    # Packed copies belong to their dtype: a model converted after packing computes with its
+    # (converted) plain weights, not the stale float32 copies; bf16 is packed only where the CPU
+    # multiplies bf16 natively.
     model.to(torch.bfloat16)
-    h16 = hidden.to(torch.bfloat16)
-    torch.testing.assert_close(model.compute_logits(h16),
-                               torch.nn.functional.linear(h16, model.lm_head_weight).float())
-    assert pack_linear_weights(model) == 0
-    assert not packed_linear_available(torch.bfloat16)
+    plain = torch.nn.functional.linear(hidden.bfloat16(), model.lm_head_weight).float()
+    assert torch.equal(model.compute_logits(hidden.bfloat16()), plain)
+    native = cpu_features.detect().native_bf16
+    assert packed_linear_available(torch.bfloat16) == native
+    assert pack_linear_weights(model) == (8 if native else 0)
+    if native:
+        expected = expected.bfloat16().float()
+        torch.testing.assert_close(model.compute_logits(hidden.bfloat16()), expected,
+                                   rtol=3e-2, atol=3e-2)
+
+
+def test_release_plain_weights_keeps_results():
+    """On AVX-512 CPUs the runner frees the plain float32 weights, which the packed copies
+    replace at every row count (also prefill-sized inputs); the tied embedding stays for
+    lookups."""
+    model = _tiny_model(tied=True)
+    x_small, x_big = torch.randn(3, 64), torch.randn(700, 64)
+    layer = model.layers[0].mlp
+    expected = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
+    assert pack_linear_weights(model) == 8
+    freed = release_plain_weights(model)
+    if cpu_features.detect().isa != "avx512":  # MKL on the plain weight wins prefill there
+        assert freed == 0
+        return
+    # 2 layers x float32 x (qkv 128x64, o 64x64, gate_up 192x64, down 64x96)
+    assert freed == 2 * 4 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96)
+    assert layer.gate_up_proj.weight.numel() == 0
+    assert model.embed_tokens.weight.shape == (300, 64)
+    got = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (3, 64), (2, 3, 64), (0, 3, 64)])
+def test_packed_linear_any_leading_shape(shape):
+    """The packed path takes what F.linear takes: no rows (a step that samples nothing) and
+    3-D input, also once the plain weight is released."""
+    model = _tiny_model(tied=True)
+    layer = model.layers[0].mlp.down_proj
+    x = torch.randn(*shape[:-1], 96)
+    expected = layer(x)
+    pack_linear_weights(model)
+    release_plain_weights(model)
+    got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

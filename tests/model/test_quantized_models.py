@@ -56,7 +56,7 @@ def test_quantized_logits_follow_the_float_path(tmp_path, kind, overrides, qtype
     quantized = load_model(path)
     assert quantized.quantization.startswith(f"gguf {Q(qtype).name}x")
     _no_float_matrices(quantized.model)
-    float_path = load_model(path, quantization=None)
+    float_path = load_model(path, dtype="float32", quantization=None)
     assert float_path.quantization == "none"
     prompts = _prompts(quantized.config.vocab_size)
     want = run_flat_batch(float_path, prompts)
@@ -89,7 +89,7 @@ def test_unsupported_type_is_dequantized_with_a_warning(tmp_path, caplog):
     assert isinstance(qkv, QuantLinear) and len(qkv.parts) == 3  # Q4_1 | Q4_1 | float
     assert loaded.model.layers[0].mlp.down_proj.__class__.__name__ == "Linear"
     prompts = _prompts(loaded.config.vocab_size)
-    want = run_flat_batch(load_model(path, quantization="none"), prompts)
+    want = run_flat_batch(load_model(path, dtype="float32", quantization="none"), prompts)
     got = run_flat_batch(loaded, prompts)
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
 
@@ -141,7 +141,7 @@ def test_int8_path_for_a_float_checkpoint(tmp_path):
     assert int8.quantization.startswith("int8 Q8_0x")
     _no_float_matrices(int8.model)
     prompts = _prompts(int8.config.vocab_size)
-    want = run_flat_batch(load_model(path, quantization=None), prompts)
+    want = run_flat_batch(load_model(path, dtype="float32", quantization=None), prompts)
     got = run_flat_batch(int8, prompts)
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
     assert np.mean((got.argmax(-1) == want.argmax(-1)).numpy()) >= 0.75

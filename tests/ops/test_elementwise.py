@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenloom.model.rope import cos_sin_cache
 from tokenloom.ops.elementwise import apply_rope
-from tokenloom.ops import cpu_kernels
+from tokenloom.ops import cpu_kernels, elementwise
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")
 
@@ -70,6 +70,80 @@ def test_rope_in_place(lib, T, heads, D):
     assert got.data_ptr() == x.data_ptr()
     torch.testing.assert_close(x, expected, rtol=1e-6, atol=2e-6)
     assert torch.equal(qkv[:, heads * D:], tail)  # nothing past the rotated heads is touched
+
+
+# ---- bfloat16: the kernels follow the reference's bf16 rounding step by step, so they must agree
+# with the PyTorch ops run in bfloat16 (as transformers runs them) bit for bit on most elements, and
+# elsewhere to within two bf16 roundings (exp's last float32 bit can flip an intermediate's
+# rounding, which the next bf16 op carries).
+BF16_ULP = 2 ** -7  # relative spacing of bfloat16
+
+
+def _close_bf16(got: torch.Tensor, expected: torch.Tensor, min_exact: float) -> None:
+    assert got.dtype == torch.bfloat16
+    diff = (got.float() - expected.float()).abs()
+    assert (diff <= 2 * BF16_ULP * expected.float().abs() + 1e-6).all(), diff.max()
+    assert (got == expected).float().mean().item() >= min_exact
+
+
+@pytest.mark.parametrize("T,H", [(1, 576), (5, 100), (300, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_bf16(lib, T, H, with_residual):
+    torch.manual_seed(T + H)
+    wide = (torch.randn(T, H + 24) * 3).bfloat16()
+    x = wide[:, 8:8 + H]
+    w = torch.randn(H).bfloat16()
+    residual = torch.randn(T, H).bfloat16() if with_residual else None
+    with elementwise.torch_ops_only():  # the PyTorch path in bfloat16, the reference's op order
+        expected = elementwise.rms_norm(x, w, 1e-5, None if residual is None else residual.clone())
+    res_in = None if residual is None else residual.clone()
+    got = cpu_kernels.add_rms_norm(lib, x, res_in, w, 1e-5)
+    if with_residual:
+        expected, expected_res = expected
+        assert torch.equal(res_in, expected_res)  # one bf16 addition per element
+    _close_bf16(got, expected, min_exact=0.97)
+
+
+@pytest.mark.parametrize("T,I", [(1, 1536), (3, 37), (64, 1536)])
+def test_silu_and_mul_bf16(lib, T, I):
+    torch.manual_seed(I)
+    gate_up = (torch.randn(T, 2 * I) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])
+    got = cpu_kernels.silu_and_mul(lib, gate_up)
+    expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    _close_bf16(got, expected, min_exact=0.97)
+
+
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 5, 36), (40, 4, 128)])
+def test_rope_bf16(lib, T, heads, D):
+    torch.manual_seed(D)
+    table = cos_sin_cache(D, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (T,), dtype=torch.int64)
+    qkv = torch.randn(T, (heads + 2) * D).bfloat16()
+    x = qkv[:, :heads * D].view(T, heads, D)
+    cos, sin = table.index_select(0, positions).bfloat16().unsqueeze(1).chunk(2, dim=-1)
+    expected = apply_rope(x.clone(), cos, sin)
+    cpu_kernels.rope_(lib, x, positions, table)
+    _close_bf16(x, expected, min_exact=0.97)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entry_points_choose_the_c_kernels(lib, dtype):
+    """ops.elementwise runs the C kernels for float32 and bfloat16 CPU tensors (the model's one op
+    path), the PyTorch ops under torch_ops_only() and for other dtypes, with matching results."""
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 64).to(dtype), torch.randn(64).to(dtype)
+    gate_up = torch.randn(7, 96).to(dtype)
+    assert elementwise.c_kernels_active(x)
+    assert not elementwise.c_kernels_active(x.half())
+    got = elementwise.rms_norm(x, w, 1e-5), elementwise.silu_and_mul(gate_up)
+    with elementwise.torch_ops_only():
+        assert not elementwise.c_kernels_active(x)
+        expected = elementwise.rms_norm(x, w, 1e-5), elementwise.silu_and_mul(gate_up)
+    tol = 2e-5 if dtype == torch.float32 else 2 * BF16_ULP
+    for g, e in zip(got, expected):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), e.float(), rtol=tol, atol=tol)
 
 
 def test_kernel_benchmark_script_runs():

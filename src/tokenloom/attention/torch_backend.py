@@ -133,9 +133,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def _kernel_fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The C decode kernel takes float32 queries over a float32 or bfloat16 cache, on the CPU, with
-    each token's heads contiguous."""
-    return (query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16)
+    """The C decode kernel takes float32 queries over a float32 or bfloat16 cache, or bfloat16
+    queries over a bfloat16 cache, on the CPU, with each token's heads contiguous."""
+    return (((query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16))
+             or (query.dtype == kv_cache.dtype == torch.bfloat16))
             and query.device.type == "cpu" and kv_cache.is_contiguous()
             and query.stride(2) == 1 and query.stride(1) == query.shape[2])
 

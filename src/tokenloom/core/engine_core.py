@@ -15,8 +15,10 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.metrics.core_ledger import CoreLedger
-from tokenloom.model.loader import load_model
+from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
+from tokenloom.ops import cpu_features, cpu_kernels, elementwise
+from tokenloom.ops.cpu_threads import ThreadGovernor
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.worker.model_runner import ModelRunner
 
@@ -31,6 +33,26 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
             f"max_model_len={requested} is larger than the model's context length ({model_max})."
         )
     return requested
+
+
+def _cpu_choice(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
+    """(the start-up line of what runs on this CPU, the C kernels' ISA level or "off")."""
+    import torch
+
+    features = cpu_features.detect()
+    # ops.elementwise decides per tensor; a probe of the model's dtype says what its norms get.
+    probe = torch.empty(0, dtype=loaded.dtype)
+    kernels = cpu_kernels.isa() if elementwise.c_kernels_active(probe) else None
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.quantization not in ("", "none"):
+        matmul = loaded.quantization
+    elif getattr(loaded.model, "packed_lm_head", None) is not None:
+        matmul = f"oneDNN packed {dtype}"
+    else:
+        matmul = f"F.linear {dtype}"
+    threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
+    return (cpu_features.engine_cpu_line(features, dtype, kernels, matmul, threads),
+            kernels or "off")
 
 
 class EngineCore:
@@ -55,6 +77,13 @@ class EngineCore:
             quantization=loaded.quantization,
             weight_bytes_per_token=weight_bytes_per_token(loaded.model),
         )
+        # Threads follow what other processes leave of our cores (CPU only).
+        self.thread_governor: ThreadGovernor | None = None
+        if self.model_runner.device.type == "cpu":
+            self.thread_governor = ThreadGovernor()
+            self.info.cpu, self.info.cpu_kernels_isa = _cpu_choice(
+                loaded, self.thread_governor.describe())
+            logger.info("CPU: %s", self.info.cpu)
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
@@ -106,6 +135,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=now())
+        if self.thread_governor is not None:
+            self.thread_governor.step()
         step_start = now()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()

@@ -210,14 +210,13 @@ class EngineCoreProc:
 
 def _set_compute_threads() -> int:
     """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
-    overrides). The caller process does not compete for them during a run: it blocks on the
+    overrides), fewer while other processes use them (ops/cpu_threads, the engine core's
+    ThreadGovernor). The caller process does not compete for them during a run: it blocks on the
     output socket between steps, and its per-step work (decode, detokenize) is a few ms of one
     core per second (`tokenloom bench throughput` reports it as caller CPU)."""
-    import torch
+    from tokenloom.ops.cpu_threads import set_compute_threads
 
-    n = int(os.environ.get("TOKENLOOM_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
-    torch.set_num_threads(n)
-    return n
+    return set_compute_threads()
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from tokenloom.model.hf_loader import hf_model_config, iter_hf_weights
 from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+from tokenloom.ops.cpu_features import detect as detect_cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +91,17 @@ def _resolve(path: str | None) -> tuple[str, str]:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """"auto": float32 on CPU, bfloat16 on CUDA. On CPU bfloat16 would halve memory, but without
-    AMX (this class of host has none) bf16 matmuls run at about half the fp32 speed, and fp32 is
-    also what the transformers parity tests compare against."""
+    """"auto": bfloat16 on CUDA; on the CPU bfloat16 where it multiplies bfloat16 natively
+    (AVX-512 BF16 or AMX: oneDNN's packed bf16 matmuls ran 1.7-2x the float32 ones on a Zen 4,
+    benchmarks/README.md), else float32 (on AVX2-only CPUs bf16 matmuls are widened in software
+    and run at about half the fp32 speed). "float32" stays exact on every CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        native = detect_cpu_features().native_bf16 and torch.backends.mkldnn.is_available()
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
@@ -144,6 +149,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     start = time.perf_counter()
     path, kind = _resolve(path)
     torch_dtype = resolve_dtype(dtype, device)
+    if (dtype == "auto" and torch_dtype != torch.float32
+            and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
+        # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
+        # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
+        torch_dtype = torch.float32
     method = resolve_quantization(quantization, kind, torch_dtype, device)
     if kind == "gguf":
         g = read_gguf(path)

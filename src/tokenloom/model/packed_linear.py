@@ -1,4 +1,4 @@
-"""Linear weights pre-packed for oneDNN, the float32 CPU fast path.
+"""Linear weights pre-packed for oneDNN, the CPU matmul fast path.
 
 `F.linear` on a plain weight makes MKL re-pack the weight into its GEMM panel layout on every call:
 for the small-M matmuls of decode (one row per running request) that packing is a pass over the
@@ -17,11 +17,17 @@ the same at M=1, 64 and 2048). From M = 512 rows up MKL's own GEMM on the plain 
 again (the packing cost is spread over many rows, and its kernels reach ~169 GFLOP/s here against
 oneDNN's ~160: the 30 layers' four matmuls at M=2048 took 2.57 vs 2.69 s, at 512 0.66 vs
 0.72 s, at 256 0.37 vs 0.35 s), so prefill-sized inputs go to `F.linear`. Results match `F.linear` within float32 rounding (the reduction
-order differs). Packing is float32 only: without AVX-512 BF16 this CPU has no fast bf16 GEMM to
-pack for, and bf16 stays on `F.linear`.
+order differs).
+
+bfloat16 is packed too where the CPU multiplies it natively (AVX-512 BF16 or AMX, see
+ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and bf16 stays on
+`F.linear`. Each dtype's row threshold and whether the plain copy is worth keeping are in
+`_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
 The original weights stay in the model (tests and tools read them, and a model may be shared by
-several runners), so packing costs one more copy of the matmul weights in memory.
+several runners), so packing costs one more copy of the matmul weights in memory, unless the
+owner of the model calls `release_plain_weights`: the engine's model runner does where the packed
+copy serves every row count as fast.
 """
 from __future__ import annotations
 
@@ -30,12 +36,23 @@ import logging
 import torch
 from torch import nn
 
+from tokenloom.ops import cpu_features
+from tokenloom.ops.cpu_memory import release_freed_heap
+
 logger = logging.getLogger(__name__)
 
 # The batch-size hint for the packed layout (see the module docstring: it barely matters).
 _PACK_HINT_ROWS = 64
-# From this many input rows up, `F.linear` on the plain weight beats the packed copy.
-_PLAIN_FROM_ROWS = 512
+# From this many input rows up, `F.linear` on the plain weight beats the packed copy; None: the
+# packed copy is never slower enough to keep the plain one for it (release_plain_weights).
+# float32: MKL on the plain weight is ~5% faster from 512 rows on the AVX2 Zen 3 and slower on the
+# AVX-512 Zen 4, where the plain copy (a second 4 bytes per weight) is therefore not kept.
+# bfloat16 (packed only on CPUs with native bf16): the packed copy was 5-8% faster than `F.linear`
+# from 128 to 2048 rows on the Zen 4 (one thread, CPU time), so its plain copy is not kept either.
+_PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
+    torch.float32: None if cpu_features.detect().isa == "avx512" else 512,
+    torch.bfloat16: None,
+}
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -43,32 +60,39 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
-    """True when oneDNN can pack and run a float32 linear on this build, checked on a tiny one."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """True when oneDNN can pack and run a linear of `dtype` on this build and CPU (float32, and
+    bfloat16 where the CPU multiplies it natively), checked on a tiny one."""
+    if dtype not in _PLAIN_FROM_ROWS or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not cpu_features.detect().native_bf16:
         return False
     try:
-        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        w, x = torch.randn(8, 4).to(dtype), torch.randn(3, 4).to(dtype)
         got = _linear_packed(x, pack_weight(w), None)
     except (RuntimeError, AttributeError) as exc:  # op missing from this build
         logger.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
         return False
-    return torch.allclose(got, x @ w.t(), atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return torch.allclose(got.float(), x.float() @ w.float().t(), atol=tol, rtol=tol)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 weight -> an opaque oneDNN tensor for `linear`."""
+    """[out, in] float32 or bfloat16 weight -> an opaque oneDNN tensor for `linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed copy when there is one and `x` has fewer
-    than `_PLAIN_FROM_ROWS` rows. oneDNN takes 2-D input; the model's activations are already
-    [tokens, features]."""
-    # A packed copy is float32 on the CPU; a model cast or moved after packing reads its weight.
-    if (packed is not None and x.dim() == 2 and x.shape[0] < _PLAIN_FROM_ROWS
-            and x.dtype == torch.float32 and x.device.type == "cpu"):
-        return _linear_packed(x.contiguous(), packed, bias)
+    """`F.linear(x, weight, bias)`, through the packed copy when there is one of `x`'s dtype and
+    `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was released).
+    oneDNN takes 2-D input; the model's activations are already [tokens, features]."""
+    # A packed copy belongs to the dtype it was packed in, on the CPU; a model cast or moved
+    # after packing reads its (plain) weight.
+    if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
+        limit = _PLAIN_FROM_ROWS.get(x.dtype)
+        if weight.numel() == 0 or limit is None or (x.dim() == 2 and x.shape[0] < limit):
+            out = _linear_packed(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
     return nn.functional.linear(x, weight, bias)
 
 
@@ -102,7 +126,29 @@ def use_input_major_weights(model: torch.nn.Module) -> None:
 
 
 def prepare_cpu_weights(model: nn.Module) -> None:
-    """Lays out a CPU model's weights for its matmuls, once, before the first step: oneDNN-packed
-    float32 weights, else (bf16, no oneDNN) input-major weights."""
-    if not pack_linear_weights(model):
+    """Lays out a CPU model's weights for its matmuls, once, before the first step, for the
+    model's owner (an engine's model runner): oneDNN-packed weights (float32; bfloat16 where the
+    CPU has bf16 dot products) without their plain copy where it is never faster, else
+    input-major weights; then hands the heap that loading and packing freed back to the OS."""
+    if pack_linear_weights(model):
+        release_plain_weights(model)
+    else:
         use_input_major_weights(model)
+    release_freed_heap()
+
+
+@torch.no_grad()
+def release_plain_weights(model: nn.Module) -> int:
+    """Frees the plain weight of every packed Linear whose dtype never goes back to it (see
+    `_PLAIN_FROM_ROWS`), leaving an empty parameter; returns the bytes freed. For the owner of the
+    model only: afterwards the model runs through its packed copies alone. The tied embedding
+    stays (lookups read its rows)."""
+    freed = 0
+    for m in model.modules():
+        if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
+            continue
+        if _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None:
+            continue
+        freed += m.weight.numel() * m.weight.element_size()
+        m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+    return freed

@@ -1,4 +1,4 @@
-"""float32 CPU kernels in C (csrc/), built on first use and called through ctypes.
+"""CPU kernels in C (csrc/), float32 and bfloat16, built on first use and called through ctypes.
 
 - `paged_decode` (csrc/paged_decode.c): decode attention read in place through the block table.
   The torch backend's SDPA path gathers every sequence's K/V blocks into a padded buffer first;
@@ -10,12 +10,15 @@
   bound and called by `ops/quant.py`; that file dispatches on the CPU's ISA itself.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
-in `$TOKENLOOM_CACHE_DIR/kernels` (default `~/.cache/tokenloom/kernels`), named by a hash of the
-sources, the flags and the compiler, so a changed source or machine builds anew; the build takes
+for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
+picks its loops from the compiler's target macros), in `$TOKENLOOM_CACHE_DIR/kernels` (default
+`~/.cache/tokenloom/kernels`), named by a hash of the sources, the flags, the ISA level, the CPU's
+flags and the compiler, so a changed source or machine builds anew; the build takes
 about two seconds and is written atomically (concurrent engines may race to build it). It links
 against the OpenMP runtime torch already loaded (same soname), so the kernels' threads are
 torch's. Without a compiler, or with `TOKENLOOM_CPU_KERNELS=0`, `load()` returns None and every
-caller keeps its PyTorch path. Callers check dtype (float32), device and layout once, not here.
+caller keeps its PyTorch path. Each function takes float32 or bfloat16 tensors (the dtype picks the
+C entry point); callers check dtype, device and layout once, not here.
 """
 from __future__ import annotations
 
@@ -32,16 +35,21 @@ from pathlib import Path
 
 import torch
 
+from tokenloom.ops import cpu_features
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c")]
 _HEADERS = [_CSRC / "vec_math.h", _CSRC / "paged_decode_impl.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# What takes the build down from the native target to a detected or requested narrower level.
+_ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_isa: str | None = None  # the ISA level `_lib` was built for
 
 _c_i64, _c_i32, _c_p, _c_f = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 
@@ -56,15 +64,19 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def _build(cc: str) -> Path:
+def compile_flags(isa: str) -> list[str]:
+    return [*_COMPILE_FLAGS, *_ISA_FLAGS[isa]]
+
+
+def _build(cc: str, isa: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags_line = next((ln for ln in cpu.splitlines() if ln.startswith("flags")), "")
+    features = cpu_features.detect()
+    flags = compile_flags(isa)
     key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES + _HEADERS),
-                                    " ".join(_COMPILE_FLAGS + _LINK_FLAGS), version,
-                                    flags_line]).encode()).hexdigest()[:16]
+                                    " ".join(flags + _LINK_FLAGS), version, isa,
+                                    " ".join(sorted(features.flags))]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    target = out_dir / f"tokenloom_cpu-{key}.so"
+    target = out_dir / f"tokenloom_cpu-{isa}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,7 @@ def _build(cc: str) -> Path:
         # Compile with -ffast-math but link without it: gcc would otherwise link crtfastmath.o,
         # which turns on flush-to-zero for the whole process when the library is loaded.
         for src, obj in zip(_SOURCES, objs):
-            subprocess.run([cc, *_COMPILE_FLAGS, "-c", str(src), "-o", str(obj)],
+            subprocess.run([cc, *flags, "-c", str(src), "-o", str(obj)],
                            check=True, capture_output=True, text=True)
         subprocess.run([cc, *_LINK_FLAGS, *map(str, objs), "-o", str(lib), "-lm"],
                        check=True, capture_output=True, text=True)
@@ -95,9 +107,43 @@ def _prune(out_dir: Path, keep: Path, max_age_s: float = 7 * 24 * 3600) -> None:
             pass
 
 
+def isa() -> str | None:
+    """The ISA level the loaded kernels were built for, None when they are not in use."""
+    return _isa if load() is not None else None
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the C signatures on a loaded library."""
+    for fn in (lib.tl_paged_decode_f32, lib.tl_paged_decode_f32_bf16kv,
+               lib.tl_paged_decode_bf16):
+        fn.restype = _c_i32
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
+                       _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
+    for sfx in ("f32", "bf16"):
+        fn = getattr(lib, f"tl_add_rms_norm_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_p, _c_p, _c_i64, _c_i32, _c_i32, _c_f]
+        fn = getattr(lib, f"tl_silu_and_mul_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_i32, _c_i32]
+        fn = getattr(lib, f"tl_rope_{sfx}")
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
+    return lib
+
+
+def load_isa(level: str) -> ctypes.CDLL:
+    """The kernels built for ISA `level` (one of cpu_features.ISA_LEVELS, at most what this CPU
+    has), whatever `load()` chose: for benchmarks comparing the levels in one process."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC or cc)")
+    return _bind(ctypes.CDLL(str(_build(cc, level))))
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it is disabled or cannot be built here."""
-    global _lib, _tried
+    global _lib, _tried, _isa
     if _tried:
         return _lib
     with _lock:
@@ -108,29 +154,25 @@ def load() -> ctypes.CDLL | None:
             return None
         cc = _compiler()
         if cc is None:
-            logger.warning("no C compiler found ($CC or cc): the float32 CPU path uses the "
-                           "slower PyTorch ops")
+            logger.warning("no C compiler found ($CC or cc): the CPU path uses the slower "
+                           "PyTorch ops")
             return None
+        level = cpu_features.detect().isa
         try:
-            path = _build(cc)
+            path = _build(cc, level)
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
-        for fn in (lib.tl_paged_decode_f32, lib.tl_paged_decode_f32_bf16kv):
-            fn.restype = _c_i32
-            fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
-                           _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
-        lib.tl_add_rms_norm_f32.restype = None
-        lib.tl_add_rms_norm_f32.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_p, _c_p, _c_i64,
-                                            _c_i32, _c_i32, _c_f]
-        lib.tl_silu_and_mul_f32.restype = None
-        lib.tl_silu_and_mul_f32.argtypes = [_c_p, _c_i64, _c_p, _c_i64, _c_i32, _c_i32]
-        lib.tl_rope_f32.restype = None
-        lib.tl_rope_f32.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
-        _lib = lib
+        _bind(lib)
+        _lib, _isa = lib, level
         return _lib
+
+
+def _fn(lib: ctypes.CDLL, name: str, x: torch.Tensor):  # noqa: ANN202 - a ctypes function
+    """The float32 or bfloat16 entry point of kernel `name` for `x`'s dtype."""
+    return getattr(lib, f"{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f32'}")
 
 
 def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
@@ -140,15 +182,19 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
     `kv_cache` [2, num_blocks, block_size, Hkv, D] into `out` [B, Hq, D].
 
     `block_table` [B, >= max blocks] and `seq_lens` [B] are contiguous int32 CPU tensors; query
-    and out are float32, the cache float32 or bfloat16, all on the CPU, with the head/row layout
+    and out are float32 over a float32 or bfloat16 cache, or all three bfloat16, on the CPU, with
+    the head/row layout
     inside a row contiguous. The caller checks these once per step (the torch backend's plan),
     not here."""
     B, Hq, D = query.shape
     _, _, bs, Hkv, _ = kv_cache.shape
     k_ptr = kv_cache.data_ptr()
     v_ptr = k_ptr + kv_cache.element_size() * kv_cache.stride(0)
-    bf16 = kv_cache.dtype == torch.bfloat16
-    rc = (lib.tl_paged_decode_f32_bf16kv if bf16 else lib.tl_paged_decode_f32)(
+    if query.dtype == torch.bfloat16:
+        fn = lib.tl_paged_decode_bf16
+    else:
+        fn = lib.tl_paged_decode_f32_bf16kv if kv_cache.dtype == torch.bfloat16 else lib.tl_paged_decode_f32
+    rc = fn(
         query.data_ptr(), query.stride(0), k_ptr, v_ptr,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale)
@@ -164,7 +210,7 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | Non
     `residual` may be strided, their elements contiguous."""
     T, H = x.shape
     out = torch.empty(T, H, dtype=x.dtype)
-    lib.tl_add_rms_norm_f32(x.data_ptr(), x.stride(0),
+    _fn(lib, "tl_add_rms_norm", x)(x.data_ptr(), x.stride(0),
                             None if residual is None else residual.data_ptr(),
                             0 if residual is None else residual.stride(0),
                             weight.data_ptr(), out.data_ptr(), H, T, H, eps)
@@ -175,7 +221,7 @@ def silu_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
-    lib.tl_silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), I2 // 2,
+    _fn(lib, "tl_silu_and_mul", gate_up)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), I2 // 2,
                             T, I2 // 2)
     return out
 
@@ -184,8 +230,8 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor,
           cos_sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of `x` [T, heads, D] in place (heads contiguous within a row, rows
     strided), position `positions[t]` (int64) read from the [max_pos, D] table `cos_sin`
-    (cos | sin halves). Returns `x`."""
+    (cos | sin halves, float32 for either dtype of `x`). Returns `x`."""
     T, H, D = x.shape
-    lib.tl_rope_f32(x.data_ptr(), x.stride(0), T, H, D, positions.data_ptr(),
+    _fn(lib, "tl_rope", x)(x.data_ptr(), x.stride(0), T, H, D, positions.data_ptr(),
                     cos_sin.data_ptr(), cos_sin.stride(0))
     return x

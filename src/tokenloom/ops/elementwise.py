@@ -1,12 +1,13 @@
 """The decoder's element-wise steps, one entry point each: `rms_norm` (with the residual add
 folded in), `rope` and `silu_and_mul`.
 
-Each runs the C kernel of `cpu_kernels` when it applies -- a float32 tensor on the CPU, laid out
-as the kernel reads it, and a kernel library that was built -- and the PyTorch ops otherwise (other
-dtypes and devices, no compiler, `TOKENLOOM_CPU_KERNELS=0`). Whether the library is there is
+Each runs the C kernel of `cpu_kernels` when it applies -- a float32 or bfloat16 tensor on the
+CPU, laid out as the kernel reads it, and a kernel library that was built -- and the PyTorch ops
+otherwise (other dtypes and devices, no compiler, `TOKENLOOM_CPU_KERNELS=0`). Whether the library is there is
 decided once per process (`cpu_kernels.load()` caches it); `torch_ops_only()` switches the C
 kernels off for a block, so tests can compare the two paths on one model. The two agree within
-float32 rounding.
+float32 rounding; in bfloat16 the kernels round where the PyTorch ops do, so they agree bit for
+bit on most elements and within two bf16 roundings elsewhere (tests/ops/test_elementwise.py).
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import torch.nn.functional as F
 from tokenloom.ops import cpu_kernels
 
 _disabled = False
+# The dtypes the library has entry points for (`cpu_kernels._fn` picks the _f32 or _bf16 one).
+_C_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _lib_for(x: torch.Tensor) -> ctypes.CDLL | None:
-    if _disabled or x.dtype != torch.float32 or x.device.type != "cpu":
+    if _disabled or x.dtype not in _C_DTYPES or x.device.type != "cpu":
         return None
     return cpu_kernels.load()
 

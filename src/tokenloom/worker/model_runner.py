@@ -17,10 +17,11 @@ import torch
 
 from tokenloom.attention import get_attn_backend
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from tokenloom.config import EngineConfig, default_kv_cache_bytes
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import prepare_cpu_weights
+from tokenloom.ops import cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.worker.input_batch import InputBatch
@@ -107,10 +108,9 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks(loaded, config)
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        # On the CPU, pages are committed as blocks are first written (ops/cpu_memory).
+        self.kv_caches = [cpu_memory.zeros(shape, self.kv_cache_dtype, self.device)
+                          for _ in range(cfg.num_hidden_layers)]
         max_blocks_per_req = -(-max_model_len // self.block_size)
         # +1 column: the token sampled at max_model_len is written before the scheduler stops it.
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, max_blocks_per_req)
@@ -136,8 +136,9 @@ class ModelRunner:
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
         per_block = kv_cache_bytes_per_block(loaded, config.block_size, self.kv_cache_dtype)
+        budget = config.kv_cache_memory_bytes or default_kv_cache_bytes(
+            -(-per_block // config.block_size), config.max_num_seqs, self.max_model_len)
         num = budget // per_block
         if num < 1:
             raise ValueError(

@@ -22,12 +22,15 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=min(4, spec["output_len"]), ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["warmup"]], warm, use_tqdm=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print("TOKENLOOM_VLLM_RESULT " + json.dumps({"elapsed_s": elapsed, "num_output_tokens": num_out}), flush=True)
+    runs = []
+    for prompt_set in spec["prompt_sets"]:  # fresh prompts each time: no prefix-cache hits
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_set]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(time.perf_counter() - start)
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print("TOKENLOOM_VLLM_RESULT " + json.dumps({"elapsed_runs_s": runs, "num_output_tokens": num_out}),
+          flush=True)
 
 
 if __name__ == "__main__":

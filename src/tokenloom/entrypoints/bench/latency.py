@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     p.add_argument("--baseline", choices=["hf", "llamacpp"], default=None,
                    help="also run transformers generate() at the same batch size (hf), or llama.cpp on the same GGUF (llamacpp, batch 1)")
+    p.add_argument("--baseline-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the transformers baseline's dtype (llama.cpp runs the GGUF as stored)")
     p.add_argument("--llamacpp-python", default=None,
                    help="python of an environment with llama-cpp-python installed (for --baseline llamacpp)")
     p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
@@ -116,7 +118,7 @@ class _HF:
         from tokenloom.model.loader import load_tokenizer
 
         self.args = args
-        self.hf, dtype = load_hf_model(args.model, args.dtype, args.device)
+        self.hf, dtype = load_hf_model(args.model, args.baseline_dtype, args.device)
         self.dtype = str(dtype).removeprefix("torch.")
         tokenizer = load_tokenizer(args.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -190,9 +192,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--baseline llamacpp needs --llamacpp-python: the python of an environment with llama-cpp-python installed.")
     if args.baseline == "llamacpp" and args.batch_size != 1:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
+    from tokenloom.entrypoints.bench.machine import Progress, machine_info
+
     batches = _iteration_prompts(args)
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
+        "machine": machine_info(),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -201,20 +206,30 @@ def run(args: argparse.Namespace) -> int:
     }
     # Both engines stay loaded and the iterations alternate (ours, then the baseline's on the
     # same prompts), so a change in the machine's load hits both alike.
+    progress = Progress()
+    progress.step("tokenloom: starting the engine")
     ours = _Ours(args)
     try:
+        if args.baseline == "hf":
+            progress.step(f"transformers ({args.baseline_dtype}): loading")
+        elif args.baseline == "llamacpp":
+            progress.step("llama.cpp: loading")
         hf = _HF(args) if args.baseline == "hf" else _LlamaCpp(args) if args.baseline == "llamacpp" else None
         try:
             for i, prompts in enumerate(batches):
+                kind = "warm-up" if i < args.warmup else "timed"
+                progress.step(f"iteration {i + 1}/{len(batches)} ({kind}): tokenloom")
                 ours.iteration(prompts, timed=i >= args.warmup)
                 if hf is not None:
+                    progress.step(f"iteration {i + 1}/{len(batches)} ({kind}): {args.baseline}")
                     hf.iteration(prompts, timed=i >= args.warmup)
         finally:
             if isinstance(hf, _LlamaCpp):
                 hf.shutdown()
     finally:
         ours.shutdown()
-    result["tokenloom"] = ours.result()
+        progress.close()
+    result["tokenloom"] = ours.result() | {"cpu_choice": ours.info.cpu}
     if hf is not None:
         result["baseline"] = hf.result()
         ours, base = result["tokenloom"], result["baseline"]
@@ -228,11 +243,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_report(result: dict[str, Any]) -> None:
     from tokenloom.entrypoints.bench.common import format_profile, result_runs
+    from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
     print(f"model: {result['model']}")
     print(f"batch {result['batch_size']} x {result['input_len']} input tokens x {result['output_len']} output tokens; "
           f"{result['num_iters']} iterations after {result['warmup']} warm-up")
+    print(format_machine(result["machine"]))
     print(f"tokenloom quantization: {result['tokenloom'].get('quantization') or 'none'}")
     runs = result_runs(result)
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
@@ -251,6 +268,9 @@ def _print_report(result: dict[str, Any]) -> None:
         print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
               f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x, "
               f"end to end {result['speedup_e2e']:.2f}x, CPU time per iteration {result['speedup_cpu']:.2f}x")
+    ours = result["tokenloom"]
+    if ours.get("cpu_choice"):
+        print(f"tokenloom CPU path: {ours['cpu_choice']}")
     if "profile" in result["tokenloom"]:
         for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
             print(line)

@@ -1,18 +1,22 @@
-/* The decoder's element-wise steps for float32 on the CPU, each one pass over its rows instead of
- * the 2-7 PyTorch ops (and as many temporaries) it takes in eager mode:
+/* The decoder's element-wise steps on the CPU, each one pass over its rows instead of the 2-7
+ * PyTorch ops (and as many temporaries) it takes in eager mode, in float32 and in bfloat16:
  *
- *   tl_add_rms_norm_f32   residual += x (optional), out = weight * (r * 1/sqrt(mean(r^2) + eps))
- *   tl_silu_and_mul_f32   out = silu(gate) * up, gate and up the two halves of a fused row
- *   tl_rope_f32           rotate-half RoPE in place on a [T, heads, head_dim] strided view
+ *   tl_add_rms_norm_{f32,bf16}  residual += x (optional), out = weight * (r * 1/sqrt(mean(r^2) + eps))
+ *   tl_silu_and_mul_{f32,bf16}  out = silu(gate) * up, gate and up the two halves of a fused row
+ *   tl_rope_{f32,bf16}          rotate-half RoPE in place on a [T, heads, head_dim] strided view
  *
  * Per step of 30 layers on 2 cores (benchmarks/cpu_kernels.py), eager vs C: at 2048 rows
  * add+norm 29 vs 11 ms, RoPE 31 vs 4 ms, SiLU-and-mul 70 vs 31 ms; at 64 rows, where each of the
- * eager ops is mostly dispatch, 2.5 vs 0.7, 2.5 vs 0.2 and 2.5 vs 1.1 ms. The arithmetic follows the reference's order (the norm
- * scales by 1/sqrt and then by the weight; silu is x / (1 + exp(-x))), so results differ from
- * PyTorch's only by float32 rounding of the reductions and of exp (~1 ulp).
+ * eager ops is mostly dispatch, 2.5 vs 0.7, 2.5 vs 0.2 and 2.5 vs 1.1 ms. The arithmetic follows
+ * the reference's order (the norm scales by 1/sqrt and then by the weight; silu is
+ * x / (1 + exp(-x))), so float32 results differ from PyTorch's only by rounding of the
+ * reductions and of exp (~1 ulp). The bfloat16 kernels compute in float32 and round to bfloat16
+ * wherever the reference (transformers in bfloat16) keeps a bfloat16 intermediate, so they follow
+ * its rounding, not only its math.
  *
  * Rows go to OpenMP threads when a call has enough of them to pay for waking the second thread
- * (TL_PAR_MIN elements). Built with the decode kernel (see ops/cpu_kernels.py).
+ * (TL_PAR_MIN elements). Built with the decode kernel (see ops/cpu_kernels.py), with AVX-512
+ * loops where the build's ISA level has them and AVX2 / plain loops otherwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,15 +33,79 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
         const float *xr = x + t * x_stride;
         float *o = out + t * out_stride;
         const float *r = xr;
+        int i = 0;
         if (residual) {  /* r = residual += x, kept in place for the next block's add */
             float *rr = residual + t * r_stride;
-            for (int i = 0; i < H; i++) rr[i] += xr[i];
+            for (; i < H; i++) rr[i] += xr[i];
             r = rr;
         }
         float ss = 0.0f;
-        for (int i = 0; i < H; i++) ss += r[i] * r[i];
+        i = 0;
+#if TL_HAVE_AVX2
+        /* 8 lanes by hand: the compiler's own AVX-512 loop for this was 1.1-1.4x slower than
+         * its AVX2 one (benchmarks/cpu_isa_ab.py). */
+        __m256 ss8 = _mm256_setzero_ps();
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(r + i);
+            ss8 = _mm256_fmadd_ps(v, v, ss8);
+        }
+        ss = tl_hsum8(ss8);
+#endif
+        for (; i < H; i++) ss += r[i] * r[i];
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (int i = 0; i < H; i++) o[i] = weight[i] * (r[i] * inv);
+        i = 0;
+#if TL_HAVE_AVX2
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (; i + 8 <= H; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(r + i), inv8)));
+#endif
+        for (; i < H; i++) o[i] = weight[i] * (r[i] * inv);
+    }
+}
+
+/* bfloat16 rows and weight; the sum of squares in float32. The reference rounds the residual
+ * sum, the normalized row and the product with the weight to bfloat16. */
+void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                          int64_t r_stride, const uint16_t *weight, uint16_t *out,
+                          int64_t out_stride, int32_t T, int32_t H, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * H >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * x_stride;
+        uint16_t *o = out + t * out_stride;
+        const uint16_t *r = xr;
+        int i = 0;
+        if (residual) {
+            uint16_t *rr = residual + t * r_stride;
+#if TL_HAVE_AVX512
+            for (; i + 16 <= H; i += 16)
+                tl_store16_bf16(rr + i, _mm512_add_ps(tl_load16_bf16(rr + i),
+                                                      tl_load16_bf16(xr + i)));
+#endif
+            for (; i < H; i++) rr[i] = tl_f32_to_bf16(tl_bf16_to_f32(rr[i]) + tl_bf16_to_f32(xr[i]));
+            r = rr;
+        }
+        float ss = 0.0f;
+        i = 0;
+#if TL_HAVE_AVX512
+        __m512 ss16 = _mm512_setzero_ps();
+        for (; i + 16 <= H; i += 16) {
+            const __m512 v = tl_load16_bf16(r + i);
+            ss16 = _mm512_fmadd_ps(v, v, ss16);
+        }
+        ss = _mm512_reduce_add_ps(ss16);
+#endif
+        for (; i < H; i++) { const float v = tl_bf16_to_f32(r[i]); ss += v * v; }
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        i = 0;
+#if TL_HAVE_AVX512
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        for (; i + 16 <= H; i += 16)
+            tl_store16_bf16(o + i, _mm512_mul_ps(tl_load16_bf16(weight + i),
+                                                 tl_round16_bf16(_mm512_mul_ps(tl_load16_bf16(r + i), inv16))));
+#endif
+        for (; i < H; i++)
+            o[i] = tl_f32_to_bf16(tl_bf16_to_f32(weight[i]) * tl_round_bf16(tl_bf16_to_f32(r[i]) * inv));
     }
 }
 
@@ -48,6 +116,15 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
         const float *g = gate_up + t * in_stride, *u = g + I;
         float *o = out + t * out_stride;
         int i = 0;
+#if TL_HAVE_AVX512
+        const __m512 one16 = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one16, e)),
+                                                  _mm512_loadu_ps(u + i)));
+        }
+#endif
 #if TL_HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; i + 8 <= I; i += 8) {
@@ -57,7 +134,33 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
                                                   _mm256_loadu_ps(u + i)));
         }
 #endif
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        /* exp clamped below overflow: -ffast-math assumes no inf, and x / inf would give NaN */
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
+    }
+}
+
+/* bfloat16: silu(gate) is rounded to bfloat16 before the product, as the reference's two ops. */
+void tl_silu_and_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out,
+                          int64_t out_stride, int32_t T, int32_t I) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * in_stride, *u = g + I;
+        uint16_t *o = out + t * out_stride;
+        int i = 0;
+#if TL_HAVE_AVX512
+        const __m512 one16 = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = tl_load16_bf16(g + i);
+            const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 s = tl_round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one16, e)));
+            tl_store16_bf16(o + i, _mm512_mul_ps(s, tl_load16_bf16(u + i)));
+        }
+#endif
+        for (; i < I; i++) {
+            const float gv = tl_bf16_to_f32(g[i]);
+            const float e = expf(fminf(-gv, 88.0f));
+            o[i] = tl_f32_to_bf16(tl_round_bf16(gv / (1.0f + e)) * tl_bf16_to_f32(u[i]));
+        }
     }
 }
 
@@ -73,6 +176,41 @@ void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int
                 const float a = x1[i], b = x2[i];
                 x1[i] = a * c[i] - b * s[i];
                 x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* bfloat16 rows over the float32 table: the reference casts cos and sin to bfloat16 and rounds
+ * each product and the sum. head_dim/2 <= 256. */
+void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
+                  int32_t head_dim, const int64_t *positions, const float *cos_sin,
+                  int64_t cs_stride) {
+    const int half = head_dim / 2;
+    if (half > 256) return;
+#pragma omp parallel for schedule(static) if ((int64_t)T * num_heads * head_dim >= TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const float *ct = cos_sin + positions[t] * cs_stride, *st = ct + half;
+        float c[256], s[256];
+        for (int i = 0; i < half; i++) { c[i] = tl_round_bf16(ct[i]); s[i] = tl_round_bf16(st[i]); }
+        for (int h = 0; h < num_heads; h++) {
+            uint16_t *x1 = x + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
+            int i = 0;
+#if TL_HAVE_AVX512
+            for (; i + 16 <= half; i += 16) {
+                const __m512 a = tl_load16_bf16(x1 + i), b = tl_load16_bf16(x2 + i);
+                const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+                const __m512 nb = _mm512_sub_ps(_mm512_setzero_ps(), b);
+                tl_store16_bf16(x1 + i, _mm512_add_ps(tl_round16_bf16(_mm512_mul_ps(a, cv)),
+                                                      tl_round16_bf16(_mm512_mul_ps(nb, sv))));
+                tl_store16_bf16(x2 + i, _mm512_add_ps(tl_round16_bf16(_mm512_mul_ps(b, cv)),
+                                                      tl_round16_bf16(_mm512_mul_ps(a, sv))));
+            }
+#endif
+            for (; i < half; i++) {
+                const float a = tl_bf16_to_f32(x1[i]), b = tl_bf16_to_f32(x2[i]);
+                x1[i] = tl_f32_to_bf16(tl_round_bf16(a * c[i]) + tl_round_bf16(-b * s[i]));
+                x2[i] = tl_f32_to_bf16(tl_round_bf16(b * c[i]) + tl_round_bf16(a * s[i]));
             }
         }
     }

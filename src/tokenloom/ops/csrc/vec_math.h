@@ -1,6 +1,24 @@
-/* Vector math shared by the CPU kernels (included, not compiled on its own). */
+/* Vector math and bfloat16 conversions shared by the CPU kernels (included, not compiled on its
+ * own). TL_HAVE_AVX2 / TL_HAVE_AVX512 say which intrinsics the build may use: ops/cpu_kernels.py
+ * builds for the ISA level it detected (ops/cpu_features.py), so these follow the compiler's
+ * target macros. */
 #ifndef TOKENLOOM_VEC_MATH_H
 #define TOKENLOOM_VEC_MATH_H
+#include <stdint.h>
+
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even
+ * (the kernels never produce NaN, see paged_decode.c, so no NaN case). */
+static inline float tl_bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
+    return v.f;
+}
+static inline uint16_t tl_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+/* A float32 rounded to bfloat16 and back: the value a bf16 op of the reference would keep. */
+static inline float tl_round_bf16(float f) { return tl_bf16_to_f32(tl_f32_to_bf16(f)); }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* exp(x), eight at a time, for x in [-87, 88] (clamped outside): x = n ln2 + r, |r| <= ln2/2,
@@ -23,8 +41,60 @@ static inline __m256 tl_exp8(__m256 x) {
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+/* The sum of the eight lanes. */
+static inline float tl_hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
 #define TL_HAVE_AVX2 1
 #else
 #define TL_HAVE_AVX2 0
+#endif
+
+#if TL_HAVE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The same sixteen at a time. */
+static inline __m512 tl_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+/* Sixteen bfloat16 (one 256-bit load) widened to float32. */
+static inline __m512 tl_load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* Sixteen float32 rounded to bfloat16 (nearest even) and stored. */
+static inline void tl_store16_bf16(uint16_t *p, __m512 v) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+/* v rounded to bfloat16 and widened back (the reference's bf16 intermediate). */
+static inline __m512 tl_round16_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+#define TL_HAVE_AVX512 1
+#else
+#define TL_HAVE_AVX512 0
 #endif
 #endif

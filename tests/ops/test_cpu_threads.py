@@ -1,0 +1,64 @@
+"""The engine's thread governor (ops/cpu_threads.py) on this machine's real cores and /proc: with
+another process spinning on one of our cores it gives up a thread, and it never goes below one
+or above the cores it started with. Needs at least two usable cores and Linux's /proc/stat."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tokenloom.ops.cpu_features import detect
+from tokenloom.ops.cpu_threads import ThreadGovernor, _busy_ticks, usable_cores
+
+pytestmark = pytest.mark.skipif(
+    len(usable_cores()) < 2 or _busy_ticks(usable_cores()) is None,
+    reason="needs two usable cores and /proc/stat")
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    monkeypatch.delenv("TOKENLOOM_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_gives_up_a_thread_to_a_busy_process(two_threads):
+    gov = ThreadGovernor(interval_s=0.3)
+    assert gov.enabled and gov.max_threads == 2 and "adaptive" in gov.describe()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {usable_cores()[-1]})
+        deadline = time.monotonic() + 10
+        while gov.threads == 2 and time.monotonic() < deadline:
+            # Our own threads spin too, as in a decode step: the other process still shows.
+            torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+            gov.step()
+            time.sleep(0.05)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert gov.others_cores >= 0.4
+    assert gov.threads == 1 and torch.get_num_threads() == 1
+
+
+def test_fixed_count_switches_it_off(two_threads, monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_NUM_THREADS", "2")
+    gov = ThreadGovernor()
+    assert not gov.enabled and gov.describe() == "fixed"
+    gov.step()
+    assert torch.get_num_threads() == 2
+
+
+def test_cpu_features_name_this_cpu():
+    f = detect()
+    assert f.num_cores == len(os.sched_getaffinity(0))
+    assert f.isa in ("avx512", "avx2", "scalar")
+    if f.isa == "avx512":
+        assert {"avx512f", "avx512bw", "avx512vl"} <= f.flags
+    assert f.model_name in f.summary()
