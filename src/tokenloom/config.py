@@ -33,9 +33,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # Chrome trace JSON written by the caller at shutdown; the core then also keeps each
     # request's phases (not only their totals).
     trace_path: str | None = None
-    # torch.compile (inductor) of the model forward, dynamic shapes. Off: on the 2-core CPU it
-    # compiled for ~12 min and then ran batch-1 decode steps 3.6x slower than eager
-    # (benchmarks/README.md, "CPU: what was tried").
+    # torch.compile (inductor) of the model forward, dynamic shapes. Off by default: on the CPU
+    # it compiled for minutes and then ran decode steps slower than eager (benchmarks/README.md,
+    # "CPU: what was tried").
     compile: bool = False
     # What the matmuls compute with (model/loader.QUANTIZATION_METHODS): "auto" computes a GGUF's
     # quantized tensors as shipped and an HF checkpoint in `dtype`; "int8" quantizes any

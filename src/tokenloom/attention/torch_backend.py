@@ -11,8 +11,8 @@ Decodes are attended together: each request's blocks are gathered whole (one `in
 padded `[B, num_blocks * block_size, Hkv, D]` buffer, and an additive `-inf` bias hides the
 positions past `seq_lens`. Query heads are grouped per KV head (`[B, Hkv, group, D]`) and that
 group is handed to SDPA as the query-length axis, so grouped-query attention never repeats K/V
-and the fused CPU kernel reads the strided K/V views in place. Measured on 2 cores, this is ~3x
-faster than gather + matmul + softmax (the matmuls copy the strided views).
+and the fused CPU kernel reads the strided K/V views in place, which is faster than gather +
+matmul + softmax (the matmuls copy the strided views; figures in benchmarks/README.md).
 
 Because the padded positions are multiplied by a probability of exactly 0 rather than skipped,
 the cache must hold finite values everywhere a block table can point: allocate it with
@@ -34,10 +34,8 @@ from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.ops import cpu_kernels
 
 # Padded prefill runs one SDPA over [P, Lq_max, Lk_max]; per-request prefill runs P calls over the
-# exact sizes. Padding wins while the padded work stays under about twice the exact work: on 2
-# cores (single-thread CPU time, SmolLM2 shapes) padded was 1.3x faster for 64 x 128-token
-# prompts (waste 1.0), 3x for 8 x 32 (1.0), even at 2.3x waste (16 prompts of 16..128 tokens),
-# and 1.2x slower at 2.5x waste (8 prompts of 8..256). tests/attention/bench_torch_backend.py.
+# exact sizes. Padding wins while the padded work stays under about twice the exact work
+# (benchmarks/torch_backend.py; the figures are in benchmarks/README.md).
 _PADDED_PREFILL_MAX_WASTE = 2.0
 
 

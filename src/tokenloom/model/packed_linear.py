@@ -3,21 +3,13 @@
 `F.linear` on a plain weight makes MKL re-pack the weight into its GEMM panel layout on every call:
 for the small-M matmuls of decode (one row per running request) that packing is a pass over the
 whole weight for a few FLOPs each, and it dominates. oneDNN can keep a weight in its blocked layout
-(`_reorder_linear_weight`), so a step only streams it. Measured on this project's 2-core AVX2 CPU
-(2 threads, SmolLM2-135M shapes, the 30 layers' weights cycled so they come from memory):
+(`_reorder_linear_weight`), so a step only streams it: a clear win at decode sizes.
 
-    rows (M)   plain F.linear   packed    (all four matmuls of the 30 layers)
-    1          28-34 ms         21-25 ms
-    64         176-197 ms       119-126 ms
-    2048       2.77-2.98 s      2.73-2.93 s
-    tied lm_head 49152 x 576: M=64 47-50 ms -> 26 ms, M=1 5.3 -> 4.6-5.0 ms
-
-One packed copy serves every M (the batch-size hint only picks the blocking; 64 and 2048 measured
-the same at M=1, 64 and 2048). From M = 512 rows up MKL's own GEMM on the plain weight is faster
-again (the packing cost is spread over many rows, and its kernels reach ~169 GFLOP/s here against
-oneDNN's ~160: the 30 layers' four matmuls at M=2048 took 2.57 vs 2.69 s, at 512 0.66 vs
-0.72 s, at 256 0.37 vs 0.35 s), so prefill-sized inputs go to `F.linear`. Results match `F.linear` within float32 rounding (the reduction
-order differs).
+One packed copy serves every M (the batch-size hint only picks the blocking). From about 512 rows
+up MKL's own GEMM on the plain weight is as fast or faster again (the packing cost is spread over
+many rows), so prefill-sized inputs go to `F.linear`. Results match `F.linear` within float32
+rounding (the reduction order differs). The measurements behind both thresholds are in
+benchmarks/README.md ("Figures that used to sit in code comments").
 
 bfloat16 is packed too where the CPU multiplies it natively (AVX-512 BF16 or AMX, see
 ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and bf16 stays on
@@ -115,10 +107,9 @@ def pack_linear_weights(model: nn.Module) -> int:
 def use_input_major_weights(model: torch.nn.Module) -> None:
     """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
     transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
-    multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which on
-    this CPU makes the memory-bound batch-1 matmuls ~20% faster (single-thread, SmolLM2: 31 vs 39 ms
-    per step for all weights) and the batch-64 ones no slower. Embedding lookups read rows of the
-    view (strided; ~20 ms for a 2048-token prefill, negligible next to its matmuls)."""
+    multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which makes
+    the memory-bound batch-1 matmuls faster and the batch-64 ones no slower (benchmarks/README.md).
+    Embedding lookups read rows of the view (strided; negligible next to the matmuls)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if param.dim() == 2 and param.is_contiguous():

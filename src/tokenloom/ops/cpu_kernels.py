@@ -1,9 +1,9 @@
 """CPU kernels in C (csrc/), float32 and bfloat16, built on first use and called through ctypes.
 
 - `paged_decode` (csrc/paged_decode.c): decode attention read in place through the block table.
-  The torch backend's SDPA path gathers every sequence's K/V blocks into a padded buffer first;
-  at batch 64 with 128-256 tokens of context that cost ~4 ms per layer on 2 cores, 30% of a
-  decode step. The kernel costs about 2x one plain pass over the layer's KV cache.
+  The torch backend's SDPA path gathers every sequence's K/V blocks into a padded buffer first,
+  a large share of a batch-64 decode step; the kernel reads the cache in place (figures in
+  benchmarks/README.md).
 - `add_rms_norm`, `silu_and_mul`, `rope` (csrc/elementwise.c): the decoder's element-wise steps,
   one pass each instead of 2-7 eager ops (the model uses them through `model/llama.py`).
 - `tl_q_*` (csrc/quant_gemm.c): matmuls on block-quantized weights (GGUF Q4_0/Q4_1/Q8_0, int8),
