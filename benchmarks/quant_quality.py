@@ -16,28 +16,18 @@ import argparse
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Hi",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Translate to French: the cat sits on the mat.",
-    "List three fruits.",
-    "Explain in one paragraph why the sky is blue, mentioning Rayleigh scattering and the "
-    "wavelengths of visible light, and say why sunsets look red.",
-    "2+2=",
-    "Who wrote Hamlet?",
-    "Describe a rainbow to someone who has never seen one. " * 6,
-    "Give me a haiku about autumn leaves.",
-    "¿Cuál es la capital de España?",
-    "日本の首都はどこですか？",
-    "What is the boiling point of water at sea level?",
-    "Name a famous painting by Leonardo da Vinci.",
-    "How many legs does a spider have?",
-    "Write a short sentence about the moon.",
-]
+# The chat-prompt set the tests use (tests/entrypoints: 12 in test_llm.py, 4 more in
+# test_quantized_llm.py), read from there so the figures and the tests judge the same prompts.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "entrypoints"))
+from test_llm import QUESTIONS as _TEST_QUESTIONS  # noqa: E402
+from test_quantized_llm import MORE as _MORE  # noqa: E402
+
+QUESTIONS = _TEST_QUESTIONS + _MORE
 
 
 @torch.inference_mode()
