@@ -47,6 +47,27 @@ def test_gives_up_a_thread_to_a_busy_process(two_threads):
     assert gov.threads == 1 and torch.get_num_threads() == 1
 
 
+@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) > 0,
+                    reason="this process is niced itself, so niced processes compete equally")
+def test_keeps_its_threads_beside_a_niced_process(two_threads):
+    """A batch job started with `nice -n 19` gets ~1.5% of a core our threads want: giving it a
+    thread would halve our rate for nothing."""
+    gov = ThreadGovernor(interval_s=0.3)
+    assert not gov.count_nice
+    busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {usable_cores()[-1]})
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+            gov.step()
+            time.sleep(0.05)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert gov.threads == 2 and torch.get_num_threads() == 2
+
+
 def test_fixed_count_switches_it_off(two_threads, monkeypatch):
     monkeypatch.setenv("TOKENLOOM_NUM_THREADS", "2")
     gov = ThreadGovernor()

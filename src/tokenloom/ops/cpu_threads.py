@@ -14,6 +14,13 @@ half second it reads /proc/stat, subtracts this process's own CPU time, and if o
 used about half a core or more of them it drops a thread per such core (never below one); when
 they leave, the threads come back. `TOKENLOOM_NUM_THREADS` fixes the count and switches the
 governor off.
+
+Processes running at a lower priority than ours (a positive nice value while we run at 0: batch
+jobs, builds, test suites started with `nice`) do not count: the kernel's scheduler gives a nice-19
+process about 1.5% of a core that one of our threads also wants, so it cannot hold a partner
+thread off its core long enough to matter, and giving it a thread would halve our rate for
+nothing. /proc/stat books their time separately (the `nice` column), which is what makes them
+tellable apart. When this process is itself niced, everyone's time counts.
 """
 from __future__ import annotations
 
@@ -57,8 +64,9 @@ def set_compute_threads() -> int:
     return n
 
 
-def _busy_ticks(cores: list[int]) -> int | None:
-    """Non-idle ticks (user, nice, system, irq, softirq, steal) of `cores` since boot."""
+def _busy_ticks(cores: list[int], count_nice: bool = True) -> int | None:
+    """Non-idle ticks (user, nice, system, irq, softirq, steal) of `cores` since boot; without the
+    nice column when `count_nice` is false."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
@@ -71,6 +79,8 @@ def _busy_ticks(cores: list[int]) -> int | None:
         if name in wanted:
             f = [int(x) for x in rest.split()]
             busy += sum(f[:8]) - f[3] - f[4]  # minus idle and iowait
+            if not count_nice:
+                busy -= f[1]
             seen += 1
     return busy if seen == len(wanted) else None
 
@@ -85,6 +95,8 @@ class ThreadGovernor:
         self.enabled = (fixed_num_threads() is None and self.max_threads > 1
                         and _busy_ticks(self.cores) is not None)
         self.threads = self.max_threads
+        # At nice 0 (or below), niced processes' time is left out (see the module docstring).
+        self.count_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0
         self.interval_s = interval_s
         self.others_cores = 0.0  # the last measurement of other processes' use of our cores
         self._next = 0.0
@@ -103,7 +115,7 @@ class ThreadGovernor:
         if now < self._next:
             return
         self._next = now + self.interval_s
-        busy = _busy_ticks(self.cores)
+        busy = _busy_ticks(self.cores, self.count_nice)
         t = os.times()
         sample = (now, busy, t.user + t.system)
         last, self._last = self._last, sample
