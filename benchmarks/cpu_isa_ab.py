@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tokenloom.attention.testing import make_batch
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 from tokenloom.model.rope import cos_sin_cache
 from tokenloom.ops import cpu_features, cpu_kernels
+
+# The tests' batch builder (a paged cache, block tables and slot mappings for given lengths).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "attention"))
+from attn_helpers import make_batch  # noqa: E402
 
 
 def _median_ms(fns: dict, repeat: int) -> dict[str, float]:

@@ -178,13 +178,20 @@ MORE_QUESTIONS = [
 ]
 
 
-def test_bfloat16_greedy_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
+def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
     """dtype="bfloat16" (what "auto" picks on CPUs with native bf16: packed bf16 matmuls and the
-    C kernels' bf16 variants) against transformers run in bfloat16 on the same weights. bf16
-    logits move by ~1e-1 between two correct implementations (their matmuls round differently),
-    so a near-tie may flip. Measured on the Zen 4: 13 of 16 identical (the same 13 with the
-    PyTorch SDPA decode path or an unpacked LM head; 11 with the PyTorch norms/RoPE/SiLU instead
-    of the C kernels); the issue's target is 14, so this is the floor that is held, not met."""
+    C kernels' bf16 variants) against transformers run in bfloat16 on the same weights.
+
+    bf16 logits of ~25 are rounded to steps of 0.125, and two correct implementations round
+    their matmuls differently (oneDNN's blocking on AVX-512 BF16 differs from AMX's), so a
+    near-tie may flip and the two greedy replies then go separate ways. How many of the 16
+    replies stay identical is therefore a property of the machine as much as of the code
+    (13 on the Zen 4, 10 on a Sapphire Rapids-class Xeon with AMX; benchmarks/README.md), and it
+    is printed, not asserted. What is asserted holds on every machine and fails for a wrong
+    kernel: fed transformers' own replies (teacher forcing, prompt logprobs), our bf16 path
+    scores every token transformers chose within 0.5 of its own top logprob (two bf16 steps
+    of a logit between 32 and 64; a wrong kernel is off by whole units), and ranks
+    at least 90% of them first or tied for first."""
     import copy
 
     from tokenloom.model.loader import resolve_dtype
@@ -205,13 +212,24 @@ def test_bfloat16_greedy_follows_transformers_in_bfloat16(hf_smollm2, llm_tokeni
                                    max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
                                    pad_token_id=2)
         ref.append(gen[0, len(ids):].tolist())
+    forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2) as llm:
         info = llm.llm_engine.engine_core.info
         ours = _greedy(llm, prompts)
+        scored = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, ref)], forced,
+                              use_tqdm=False)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
     same = sum(a == b for a, b in zip(ours, ref))
     print(f"bfloat16: {same} of {len(ref)} replies identical to transformers in bfloat16")
-    assert same >= 13, [(i, a, b) for i, (a, b) in enumerate(zip(ours, ref)) if a != b]
+    gaps = []  # our top logprob minus our logprob of transformers' token, at every position
+    for ids, reply, out in zip(prompts, ref, scored):
+        for j, token in enumerate(reply):
+            entry = out.prompt_logprobs[len(ids) + j]
+            gaps.append(max(lp.logprob for lp in entry.values()) - entry[token].logprob)
+    print(f"teacher-forced: {len(gaps)} positions, {sum(g == 0 for g in gaps)} ours first or "
+          f"tied, largest gap {max(gaps):.3f}")
+    assert max(gaps) <= 0.5, sorted(gaps)[-5:]
+    assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
 
 
 def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
