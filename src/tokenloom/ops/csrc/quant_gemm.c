@@ -153,7 +153,8 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
             float d;
             quantize_block(xr + j * QK, qb, &d);
             int half[2] = {0, 0};
-            for (int i = 0; i < QK; i++) half[i >= 16] += qb[i];
+            for (int i = 0; i < 16; i++) half[0] += qb[i];
+            for (int i = 16; i < QK; i++) half[1] += qb[i];
             if (levels == 2) {
                 int8_t *q2 = xq + M * K + m * K + j * QK;
                 const float id = d > 0.0f ? 256.0f / d : 0.0f;
@@ -162,8 +163,9 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
                     int q = (int)nearbyintf((xr[j * QK + i] - d * (float)qb[i]) * id);
                     q = q > 127 ? 127 : q < -127 ? -127 : q;
                     q2[i] = (int8_t)q;
-                    half2[i >= 16] += q;
                 }
+                for (int i = 0; i < 16; i++) half2[0] += q2[i];
+                for (int i = 16; i < QK; i++) half2[1] += q2[i];
                 d /= 256.0f;
                 half[0] = 256 * half[0] + half2[0];
                 half[1] = 256 * half[1] + half2[1];
@@ -296,8 +298,9 @@ INLINE512 __m512i dot_levels512(const __m512i w[8], const int8_t *xb, int64_t xp
     return s;
 }
 
-/* MR activation rows against one tile; FMT, MR and LEVELS are constants in every instance, so
- * the format's branches fold away and the loops over rows unroll into independent chains. */
+/* MR (1-4) activation rows against one tile; FMT and LEVELS are constants in every instance, so
+ * the format's branches fold away. The loop over the rows stays rolled (as the Q4_1 kernel before
+ * the K-quants was): unrolled for a constant MR it measured a few % slower at 64 rows. */
 INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const uint8_t *tile,
                             int64_t nb, const int8_t *xq, const float *xd, const float *xs,
                             const float *xh, int64_t K, float *y, int64_t ldy, int ncols,
@@ -311,7 +314,8 @@ INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const
         load_codes512(u + (j % ub) * cb, FMT, w);
         __m512 d[2], mn[2];
         params512(u + ub * cb, FMT, (int)(j % ub), d, mn);
-        for (int r = 0; r < MR; r++) {
+        #pragma GCC unroll 1
+        for (int r = 0; r < MR; r++) { /* MR is a run-time 1..4 here */
             const int8_t *xb = xq + r * K + j * QK;
             const __m512 dx = _mm512_set1_ps(xd[r * nb + j]);
             if (FMT == TL_Q6_K) {
@@ -332,19 +336,16 @@ INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const
     for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
 
-typedef void (*tile512_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const float *,
-                           const float *, int64_t, float *, int64_t, int, int64_t);
+typedef void (*tile512_fn)(int, const uint8_t *, int64_t, const int8_t *, const float *,
+                           const float *, const float *, int64_t, float *, int64_t, int, int64_t);
 
-#define DEFINE_TILE512(FMT, MR, LEVELS)                                                          \
-AVX512_TARGET static void tile512_##FMT##_##MR##_##LEVELS(const uint8_t *tile, int64_t nb,      \
+#define DEFINE_TILE512(FMT, LEVELS)                                                              \
+AVX512_TARGET static void tile512_##FMT##_##LEVELS(int mr, const uint8_t *tile, int64_t nb,     \
         const int8_t *xq, const float *xd, const float *xs, const float *xh, int64_t K, float *y, \
         int64_t ldy, int ncols, int64_t xplane) {                                                \
-    tile512_body(FMT, MR, LEVELS, tile, nb, xq, xd, xs, xh, K, y, ldy, ncols, xplane);           \
+    tile512_body(FMT, mr, LEVELS, tile, nb, xq, xd, xs, xh, K, y, ldy, ncols, xplane);           \
 }
-#define DEFINE_TILE512_FMT(FMT)                                                                  \
-    DEFINE_TILE512(FMT, 1, 1) DEFINE_TILE512(FMT, 2, 1) DEFINE_TILE512(FMT, 3, 1)                \
-    DEFINE_TILE512(FMT, 4, 1) DEFINE_TILE512(FMT, 1, 2) DEFINE_TILE512(FMT, 2, 2)                \
-    DEFINE_TILE512(FMT, 3, 2) DEFINE_TILE512(FMT, 4, 2)
+#define DEFINE_TILE512_FMT(FMT) DEFINE_TILE512(FMT, 1) DEFINE_TILE512(FMT, 2)
 DEFINE_TILE512_FMT(TL_Q4_0)
 DEFINE_TILE512_FMT(TL_Q4_1)
 DEFINE_TILE512_FMT(TL_Q8)
@@ -353,19 +354,17 @@ DEFINE_TILE512_FMT(TL_Q4_K)
 DEFINE_TILE512_FMT(TL_Q5_K)
 DEFINE_TILE512_FMT(TL_Q6_K)
 
-#define TILE512_ROW(FMT)                                                                         \
-    {{tile512_##FMT##_1_1, tile512_##FMT##_2_1, tile512_##FMT##_3_1, tile512_##FMT##_4_1},      \
-     {tile512_##FMT##_1_2, tile512_##FMT##_2_2, tile512_##FMT##_3_2, tile512_##FMT##_4_2}}
-/* [format][levels - 1][rows - 1] */
-static const tile512_fn TILE512[TL_NFMT][2][4] = {
+#define TILE512_ROW(FMT) {tile512_##FMT##_1, tile512_##FMT##_2}
+/* [format][levels - 1] */
+static const tile512_fn TILE512[TL_NFMT][2] = {
     TILE512_ROW(TL_Q4_0), TILE512_ROW(TL_Q4_1), TILE512_ROW(TL_Q8), TILE512_ROW(TL_Q5_0),
     TILE512_ROW(TL_Q4_K), TILE512_ROW(TL_Q5_K), TILE512_ROW(TL_Q6_K)};
 
 static void tile_avx512(KERNEL_ARGS) {
-    const tile512_fn *fns = TILE512[fmt][levels - 1];
+    const tile512_fn fn = TILE512[fmt][levels - 1];
     for (int64_t r = 0; r < rows; r += 4) {
-        const int64_t mr = rows - r < 4 ? rows - r : 4;
-        fns[mr - 1](tile, nb, xq + r * K, xd + r * nb, xs + r * nb, xh + r * 2 * nb, K,
+        const int mr = rows - r < 4 ? (int)(rows - r) : 4;
+        fn(mr, tile, nb, xq + r * K, xd + r * nb, xs + r * nb, xh + r * 2 * nb, K,
                     y + r * ldy, ldy, ncols, xplane);
     }
 }
