@@ -1,7 +1,8 @@
 """The quantized matmul kernels per GGUF format, against torch float32 matmuls on the same
 (dequantized) weights in the same run, and against the library kernels that could do the same
-job. Median of many calls, one thread (torch and OpenMP): on a shared 2-core box two-thread
-medians measure the scheduler, not the kernel.
+job. Median CPU time of the calling thread over many calls, one thread (torch and OpenMP, so all
+the work runs on the calling thread): on a shared 2-core box two-thread wall-clock medians measure
+the scheduler, not the kernel.
 
 Shapes (`--model`):
 - smollm2: SmolLM2-135M's four per-layer matmuls (qkv 960x576, o 576x576, gate_up 3072x576,
@@ -54,9 +55,9 @@ def bench(f, reps: int) -> float:
     f()
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.thread_time()
         f()
-        ts.append(time.perf_counter() - t)
+        ts.append(time.thread_time() - t)
     return float(np.median(ts))
 
 
