@@ -50,6 +50,7 @@ enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2, TL_Q5_0 = 3, TL_Q4_K = 4, TL_Q5_K = 
 #define TILE_N 16
 #define QK 32
 #define M_BLOCK 64 /* activation rows per pass over a weight tile (kept in L2) */
+#define MR_MAX 16  /* rows per expansion of a block's codes and scales (AVX-512 kernel) */
 
 /* 32-blocks per unit, code bytes per block, parameter bytes per unit (16 columns). */
 static const int UNIT_BLOCKS[TL_NFMT] = {1, 1, 1, 1, 8, 8, 8};
@@ -298,15 +299,17 @@ INLINE512 __m512i dot_levels512(const __m512i w[8], const int8_t *xb, int64_t xp
     return s;
 }
 
-/* MR (1-4) activation rows against one tile; FMT and LEVELS are constants in every instance, so
- * the format's branches fold away. The loop over the rows stays rolled (as the Q4_1 kernel before
- * the K-quants was): unrolled for a constant MR it measured a few % slower at 64 rows. */
+/* MR (1..MR_MAX) activation rows against one tile; FMT and LEVELS are constants in every
+ * instance, so the format's branches fold away. A block's codes and scales are expanded once per
+ * MR rows: 16 rather than 4 took 9 % (Q4_1) to 19 % (Q6_K, whose 6-bit codes cost the most to
+ * expand) off 64-row matmuls. The loop over the rows stays rolled (the accumulators live in L1):
+ * unrolled for a constant MR of 4 it measured a few % slower. */
 INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const uint8_t *tile,
                             int64_t nb, const int8_t *xq, const float *xd, const float *xs,
                             const float *xh, int64_t K, float *y, int64_t ldy, int ncols,
                             int64_t xplane) {
     const int ub = UB(FMT), cb = CB(FMT), unit = UNIT_BYTES(FMT);
-    __m512 acc[4];
+    __m512 acc[MR_MAX];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *u = tile + (j / ub) * unit;
@@ -315,7 +318,7 @@ INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const
         __m512 d[2], mn[2];
         params512(u + ub * cb, FMT, (int)(j % ub), d, mn);
         #pragma GCC unroll 1
-        for (int r = 0; r < MR; r++) { /* MR is a run-time 1..4 here */
+        for (int r = 0; r < MR; r++) {
             const int8_t *xb = xq + r * K + j * QK;
             const __m512 dx = _mm512_set1_ps(xd[r * nb + j]);
             if (FMT == TL_Q6_K) {
@@ -362,8 +365,8 @@ static const tile512_fn TILE512[TL_NFMT][2] = {
 
 static void tile_avx512(KERNEL_ARGS) {
     const tile512_fn fn = TILE512[fmt][levels - 1];
-    for (int64_t r = 0; r < rows; r += 4) {
-        const int mr = rows - r < 4 ? (int)(rows - r) : 4;
+    for (int64_t r = 0; r < rows; r += MR_MAX) {
+        const int mr = rows - r < MR_MAX ? (int)(rows - r) : MR_MAX;
         fn(mr, tile, nb, xq + r * K, xd + r * nb, xs + r * nb, xh + r * 2 * nb, K,
                     y + r * ldy, ldy, ncols, xplane);
     }
