@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--levels", nargs="+", type=int, default=[2], help="activation planes (1, 2)")
     ap.add_argument("--libraries", action="store_true", help="also the torch library kernels")
+    ap.add_argument("--reps", type=int, default=None, help="calls per median (default 100 at 1 row, 15 else)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     shapes, layers = MODELS[args.model]
@@ -107,7 +108,7 @@ def main() -> None:
             rng = np.random.default_rng(N + K)
             w = rng.standard_normal((N, K), dtype=np.float32) * 0.05
             x = torch.randn(M, K)
-            reps = 100 if M == 1 else 15
+            reps = args.reps or (100 if M == 1 else 15)
             r: dict[str, float] = {}
             for name in formats:
                 qtype = Q[name]

@@ -80,7 +80,7 @@ class QuantSummary:
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni", "gguf Q4_Kx..+Q6_Kx..+Q8_0x1 avx2 (Q8_0: c)":
+        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni", "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx2":
         the formats in use and the kernel that runs them (named per format where they differ)."""
         if not self.formats:
             return f"{self.method} (no quantized tensors: float path)"

@@ -36,8 +36,8 @@
  * Q6_K's scales change every 16 weights, so its blocks are summed as two halves (groups 0-3 and
  * 4-7) against the activations' half-block sums.
  *
- * Kernels: AVX-512 VNNI, AVX2 (VPMADDUBSW; not for Q8's 8-bit codes, whose products saturate
- * int16) and portable C, chosen once at run time from what the CPU reports.
+ * Kernels: AVX-512 VNNI, AVX2 (VPMADDUBSW) and portable C, chosen once at run time from what the
+ * CPU reports.
  */
 #include <math.h>
 #include <stdint.h>
@@ -188,31 +188,36 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
 
 static void tile_portable(KERNEL_ARGS) {
     const int ub = UB(fmt), cb = CB(fmt), unit = UNIT_BYTES(fmt);
-    for (int64_t m = 0; m < rows; m++) {
-        float acc[TILE_N] = {0};
-        for (int64_t j = 0; j < nb; j++) {
-            const uint8_t *u = tile + (j / ub) * unit, *codes = u + (j % ub) * cb;
-            const float dx = xd[m * nb + j];
-            for (int n = 0; n < TILE_N; n++) {
-                float d[2], mn[2];
-                params_at(u + ub * cb, fmt, (int)(j % ub), n, d, mn);
+    float acc[M_BLOCK][TILE_N];
+    memset(acc, 0, sizeof(float) * TILE_N * (size_t)rows);
+    /* Each block's codes and parameters are decoded once per column, then applied to every row. */
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *u = tile + (j / ub) * unit, *codes = u + (j % ub) * cb;
+        for (int n = 0; n < TILE_N; n++) {
+            float d[2], mn[2];
+            params_at(u + ub * cb, fmt, (int)(j % ub), n, d, mn);
+            int32_t q[QK];
+            for (int k = 0; k < QK; k++) q[k] = code_at(codes, fmt, n, k);
+            for (int64_t m = 0; m < rows; m++) {
+                const float dx = xd[m * nb + j];
                 int32_t s[2] = {0, 0};
                 for (int l = 0; l < levels; l++) {
                     const int8_t *xb = xq + l * xplane + m * K + j * QK;
-                    int32_t sl[2] = {0, 0};
-                    for (int k = 0; k < QK; k++) sl[k >= 16] += code_at(codes, fmt, n, k) * (int32_t)xb[k];
-                    s[0] = s[0] * 256 + sl[0];
-                    s[1] = s[1] * 256 + sl[1];
+                    int32_t lo = 0, hi = 0;
+                    for (int k = 0; k < 16; k++) lo += q[k] * (int32_t)xb[k];
+                    for (int k = 16; k < QK; k++) hi += q[k] * (int32_t)xb[k];
+                    s[0] = s[0] * 256 + lo;
+                    s[1] = s[1] * 256 + hi;
                 }
                 if (fmt == TL_Q6_K)
-                    acc[n] += d[0] * dx * (float)s[0] + d[1] * dx * (float)s[1]
-                              + mn[0] * xh[m * 2 * nb + 2 * j] + mn[1] * xh[m * 2 * nb + 2 * j + 1];
+                    acc[m][n] += d[0] * dx * (float)s[0] + d[1] * dx * (float)s[1]
+                                 + mn[0] * xh[m * 2 * nb + 2 * j] + mn[1] * xh[m * 2 * nb + 2 * j + 1];
                 else
-                    acc[n] += d[0] * dx * (float)(s[0] + s[1]) + mn[0] * xs[m * nb + j];
+                    acc[m][n] += d[0] * dx * (float)(s[0] + s[1]) + mn[0] * xs[m * nb + j];
             }
         }
-        for (int n = 0; n < ncols; n++) y[m * ldy + n] = acc[n];
     }
+    for (int64_t m = 0; m < rows; m++) memcpy(y + m * ldy, acc[m], sizeof(float) * (size_t)ncols);
 }
 
 /* ------------------------------------------------------------------ AVX-512 VNNI kernel */
@@ -374,14 +379,22 @@ static void tile_avx512(KERNEL_ARGS) {
 
 /* ----------------------------------------------------------------------- AVX2 kernel */
 /* VPMADDUBSW multiplies unsigned by signed bytes into saturating int16 pairs: safe for codes up
- * to 6 bits (2 * 63 * 127 < 32767), not for Q8's 8-bit ones, which take the portable kernel.
- * Two 4-bit groups can share one int16 sum (4 * 15 * 127); wider codes are widened per group.
+ * to 6 bits (2 * 63 * 127 < 32767). Q8's 8-bit codes would saturate, so they are taken back to
+ * signed weights w and multiplied as |w| times x with w's sign (2 * 128 * 127 < 32767), with no
+ * offset left to correct. Two 4-bit groups can share one int16 sum (4 * 15 * 127); wider codes
+ * are widened per group.
  * Columns are done 8 at a time (half h of the tile); a block's codes and parameters are expanded
  * once per row block and applied to every row, accumulating in `acc`. */
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define INLINE2 static inline __attribute__((always_inline)) AVX2_TARGET
 
 INLINE2 void load_codes256(const uint8_t *c, const int fmt, int h, __m256i w[8]) {
+    if (fmt == TL_Q8) { /* signed weights */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int g = 0; g < 8; g++)
+            w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * g + 32 * h)), flip);
+        return;
+    }
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int v = 0; v < 4; v++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + 64 * v + 32 * h));
@@ -432,18 +445,22 @@ INLINE2 void params256(const uint8_t *p, const int fmt, int s, int h, __m256 d[2
     } else {
         d[0] = d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
         m[0] = m[1] = fmt == TL_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))
+                    : fmt == TL_Q8   ? _mm256_setzero_ps() /* signed weights: no offset */
                                      : _mm256_mul_ps(d[0], _mm256_set1_ps(-code_offset(fmt)));
     }
 }
 
 /* Groups g0..g1-1 of the codes times the activation codes at xb, int32 per column. */
-INLINE2 __m256i block_dot256(const __m256i w[8], const int8_t *xb, int g0, int g1, int narrow) {
+INLINE2 __m256i block_dot256(const __m256i w[8], const int8_t *xb, int g0, int g1, int narrow,
+                             int is_signed) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int g = g0; g < g1; g += 1 + narrow) {
         int32_t a4;
         memcpy(&a4, xb + 4 * g, 4);
-        __m256i p = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(a4));
+        __m256i p = is_signed
+            ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(_mm256_set1_epi32(a4), w[g]))
+            : _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(a4));
         if (narrow) {
             int32_t b4;
             memcpy(&b4, xb + 4 * (g + 1), 4);
@@ -473,10 +490,10 @@ INLINE2 void tile_avx2_body(const int FMT, KERNEL_ARGS) {
                 for (int part = 0; part < (FMT == TL_Q6_K ? 2 : 1); part++) {
                     const int g0 = FMT == TL_Q6_K ? 4 * part : 0, g1 = FMT == TL_Q6_K ? g0 + 4 : 8;
                     const int8_t *xb = xq + r * K + j * QK;
-                    __m256i s = block_dot256(w, xb, g0, g1, narrow);
+                    __m256i s = block_dot256(w, xb, g0, g1, narrow, FMT == TL_Q8);
                     if (levels == 2)
                         s = _mm256_add_epi32(_mm256_slli_epi32(s, 8),
-                                             block_dot256(w, xb + xplane, g0, g1, narrow));
+                                             block_dot256(w, xb + xplane, g0, g1, narrow, FMT == TL_Q8));
                     const float sx = FMT == TL_Q6_K ? xh[r * 2 * nb + 2 * j + part] : xs[r * nb + j];
                     a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[part], dx), a);
                     a = _mm256_fmadd_ps(mn[part], _mm256_set1_ps(sx), a);
@@ -494,13 +511,14 @@ AVX2_TARGET static void tile2_##FMT(KERNEL_ARGS) { \
 }
 DEFINE_TILE2(TL_Q4_0)
 DEFINE_TILE2(TL_Q4_1)
+DEFINE_TILE2(TL_Q8)
 DEFINE_TILE2(TL_Q5_0)
 DEFINE_TILE2(TL_Q4_K)
 DEFINE_TILE2(TL_Q5_K)
 DEFINE_TILE2(TL_Q6_K)
 
 typedef void (*tile_fn)(KERNEL_ARGS);
-static const tile_fn TILE2[TL_NFMT] = {tile2_TL_Q4_0, tile2_TL_Q4_1, tile_portable, tile2_TL_Q5_0,
+static const tile_fn TILE2[TL_NFMT] = {tile2_TL_Q4_0, tile2_TL_Q4_1, tile2_TL_Q8, tile2_TL_Q5_0,
                                        tile2_TL_Q4_K, tile2_TL_Q5_K, tile2_TL_Q6_K};
 
 /* ------------------------------------------------------------------------- dispatch */
@@ -523,8 +541,8 @@ static int detect_isa(void) {
 
 /* The kernel that runs `fmt` here (2 AVX-512 VNNI, 1 AVX2, 0 portable C). */
 int32_t tl_q_isa(int32_t fmt) {
+    (void)fmt; /* every format has every kernel */
     if (isa_level < 0) isa_level = detect_isa();
-    if (isa_level == 1 && fmt == TL_Q8) return 0;
     return isa_level;
 }
 
