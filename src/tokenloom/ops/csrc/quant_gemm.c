@@ -285,6 +285,24 @@ INLINE512 void params512(const uint8_t *p, const int fmt, int s, __m512 d[2], __
     }
 }
 
+/* Q4_K / Q5_K: a super-block's 6-bit scales and mins for all 8 sub-blocks and 16 columns at once,
+ * as bytes: out[16 s + n] = scale of sub-block s, out[128 + 16 s + n] = its min (the planes of
+ * the layout comment: per-sub-block decoding cost about as much as the block's dot products at
+ * one row). Byte-wise shifts are 16-bit shifts whose spill into the neighbour byte is masked off. */
+INLINE512 void k_scales512(const uint8_t *p, uint8_t out[256]) {
+    const __m512i l0 = _mm512_loadu_si512((const void *)(p + 64));  /* planes 0-3 */
+    const __m512i l1 = _mm512_loadu_si512((const void *)(p + 128)); /* planes 4-7 */
+    const __m512i h = _mm512_loadu_si512((const void *)(p + 192));  /* planes 8-11 */
+    const __m512i low = _mm512_set1_epi8(0x0f), b45 = _mm512_set1_epi8(0x30);
+    const __m512i lo0 = _mm512_and_si512(l0, low), lo1 = _mm512_and_si512(l1, low);
+    const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(l0, 4), low);
+    const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(l1, 4), low);
+    _mm512_storeu_si512((void *)out, _mm512_ternarylogic_epi32(lo0, _mm512_slli_epi16(h, 4), b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 64), _mm512_ternarylogic_epi32(lo1, _mm512_slli_epi16(h, 2), b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 128), _mm512_ternarylogic_epi32(hi0, h, b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 192), _mm512_ternarylogic_epi32(hi1, _mm512_srli_epi16(h, 2), b45, 0xF8));
+}
+
 /* sum over groups g0..g1-1 of codes (16 columns) times the activation codes at xb. */
 INLINE512 __m512i block_dot512(const __m512i w[8], const int8_t *xb, int g0, int g1) {
     __m512i s = _mm512_setzero_si512();
@@ -316,12 +334,29 @@ INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const
     const int ub = UB(FMT), cb = CB(FMT), unit = UNIT_BYTES(FMT);
     __m512 acc[MR_MAX];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    uint8_t kbytes[256] __attribute__((aligned(64)));
+    __m512 kd = _mm512_setzero_ps(), kdmin = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *u = tile + (j / ub) * unit;
+        const int s = (int)(j % ub);
         __m512i w[8];
-        load_codes512(u + (j % ub) * cb, FMT, w);
+        load_codes512(u + s * cb, FMT, w);
         __m512 d[2], mn[2];
-        params512(u + ub * cb, FMT, (int)(j % ub), d, mn);
+        if (FMT == TL_Q4_K || FMT == TL_Q5_K) {
+            const uint8_t *p = u + ub * cb;
+            if (s == 0) {
+                k_scales512(p, kbytes);
+                kd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+                kdmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))));
+            }
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(kbytes + 16 * s))));
+            const __m512 mm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(kbytes + 128 + 16 * s))));
+            d[0] = d[1] = _mm512_mul_ps(kd, sc);
+            mn[0] = mn[1] = _mm512_mul_ps(kdmin, mm);
+        } else {
+            params512(u + ub * cb, FMT, s, d, mn);
+        }
         #pragma GCC unroll 1
         for (int r = 0; r < MR; r++) {
             const int8_t *xb = xq + r * K + j * QK;
