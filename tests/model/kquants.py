@@ -38,7 +38,8 @@ def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
     qs = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).reshape(n, 128)
     parts = [_f16_bytes(d).reshape(n, 2), _f16_bytes(dmin).reshape(n, 2), scales]
     if bits == 5:  # byte i, bit s: the fifth bit of weight i of sub-block s
-        parts.append(((q >> 4).astype(np.uint16) << np.arange(8, dtype=np.uint16)[:, None]).sum(1).astype(np.uint8))
+        fifth = (q >> 4).astype(np.uint16) << np.arange(8, dtype=np.uint16)[:, None]
+        parts.append(fifth.sum(1).astype(np.uint8))
     return np.concatenate([*parts, qs], axis=1)
 
 

@@ -2,10 +2,11 @@
 
 Two ways in:
 - `install_gguf_quantized`: a GGUF's quantized tensors are computed as shipped (Q4_0, Q4_1,
-  Q5_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; see ops/quant.py). The float `Linear` / `Embedding` modules are swapped out before any
-  weight is copied, so their (never touched) float32 storage is freed without being written and
-  no float copy of a quantized weight exists. A tensor of a type with no kernel is dequantized
-  for that layer alone, with a warning naming the tensor and its type.
+  Q5_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; see ops/quant.py). The float `Linear` /
+  `Embedding` modules are swapped out before any weight is copied, so their (never touched)
+  float32 storage is freed without being written and no float copy of a quantized weight exists.
+  A tensor of a type with no kernel (or of a shape its kernel cannot take) is dequantized for that
+  layer alone, with a warning naming the tensor and its type.
 - `quantize_int8_`: a float model's matrices become Q8 codes with a scale per 32 weights of a row
   (int8 weights, int8 activations: the W8A8 of vLLM's CPU backend, with llama.cpp's block scales).
 

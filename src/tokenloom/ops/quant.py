@@ -148,7 +148,8 @@ def _block_codes(q: np.ndarray, fmt: int, n_pad: int) -> np.ndarray:
     parts = [_tile_codes(low, n_pad)]
     if fmt in (FMT_Q5_0, FMT_Q5_K):
         h = (q >> 4).reshape(N, nb, 8, 4).astype(np.uint16)
-        parts.append(_tile_codes((h << np.arange(8, dtype=np.uint16)[:, None]).sum(2).astype(np.uint8), n_pad))
+        bits = (h << np.arange(8, dtype=np.uint16)[:, None]).sum(2).astype(np.uint8)
+        parts.append(_tile_codes(bits, n_pad))
     elif fmt == FMT_Q6_K:
         h = (q >> 4).reshape(N, nb, 2, 4, 4).astype(np.uint16)
         shifts = (2 * np.arange(4, dtype=np.uint16))[:, None]
@@ -224,7 +225,8 @@ def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQua
             low = np.concatenate([ql.reshape(N, nu, 2, 1, 64) & 15, ql.reshape(N, nu, 2, 1, 64) >> 4], axis=3)
             top = (qh.reshape(N, nu, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
             q = low.reshape(N, nu * 8, 32) | (top.reshape(N, nu * 8, 32) << 4)
-            params = [_tile_planes(blocks[:, :, 192:208], n_pad), _tile_halves(_halves(blocks[:, :, 208:210]), n_pad)]
+            params = [_tile_planes(blocks[:, :, 192:208], n_pad),
+                      _tile_halves(_halves(blocks[:, :, 208:210]), n_pad)]
         else:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, (Q5_K: 32 B fifth bits), 128 B nibbles
             scales, mins = _k_scales(blocks[:, :, 4:16])
             q = _nibbles(blocks[:, :, -128:]).reshape(N, nu * 8, 32)
