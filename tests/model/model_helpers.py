@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Sequence
 
+import kquants
 import numpy as np
 import torch
 
@@ -258,7 +259,7 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a.astype(np.float32))
         else:
-            q = gguf.quants.quantize(a.astype(np.float32), qtype)
+            q = kquants.quantize(a.astype(np.float32), qtype)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     for name, (data, ggml_type) in (raw or {}).items():
         w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(ggml_type))

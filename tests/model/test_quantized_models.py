@@ -25,9 +25,23 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 6, 19, 70)]
 
 
-def _tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, **overrides) -> str:
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# The K-quants' rows are whole 256-weight super-blocks: hidden and FFN sizes to match (4 heads of
+# 64 for qwen3, whose head_dim sets the o_proj input).
+K_DIMS = dict(hidden_size=256, intermediate_size=512)
+QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, *K_QUANTS]
+
+
+def _dims(qtype: int, kind: str = "llama") -> dict:
+    if qtype not in K_QUANTS:
+        return {}
+    return K_DIMS | (dict(head_dim=64) if kind == "qwen3" else {})
+
+
+def _tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, qtypes: dict | None = None,
+               **overrides) -> str:
     """A 2-layer `kind` model (transformers config, random weights) written as llama.cpp would,
-    every matrix (embedding included) in `qtype`."""
+    every matrix (embedding included) in `qtype`, or per tensor name as `qtypes` says."""
     vocab = byte_vocab()
     ref = tiny_hf_model(kind, vocab_size=len(vocab), seed=seed, **overrides)
     tensors = gguf_tensors_from_hf(ref, kind)
@@ -36,7 +50,8 @@ def _tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, **overrides) -> s
                       hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
                       kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
                       head_dim=getattr(c, "head_dim", None), rope_theta=c.rope_parameters["rope_theta"],
-                      eps=c.rms_norm_eps, qtypes={n: qtype for n, t in tensors.items() if t.ndim == 2})
+                      eps=c.rms_norm_eps,
+                      qtypes={n: (qtypes or {}).get(n, qtype) for n, t in tensors.items() if t.ndim == 2})
 
 
 def _no_float_matrices(model: torch.nn.Module) -> None:
@@ -47,12 +62,12 @@ def _no_float_matrices(model: torch.nn.Module) -> None:
 CASES = [("llama", {}), ("qwen2", dict(tie_word_embeddings=True)), ("qwen3", dict(head_dim=32))]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("kind,overrides", CASES, ids=[c[0] for c in CASES])
 def test_quantized_logits_follow_the_float_path(tmp_path, kind, overrides, qtype):
     """Same file, two paths: the float path (dequantized; checked against transformers in
     test_tiny_models) and the quantized kernels, whose only extra error is the int8 activations."""
-    path = _tiny_gguf(tmp_path, kind, qtype, **overrides)
+    path = _tiny_gguf(tmp_path, kind, qtype, **(overrides | _dims(qtype, kind)))
     quantized = load_model(path)
     assert quantized.quantization.startswith(f"gguf {Q(qtype).name}x")
     _no_float_matrices(quantized.model)
@@ -76,14 +91,14 @@ def test_quantized_logits_follow_the_float_path(tmp_path, kind, overrides, qtype
 def test_unsupported_type_is_dequantized_with_a_warning(tmp_path, caplog):
     tensors = llama_tensors()
     qtypes = {n: Q.Q4_1 for n, t in tensors.items() if t.ndim == 2}
-    qtypes["blk.1.attn_v.weight"] = Q.Q5_0  # no kernel for Q5_0: this one tensor goes float
+    qtypes["blk.1.attn_v.weight"] = Q.Q5_1  # no kernel for Q5_1: this one tensor goes float
     qtypes["blk.0.ffn_down.weight"] = Q.F32  # stored unquantized: stays float, no warning
     path = write_gguf(str(tmp_path / "mixed.gguf"), "llama", tensors, block_count=LAYERS, hidden=HIDDEN, ffn=FFN,
                       heads=HEADS, kv_heads=KV, qtypes=qtypes)
     with caplog.at_level(logging.WARNING, logger="tokenloom.model.quant_linear"):
         loaded = load_model(path)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "blk.1.attn_v.weight" in warnings[0] and "Q5_0" in warnings[0]
+    assert len(warnings) == 1 and "blk.1.attn_v.weight" in warnings[0] and "Q5_1" in warnings[0]
     assert "dequantized: 1 tensors" in loaded.quantization
     qkv = loaded.model.layers[1].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and len(qkv.parts) == 3  # Q4_1 | Q4_1 | float
@@ -112,26 +127,53 @@ def test_quantization_option_errors(tmp_path, smollm2_path):
     EngineConfig(quantization=None).validate()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-def test_tiny_gguf_through_the_engine(tmp_path, qtype):
-    """LLM on a tiny GGUF of each type, engine core in its own process: EngineInfo says which
-    path ran, and greedy tokens are the argmax of the quantized model's own logits."""
+def _engine_greedy(path: str, prompt: list[int]) -> tuple[str, list[int]]:
     from tokenloom import LLM, SamplingParams
 
-    path = _tiny_gguf(tmp_path, "llama", qtype, seed=3)
-    prompt = _prompts(258)[2]
     with LLM(path, num_kv_blocks=16, max_num_batched_tokens=64) as llm:
         info = llm.llm_engine.engine_core.info
         out = llm.generate([{"prompt_token_ids": prompt}],
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert info.quantization.startswith(f"gguf {Q(qtype).name}x")
-    tokens = out[0].outputs[0].token_ids
-    assert len(tokens) == 6
-    loaded = load_model(path)
+    return info.quantization, list(out[0].outputs[0].token_ids)
+
+
+def _greedy(loaded, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
-    for tok in tokens:
-        assert int(run_flat_batch(loaded, [seq])[0].argmax()) == tok
-        seq.append(tok)
+    for _ in range(n):
+        seq.append(int(run_flat_batch(loaded, [seq])[0].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_tiny_gguf_through_the_engine(tmp_path, qtype):
+    """LLM on a tiny GGUF of each type, engine core in its own process: EngineInfo says which
+    path ran, greedy tokens are the argmax of the quantized model's own logits, and the same
+    as the dequantized float path's (quantization=None) on the same file."""
+    path = _tiny_gguf(tmp_path, "llama", qtype, seed=3, **_dims(qtype))
+    prompt = _prompts(258)[2]
+    quantization, tokens = _engine_greedy(path, prompt)
+    assert quantization.startswith(f"gguf {Q(qtype).name}x")
+    assert len(tokens) == 6
+    assert tokens == _greedy(load_model(path), prompt, 6)
+    assert tokens == _greedy(load_model(path, dtype="float32", quantization=None), prompt, 6)
+
+
+def test_q4_k_m_mix_through_the_engine(tmp_path):
+    """A llama.cpp Q4_K_M-style file: Q4_K matrices, Q6_K attn_v / ffn_down and LM head, a Q8_0
+    embedding: each tensor computed in its own format, EngineInfo naming all of them."""
+    mix = {n: Q.Q6_K for n in ("blk.0.attn_v.weight", "blk.1.attn_v.weight", "blk.0.ffn_down.weight",
+                               "blk.1.ffn_down.weight", "output.weight")}
+    mix |= {"token_embd.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q5_K, "blk.1.attn_output.weight": Q.Q5_0}
+    path = _tiny_gguf(tmp_path, "llama", Q.Q4_K, seed=4, qtypes=mix, **K_DIMS)
+    loaded = load_model(path)
+    assert loaded.quantization.startswith("gguf Q4_Kx8+Q5_0x1+Q5_Kx1+Q6_Kx5+Q8_0x1 ")
+    _no_float_matrices(loaded.model)
+    qkv = loaded.model.layers[0].self_attn.qkv_proj
+    assert [p.format_name for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]  # mixed: kept apart
+    prompt = _prompts(258)[1]
+    quantization, tokens = _engine_greedy(path, prompt)
+    assert quantization == loaded.quantization
+    assert tokens == _greedy(load_model(path, dtype="float32", quantization=None), prompt, 6)
 
 
 def test_int8_path_for_a_float_checkpoint(tmp_path):

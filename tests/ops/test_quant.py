@@ -1,19 +1,34 @@
 """The quantized matmul kernels (ops/quant.py, csrc/quant_gemm.c) against a float64 reference:
-random weights quantized by gguf's own quantizer (gguf.quants), every format on every kernel this
-CPU can run (AVX-512 VNNI, AVX2, portable C)."""
+random weights quantized by gguf's own quantizer (gguf.quants; for the K-quants, which it can only
+dequantize, tests/model/kquants.py, and random block bytes), every format on every kernel this CPU
+can run (AVX-512 VNNI, AVX2, portable C)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from tokenloom.ops import cpu_kernels, quant
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))  # the K-quant quantizer
+import kquants  # noqa: E402
+
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+BLOCK_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0]
+K_FORMATS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FORMATS = BLOCK_FORMATS + K_FORMATS
+# (M, N, K): odd row counts (the 4-row kernels' tails), N not a multiple of 16, several K blocks.
+BLOCK_SHAPES = [(1, 16, 32), (1, 40, 64), (3, 48, 96), (7, 100, 576), (70, 96, 160)]
+K_SHAPES = [(1, 16, 256), (3, 40, 512), (7, 100, 768), (70, 24, 256)]
+CASES = [(t, *shape) for t in BLOCK_FORMATS for shape in BLOCK_SHAPES] + \
+        [(t, *shape) for t in K_FORMATS for shape in K_SHAPES]
 
 
 def _kernels() -> list[str]:
@@ -54,15 +69,14 @@ def _reference(x: np.ndarray, w: np.ndarray, levels: int) -> np.ndarray:
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
-@pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 40, 64), (3, 48, 96), (7, 100, 576), (70, 96, 160)])
-def test_matmul_matches_float64_reference(kernel, qtype, M, N, K, levels):
-    rng = np.random.default_rng(M * 1000 + N + K)
-    w = rng.standard_normal((N, K), dtype=np.float32)
-    raw = quants.quantize(w, qtype)
+def _check_matmul(raw: np.ndarray, qtype: Q, M: int, levels: int, seed: int) -> None:
+    """The kernel on GGUF blocks `raw` against float64 on what gguf says the weight is."""
+    rng = np.random.default_rng(seed)
+    N = raw.shape[0]
     w_deq = quants.dequantize(raw, qtype)  # what the file says the weight is
+    K = w_deq.shape[1]
     tw = quant.tile_gguf(raw, qtype)
+    # The repack has the file's bytes, plus zero rows up to whole tiles of 16.
     assert tw.format_name == qtype.name and tw.nbytes == -(-N // 16) * 16 * raw.shape[1]
     x = rng.standard_normal((M, K), dtype=np.float32)
     got = quant.qlinear(torch.from_numpy(x), tw, act_levels=levels).double().numpy()
@@ -75,31 +89,71 @@ def test_matmul_matches_float64_reference(kernel, qtype, M, N, K, levels):
     assert np.abs(got - plain).max() <= (0.02 if levels == 1 else 5e-5) * scale
 
 
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("qtype,M,N,K", CASES, ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_matmul_matches_float64_reference(kernel, qtype, M, N, K, levels):
+    rng = np.random.default_rng(M * 1000 + N + K)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    raw = kquants.quantize(w, qtype)
+    # The quantizer's blocks stand for the weight (so the tiny models below mean something).
+    assert np.abs(quants.dequantize(raw, qtype) - w).max() < 0.4
+    _check_matmul(raw, qtype, M, levels, seed=K)
+
+
+def _random_blocks(rng: np.random.Generator, qtype: Q, N: int, K: int) -> np.ndarray:
+    """Any bytes are valid K-quant blocks once their fp16 super-block scales are finite: every
+    code, 6-bit scale and min (Q6_K: signed scale) pattern the format can hold."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    scales = (rng.random((N, K // block, 2)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = scales[..., 0:2]
+    else:  # d, dmin
+        raw[..., 0:4] = scales
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype", K_FORMATS, ids=lambda t: t.name)
+def test_k_quants_on_random_block_bytes(kernel, qtype):
+    rng = np.random.default_rng(11)
+    for levels in (1, 2):
+        _check_matmul(_random_blocks(rng, qtype, 37, 512), qtype, 5, levels, seed=1)
+        _check_matmul(_random_blocks(rng, qtype, 16, 256), qtype, 66, levels, seed=2)
+
+
+def test_k_quant_shape_errors_name_the_tensor():
+    raw = np.zeros((16, 100), np.uint8)  # not whole 144-byte super-blocks
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight: Q4_K rows must be whole 256-weight"):
+        quant.tile_gguf(raw, Q.Q4_K, "blk.0.ffn_down.weight")
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_bias_leading_dims_and_empty_input(kernel, qtype):
     rng = np.random.default_rng(5)
-    w = rng.standard_normal((24, 64), dtype=np.float32)
-    raw = quants.quantize(w, qtype)
+    w = rng.standard_normal((24, 256 if qtype in K_FORMATS else 64), dtype=np.float32)
+    raw = kquants.quantize(w, qtype)
     tw = quant.tile_gguf(raw, qtype)
-    x = torch.from_numpy(rng.standard_normal((2, 3, 64), dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((2, 3, w.shape[1]), dtype=np.float32))
     bias = torch.arange(24, dtype=torch.float32)
+    K = w.shape[1]
     got = quant.qlinear(x, tw, bias)
-    plain = quant.qlinear(x.reshape(6, 64), tw).reshape(2, 3, 24)
+    plain = quant.qlinear(x.reshape(6, K), tw).reshape(2, 3, 24)
     assert got.shape == (2, 3, 24) and torch.allclose(got, plain + bias)
-    assert quant.qlinear(torch.empty(0, 64), tw).shape == (0, 24)
-    with pytest.raises(ValueError, match="64"):
+    assert quant.qlinear(torch.empty(0, K), tw).shape == (0, 24)
+    with pytest.raises(ValueError, match=str(K)):
         quant.qlinear(torch.zeros(1, 32), tw)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_embedding_rows_are_the_dequantized_rows(qtype):
     rng = np.random.default_rng(9)
-    w = rng.standard_normal((50, 96), dtype=np.float32)
-    raw = quants.quantize(w, qtype)
+    K = 512 if qtype in K_FORMATS else 96
+    w = rng.standard_normal((50, K), dtype=np.float32)
+    raw = kquants.quantize(w, qtype)
     tw = quant.tile_gguf(raw, qtype)
     ids = torch.tensor([[0, 49, 17], [17, 3, 48]])
     got = quant.dequant_rows(tw, ids)
-    assert got.shape == (2, 3, 96)
+    assert got.shape == (2, 3, K)
     expected = quants.dequantize(raw, qtype)[ids.numpy()]
     assert np.array_equal(got.numpy(), expected)
     with pytest.raises(IndexError, match="out of range"):
@@ -135,5 +189,5 @@ def test_fused_rows_and_unsupported_type():
     assert torch.equal(quant.qlinear(x, fused), torch.cat([quant.qlinear(x, p) for p in parts], dim=1))
     other = quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q8_0), Q.Q8_0)
     assert quant.concat_rows([parts[0], other]) is None
-    with pytest.raises(ValueError, match="Q5_0"):
-        quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q5_0), Q.Q5_0)
+    with pytest.raises(ValueError, match="Q5_1"):
+        quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q5_1), Q.Q5_1)

@@ -25,8 +25,8 @@ class LLM:
     matmuls run at about half float32 speed) and bfloat16 on CUDA; `kv_cache_dtype="bfloat16"`
     keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
     K/V rounded to bfloat16). `quantization="auto"` computes a GGUF with its quantized weights
-    (Q4_0, Q4_1, Q8_0; as llama.cpp does), `"int8"` quantizes any model's matrices to int8 at load,
-    and `None` is the float path (a GGUF dequantized, as transformers does). `multiprocess=True` runs the
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; as llama.cpp does), `"int8"` quantizes any
+    model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `multiprocess=True` runs the
     engine core in a child process; `False` runs it in this process (debugging).
     """
 

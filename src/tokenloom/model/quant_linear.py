@@ -2,10 +2,11 @@
 
 Two ways in:
 - `install_gguf_quantized`: a GGUF's quantized tensors are computed as shipped (Q4_0, Q4_1,
-  Q8_0; see ops/quant.py). The float `Linear` / `Embedding` modules are swapped out before any
-  weight is copied, so their (never touched) float32 storage is freed without being written and
-  no float copy of a quantized weight exists. A tensor of a type with no kernel is dequantized
-  for that layer alone, with a warning naming the tensor and its type.
+  Q5_0, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; see ops/quant.py). The float `Linear` /
+  `Embedding` modules are swapped out before any weight is copied, so their (never touched)
+  float32 storage is freed without being written and no float copy of a quantized weight exists.
+  A tensor of a type with no kernel (or of a shape its kernel cannot take) is dequantized for that
+  layer alone, with a warning naming the tensor and its type.
 - `quantize_int8_`: a float model's matrices become Q8 codes with a scale per 32 weights of a row
   (int8 weights, int8 activations: the W8A8 of vLLM's CPU backend, with llama.cpp's block scales).
 
@@ -80,12 +81,17 @@ class QuantSummary:
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni"."""
+        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni", "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx2":
+        the formats in use and the kernel that runs them (named per format where they differ)."""
         if not self.formats:
             return f"{self.method} (no quantized tensors: float path)"
-        fmts = "+".join(f"{k}x{v}" for k, v in sorted(self.formats.items()))
-        isa = quant.kernel_isa(quant.FMT_Q4_1)
-        text = f"{self.method} {fmts} {isa}"
+        names = sorted(self.formats)
+        fmts = "+".join(f"{k}x{self.formats[k]}" for k in names)
+        codes = {v: k for k, v in quant.FORMAT_NAMES.items()}
+        isas = {k: quant.kernel_isa(codes[k]) for k in names}
+        main = Counter(isas.values()).most_common(1)[0][0]
+        odd = ", ".join(f"{k}: {v}" for k, v in isas.items() if v != main)
+        text = f"{self.method} {fmts} {main}" + (f" ({odd})" if odd else "")
         if self.fallbacks:
             text += f"; dequantized: {len(self.fallbacks)} tensors"
         return text
@@ -108,16 +114,21 @@ class _GGUFParts:
         heads = None
         if c.architecture == "llama" and info.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in info.name else c.num_key_value_heads
+        reason = f"no quantized kernel for {info.type_name}"
         if info.ggml_type in quant.GGML_FORMATS:
             raw = self.g.raw(info)
             if heads is not None:
                 raw = _permute_rows(raw, heads)
-            w = quant.tile_gguf(raw, info.ggml_type)
-            self.summary.formats[w.format_name] += 1
-            return w
+            try:
+                w = quant.tile_gguf(raw, info.ggml_type, info.name)
+            except ValueError as exc:  # a shape the kernel cannot take
+                reason = str(exc).removeprefix(f"{info.name}: ")
+            else:
+                self.summary.formats[w.format_name] += 1
+                return w
         if info.ggml_type not in _FLOAT_TYPES:
-            logger.warning("%s: no quantized kernel for %s; this tensor is dequantized to float32 "
-                           "(%.1f MB)", info.name, info.type_name, np.prod(info.shape) * 4 / 1e6)
+            logger.warning("%s: %s; this tensor is dequantized to float32 (%.1f MB)", info.name,
+                           reason, np.prod(info.shape) * 4 / 1e6)
             self.summary.fallbacks.append(f"{info.name} ({info.type_name})")
         t = _to_torch(self.g, info).float()
         if heads is not None:

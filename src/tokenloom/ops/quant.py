@@ -1,16 +1,18 @@
 """Block-quantized weights and their matmul on the CPU (csrc/quant_gemm.c).
 
-A `TiledQuantWeight` holds an [N, K] weight as 4- or 8-bit codes with one fp16 scale (and for
-Q4_1 one fp16 min) per 32 weights, rearranged from the GGUF's row-major blocks into tiles of 16
-output columns so that one AVX-512 VNNI instruction multiplies 4 inputs into 16 columns (the
-layout is described in the C source). The rearrangement is a byte permutation: the tiled weight
-has exactly the GGUF's bytes per weight (Q4_0 18, Q4_1 20, Q8_0 34 per 32 weights), plus zero
-rows padding N to a multiple of 16.
+A `TiledQuantWeight` holds an [N, K] weight as 4- to 8-bit codes with their scales, rearranged
+from the GGUF's row-major blocks into tiles of 16 output columns so that one AVX-512 VNNI
+instruction multiplies 4 inputs into 16 columns (the layout is described in the C source). The
+rearrangement moves bits, never widens them: the tiled weight has exactly the GGUF's bytes per
+weight (Q4_0 18, Q4_1 20, Q5_0 22, Q8_0 34 per 32 weights; Q4_K 144, Q5_K 176, Q6_K 210 per 256),
+plus zero rows padding N to a multiple of 16.
 
-Formats: the GGUF's Q4_0, Q4_1 and Q8_0 as shipped, and Q8 codes made from a float weight at load
-(`quantize_q8`: the int8 path for float checkpoints; a scale per 32 weights of a row, which is
-Q8_0). The matmul quantizes the activations per 32-element block to int8 (llama.cpp's Q8_0
-activations) and runs integer dot products; see `qlinear`.
+Formats: the GGUF's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K as shipped, and Q8 codes made
+from a float weight at load (`quantize_q8`: the int8 path for float checkpoints; a scale per 32
+weights of a row, which is Q8_0). The matmul quantizes the activations per 32-element block to
+int8 (llama.cpp's Q8_0 activations) and runs integer dot products; see `qlinear`. The K-quants'
+32-weight sub-blocks (16 for Q6_K's scales) line up with those activation blocks, so their
+super-block scales are applied per block like any other format's.
 """
 from __future__ import annotations
 
@@ -24,12 +26,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from tokenloom.ops import cpu_kernels
 
 QK = 32  # weights per block
+QK_K = 256  # weights per K-quant super-block
 TILE_N = 16  # output columns per tile
 # Format ids of csrc/quant_gemm.c.
-FMT_Q4_0, FMT_Q4_1, FMT_Q8 = 0, 1, 2
-FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8: "Q8_0"}
+FMT_Q4_0, FMT_Q4_1, FMT_Q8, FMT_Q5_0, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = range(7)
+FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8: "Q8_0", FMT_Q5_0: "Q5_0",
+                FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
 # GGUF tensor types computed as shipped, and their kernel format.
-GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q8}
+GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q8,
+                int(Q.Q5_0): FMT_Q5_0, int(Q.Q4_K): FMT_Q4_K, int(Q.Q5_K): FMT_Q5_K,
+                int(Q.Q6_K): FMT_Q6_K}
+_K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "c"}
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
@@ -81,7 +88,8 @@ def limit_isa(name: str | None) -> str:
 
 @dataclass(eq=False)
 class TiledQuantWeight:
-    """An [N, K] weight in the tiled layout; `data` is uint8 [ceil(N/16), K/32, record bytes]."""
+    """An [N, K] weight in the tiled layout; `data` is uint8 [ceil(N/16), units, unit bytes], a
+    unit being a 32-weight block (a 256-weight super-block for the K-quants) of 16 columns."""
 
     fmt: int
     data: torch.Tensor
@@ -116,30 +124,123 @@ def _tile_halves(h: np.ndarray, n_pad: int) -> np.ndarray:
     return t.view(np.uint8).reshape(n_pad // TILE_N, nb, 2 * TILE_N)
 
 
-def tile_gguf(raw: np.ndarray, ggml_type: int) -> TiledQuantWeight:
-    """A GGUF tensor's bytes, uint8 [N, K/32 * block bytes] (`GGUFFile.raw`), -> tiled weight."""
+def _tile_planes(a: np.ndarray, n_pad: int) -> np.ndarray:
+    """bytes [N, units, P] (P per-column parameter bytes) -> [tiles, units, P * 16], byte plane p
+    holding the 16 columns' byte p (so one 16-byte load gives a parameter for every column)."""
+    N, nu, P = a.shape
+    if n_pad != N:
+        a = np.concatenate([a, np.zeros((n_pad - N, nu, P), np.uint8)])
+    t = a.reshape(n_pad // TILE_N, TILE_N, nu, P).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(t).reshape(n_pad // TILE_N, nu, P * TILE_N)
+
+
+def _halves(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] little-endian fp16 bytes -> float16 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _block_codes(q: np.ndarray, fmt: int, n_pad: int) -> np.ndarray:
+    """Unsigned codes uint8 [N, nb, 32] of 4 to 6 bits -> the tiled code bytes [tiles, nb, code
+    bytes]: the low nibbles in Q4_0's byte order, then Q5's fifth bits (byte b, bit g = k 4g+b)
+    or Q6_K's top two bits (word g >> 2, byte b, bits 2(g & 3) for k = 4g + b)."""
+    N, nb, _ = q.shape
+    low = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+    parts = [_tile_codes(low, n_pad)]
+    if fmt in (FMT_Q5_0, FMT_Q5_K):
+        h = (q >> 4).reshape(N, nb, 8, 4).astype(np.uint16)
+        bits = (h << np.arange(8, dtype=np.uint16)[:, None]).sum(2).astype(np.uint8)
+        parts.append(_tile_codes(bits, n_pad))
+    elif fmt == FMT_Q6_K:
+        h = (q >> 4).reshape(N, nb, 2, 4, 4).astype(np.uint16)
+        shifts = (2 * np.arange(4, dtype=np.uint16))[:, None]
+        parts.append(_tile_codes((h << shifts).sum(3).astype(np.uint8).reshape(N, nb, 8), n_pad))
+    return np.concatenate(parts, axis=2)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., 32 * c] of K-quant nibbles (chunk of 32 bytes: one sub-block in the low, the
+    next in the high nibbles) -> codes [..., 2c, 32]."""
+    *lead, n = qs.shape
+    qs = qs.reshape(*lead, n // 32, 1, 32)
+    return np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*lead, 2 * (n // 32), 32)
+
+
+def _k_scales(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes [..., 12] -> 6-bit scales and mins, each [..., 8]: bytes 0-3
+    hold scales 0-3 (low 6 bits) and the top bits of scales 4-7, bytes 4-7 the same for the
+    mins, bytes 8-11 the low nibbles of scales 4-7 (low) and mins 4-7 (high)."""
+    a, b, c = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]
+    scales = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _k_scale_planes(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins [N, units, 8] -> the 12 per-column bytes the kernels read: byte s <
+    8 = scale s low nibble | min s low nibble << 4; byte 8 + i = the top two bits of scale i,
+    scale i + 4, min i, min i + 4 (bits 0-1, 2-3, 4-5, 6-7)."""
+    low = (scales & 15) | ((mins & 15) << 4)
+    hs, hm = scales >> 4, mins >> 4
+    high = hs[..., :4] | (hs[..., 4:] << 2) | (hm[..., :4] << 4) | (hm[..., 4:] << 6)
+    return np.concatenate([low, high], axis=-1).astype(np.uint8)
+
+
+def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQuantWeight:
+    """A GGUF tensor's bytes, uint8 [N, K/32 * block bytes] (`GGUFFile.raw`), -> tiled weight.
+    `name` is the tensor's, for errors."""
     fmt = GGML_FORMATS.get(int(ggml_type))
     if fmt is None:
-        raise ValueError(f"no quantized kernel for {Q(ggml_type).name}")
+        raise ValueError(f"{name}: no quantized kernel for {Q(ggml_type).name}")
     block, type_size = GGML_QUANT_SIZES[Q(ggml_type)]
     N = raw.shape[0]
-    nb = raw.shape[1] // type_size
-    blocks = np.ascontiguousarray(raw).reshape(N, nb, type_size)
+    if raw.ndim != 2 or raw.shape[1] % type_size:
+        raise ValueError(f"{name}: {Q(ggml_type).name} rows must be whole {block}-weight blocks of "
+                         f"{type_size} bytes, got {raw.shape[-1]} bytes per row")
+    nu = raw.shape[1] // type_size  # units: blocks, or super-blocks for the K-quants
+    blocks = np.ascontiguousarray(raw).reshape(N, nu, type_size)
     n_pad = -(-N // TILE_N) * TILE_N
-    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]
     parts = []
-    if fmt == FMT_Q8:
-        parts.append(_tile_codes(blocks[:, :, 2:] ^ np.uint8(0x80), n_pad))
-    elif fmt == FMT_Q4_0:
-        parts.append(_tile_codes(blocks[:, :, 2:], n_pad))
+    if fmt in (FMT_Q4_0, FMT_Q4_1, FMT_Q8):
+        d = _halves(blocks[:, :, 0:2])
+        if fmt == FMT_Q8:
+            parts.append(_tile_codes(blocks[:, :, 2:] ^ np.uint8(0x80), n_pad))
+        elif fmt == FMT_Q4_0:
+            parts.append(_tile_codes(blocks[:, :, 2:], n_pad))
+        else:
+            parts.append(_tile_codes(blocks[:, :, 4:], n_pad))
+        parts.append(_tile_halves(d, n_pad))
+        if fmt == FMT_Q4_1:
+            parts.append(_tile_halves(_halves(blocks[:, :, 2:4]), n_pad))
+    elif fmt == FMT_Q5_0:  # d, 32 fifth bits (bit i = element i), 16 bytes of nibbles
+        qh = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        qs = blocks[:, :, 6:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (high << 4)
+        parts += [_block_codes(q, fmt, n_pad), _tile_halves(_halves(blocks[:, :, 0:2]), n_pad)]
     else:
-        parts.append(_tile_codes(blocks[:, :, 4:], n_pad))
-    parts.append(_tile_halves(d, n_pad))
-    if fmt == FMT_Q4_1:
-        parts.append(_tile_halves(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0],
-                                  n_pad))
+        if fmt == FMT_Q6_K:  # 128 B low nibbles, 64 B top bit pairs, 16 int8 scales, d
+            ql, qh = blocks[:, :, :128], blocks[:, :, 128:192]
+            # 128-weight halves: nibbles of bytes 0-63 low/high are weights 0-63 / 64-127; bit
+            # pair r of qh bytes 0-31 is weights 32r .. 32r + 31.
+            low = np.concatenate([ql.reshape(N, nu, 2, 1, 64) & 15, ql.reshape(N, nu, 2, 1, 64) >> 4], axis=3)
+            top = (qh.reshape(N, nu, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+            q = low.reshape(N, nu * 8, 32) | (top.reshape(N, nu * 8, 32) << 4)
+            params = [_tile_planes(blocks[:, :, 192:208], n_pad),
+                      _tile_halves(_halves(blocks[:, :, 208:210]), n_pad)]
+        else:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, (Q5_K: 32 B fifth bits), 128 B nibbles
+            scales, mins = _k_scales(blocks[:, :, 4:16])
+            q = _nibbles(blocks[:, :, -128:]).reshape(N, nu * 8, 32)
+            if fmt == FMT_Q5_K:  # bit s of byte i: weight i of sub-block s
+                qh = blocks[:, :, 16:48]
+                high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+                q = q | (high.reshape(N, nu * 8, 32) << 4)
+            params = [_tile_halves(_halves(blocks[:, :, 0:2]), n_pad),
+                      _tile_halves(_halves(blocks[:, :, 2:4]), n_pad),
+                      _tile_planes(_k_scale_planes(scales, mins), n_pad)]
+        codes = _block_codes(q, fmt, n_pad).reshape(n_pad // TILE_N, nu, -1)
+        parts += [codes, *params]
     data = np.concatenate(parts, axis=2)
-    return TiledQuantWeight(fmt, torch.from_numpy(data), N, nb * block)
+    return TiledQuantWeight(fmt, torch.from_numpy(data), N, nu * block)
 
 
 def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:

@@ -1,27 +1,43 @@
-/* Matmuls on block-quantized weights (GGUF Q4_0, Q4_1, Q8_0 and the int8 path), in llama.cpp's
- * manner: activations are quantized per 32-element block to int8 and multiplied with the weights'
- * integer codes, so a weight is read as 4 or 8 bits and never widened to float in memory.
+/* Matmuls on block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q8_0, the K-quants Q4_K, Q5_K,
+ * Q6_K, and the int8 path), in llama.cpp's manner: activations are quantized per 32-element
+ * block to int8 and multiplied with the weights' integer codes, so a weight is read as 4 to 8
+ * bits and never widened to float in memory.
  *
  * Weight layout ("tiled", written by ops/quant.py's repack, the same bytes per weight as the GGUF):
- * rows are grouped in tiles of 16 output columns (n); per tile and per 32-wide block j of K one
- * record:
- *   codes  8 groups g of 4 consecutive k (k = 4g + b) x 16 columns x 4 bytes, i.e. one 64-byte
- *          vector per g whose 32-bit lane n holds column n's 4 codes. Q8 codes are the int8 values
- *          XOR 0x80 (unsigned, offset 128); Q4 codes are nibbles, the vector of g in 0..3 holding
- *          group g in the low and group g+4 in the high nibbles (256 bytes; this is exactly the
- *          GGUF byte order per column, where byte i holds elements i and i + 16).
- *   scale  16 x fp16 d (one per column)
- *   min    16 x fp16 m (Q4_1 only)
- * so a weight is w = d * (q - offset) (offset 8 for Q4_0, 128 for Q8) or d * q + m (Q4_1).
+ * rows are grouped in tiles of 16 output columns (n); a tile is a run of units, a unit being one
+ * 32-wide block of K (Q4_0, Q4_1, Q5_0, Q8) or one 256-wide super-block of 8 such blocks
+ * (K-quants). A unit holds the codes of its blocks, then its parameters.
+ *   codes of a block: 8 groups g of 4 consecutive k (k = 4g + b) x 16 columns x 4 bytes, i.e.
+ *     one 64-byte vector per g whose 32-bit lane n holds column n's 4 codes:
+ *     - Q8: the int8 values XOR 0x80 (unsigned, offset 128), 8 vectors (512 bytes);
+ *     - 4-bit low parts: 4 vectors, vector v holding group v in the low and group v + 4 in the
+ *       high nibbles (256 bytes; the GGUF Q4_0 byte order per column: byte i = elements i, i+16);
+ *     - Q5_0 / Q5_K add one vector of fifth bits: lane n's byte b has bit g = bit 4 of k = 4g+b
+ *       (64 bytes), so group g's bits are one shift and mask away;
+ *     - Q6_K adds two vectors of the top two bits: vector (g >> 2), lane n's byte b, bits
+ *       2(g & 3) .. 2(g & 3) + 1 for k = 4g + b (128 bytes).
+ *   parameters of a unit, per column (16 lanes each):
+ *     Q4_0 / Q8 / Q5_0: fp16 d                        w = d (q - 8 | 128 | 16)
+ *     Q4_1:             fp16 d, fp16 m                w = d q + m
+ *     Q4_K / Q5_K:      fp16 d, fp16 dmin, then 12 byte planes of 16 columns: plane s < 8 holds
+ *                       sub-block s's 6-bit scale (low nibble) and min (high nibble) low bits,
+ *                       plane 8 + i the top two bits of scale i, scale i+4, min i, min i+4
+ *                                                     w = d sc_s q - dmin m_s
+ *     Q6_K:             16 byte planes of int8 scales (one per 16 weights), fp16 d
+ *                                                     w = d sc_h (q - 32)
+ * so every unit has exactly 16 times the GGUF block's bytes (Q4_K 144, Q5_K 176, Q6_K 210 per
+ * 256 weights; Q5_0 22 per 32): only the scales' bits are re-arranged, never widened.
  *
  * With x quantized per block as x = dx * xq, a block's contribution to y[m][n] is
- *   d * dx * sum(q * xq)  +  (m or -offset * d) * dx * sum(xq),
+ *   d * dx * sum(q * xq)  +  (min or -offset * d) * dx * sum(xq),
  * and sum(q * xq) is an unsigned-by-signed byte dot product: one VPDPBUSD per group of 4 k for all
  * 16 columns at once, with the activation's 4 bytes broadcast. The per-column scaling of a block
  * is then one vector multiply-add, with no horizontal sums (the reason for the column tiles).
+ * Q6_K's scales change every 16 weights, so its blocks are summed as two halves (groups 0-3 and
+ * 4-7) against the activations' half-block sums.
  *
- * Kernels: AVX-512 VNNI, AVX2 (VPMADDUBSW; used only for Q4 codes, whose products cannot saturate
- * int16) and portable C, chosen once at run time from what the CPU reports.
+ * Kernels: AVX-512 VNNI, AVX2 (VPMADDUBSW) and portable C, chosen once at run time from what the
+ * CPU reports.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,16 +45,29 @@
 #include <string.h>
 #include <immintrin.h>
 
-enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2 };
+enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2, TL_Q5_0 = 3, TL_Q4_K = 4, TL_Q5_K = 5, TL_Q6_K = 6,
+       TL_NFMT = 7 };
 #define TILE_N 16
 #define QK 32
 #define M_BLOCK 64 /* activation rows per pass over a weight tile (kept in L2) */
+#define MR_MAX 16  /* rows per expansion of a block's codes and scales (AVX-512 kernel) */
 
-static int code_bytes(int fmt) { return fmt == TL_Q8 ? 8 * 64 : 4 * 64; }
-static int record_bytes(int fmt) { return code_bytes(fmt) + (fmt == TL_Q4_1 ? 64 : 32); }
-static float code_offset(int fmt) { return fmt == TL_Q8 ? 128.0f : fmt == TL_Q4_0 ? 8.0f : 0.0f; }
+/* 32-blocks per unit, code bytes per block, parameter bytes per unit (16 columns). */
+static const int UNIT_BLOCKS[TL_NFMT] = {1, 1, 1, 1, 8, 8, 8};
+static const int CODE_BYTES[TL_NFMT] = {256, 256, 512, 320, 256, 320, 384};
+static const int PARAM_BYTES[TL_NFMT] = {32, 64, 32, 32, 256, 256, 288};
+#define UB(f) UNIT_BLOCKS[f]
+#define CB(f) CODE_BYTES[f]
+#define UNIT_BYTES(f) (UNIT_BLOCKS[f] * CODE_BYTES[f] + PARAM_BYTES[f])
 
-int64_t tl_q_record_bytes(int32_t fmt) { return record_bytes(fmt); }
+static float code_offset(int fmt) {
+    return fmt == TL_Q8 ? 128.0f : fmt == TL_Q4_0 ? 8.0f : fmt == TL_Q5_0 ? 16.0f : 0.0f;
+}
+
+/* Bytes of one unit of 16 columns, and the 32-blocks in a unit (K must be a multiple of 32
+ * times that). */
+int64_t tl_q_record_bytes(int32_t fmt) { return UNIT_BYTES(fmt); }
+int32_t tl_q_unit_blocks(int32_t fmt) { return UB(fmt); }
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -60,12 +89,42 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* The code of column n, element k of a block record. */
-static inline int code_at(const uint8_t *rec, int fmt, int n, int k) {
-    int g = k / 4, b = k % 4;
-    if (fmt == TL_Q8) return rec[64 * g + 4 * n + b];
-    uint8_t byte = rec[64 * (g & 3) + 4 * n + b];
-    return g < 4 ? (byte & 0x0f) : (byte >> 4);
+static inline float half_at(const uint8_t *p, int i) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return half_to_float(h);
+}
+
+/* The code (unsigned) of column n, element k of a block's codes. */
+static inline int code_at(const uint8_t *codes, int fmt, int n, int k) {
+    const int g = k / 4, b = k % 4;
+    if (fmt == TL_Q8) return codes[64 * g + 4 * n + b];
+    const uint8_t byte = codes[64 * (g & 3) + 4 * n + b];
+    int q = g < 4 ? (byte & 0x0f) : (byte >> 4);
+    if (fmt == TL_Q5_0 || fmt == TL_Q5_K) q |= ((codes[256 + 4 * n + b] >> g) & 1) << 4;
+    if (fmt == TL_Q6_K) q |= ((codes[256 + 64 * (g >> 2) + 4 * n + b] >> (2 * (g & 3))) & 3) << 4;
+    return q;
+}
+
+/* Column n's scale and min of sub-block s of a unit (params at p): w = d[h] q + m[h], h the
+ * 16-weight half of the block (the same for both halves except in Q6_K). */
+static void params_at(const uint8_t *p, int fmt, int s, int n, float d[2], float m[2]) {
+    if (fmt == TL_Q4_K || fmt == TL_Q5_K) {
+        const int lo = p[64 + 16 * s + n], hi = p[64 + 16 * (8 + (s & 3)) + n], sh = 2 * (s >> 2);
+        const int sc = (lo & 15) | (((hi >> sh) & 3) << 4);
+        const int mn = (lo >> 4) | (((hi >> (sh + 4)) & 3) << 4);
+        d[0] = d[1] = half_at(p, n) * (float)sc;
+        m[0] = m[1] = -(half_at(p + 32, n) * (float)mn);
+    } else if (fmt == TL_Q6_K) {
+        const float dd = half_at(p + 256, n);
+        for (int h = 0; h < 2; h++) {
+            d[h] = dd * (float)(int8_t)p[16 * (2 * s + h) + n];
+            m[h] = -32.0f * d[h];
+        }
+    } else {
+        d[0] = d[1] = half_at(p, n);
+        m[0] = m[1] = fmt == TL_Q4_1 ? half_at(p + 32, n) : -code_offset(fmt) * d[0];
+    }
 }
 
 /* ---------------------------------------------------------------- activation quantization */
@@ -76,108 +135,178 @@ static inline int code_at(const uint8_t *rec, int fmt, int n, int k) {
  * dot products exactly as 256 * S1 + S2 (< 2^28) before one conversion to float. Twice the
  * integer work, for activations about as exact as float32 matmuls need (see ops/quant.py).
  * Planes: xq [levels][M][K]; xd [M][K/32] (d, or d / 256 with two levels); xs [M][K/32] = the
- * block's sum of x as represented. */
-static void quantize_block(const float *xb, int8_t *qb, float *d_out, int *sum_out) {
+ * block's sum of x as represented; xh [M][K/16] the same per 16-element half (for Q6_K). */
+static void quantize_block(const float *xb, int8_t *qb, float *d_out) {
     float amax = 0.0f;
     for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
     const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < QK; i++) {
-        int q = (int)nearbyintf(xb[i] * id);
-        qb[i] = (int8_t)q;
-        sum += q;
-    }
+    for (int i = 0; i < QK; i++) qb[i] = (int8_t)(int)nearbyintf(xb[i] * id);
     *d_out = d;
-    *sum_out = sum;
 }
 
 static void quantize_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t M, int64_t K,
-                          int levels, int8_t *xq, float *xd, float *xs) {
+                          int levels, int8_t *xq, float *xd, float *xs, float *xh) {
     const int64_t nb = K / QK;
     for (int64_t m = m0; m < m1; m++) {
         const float *xr = x + m * ldx;
         for (int64_t j = 0; j < nb; j++) {
             int8_t *qb = xq + m * K + j * QK;
             float d;
-            int sum;
-            quantize_block(xr + j * QK, qb, &d, &sum);
-            xd[m * nb + j] = d;
-            xs[m * nb + j] = d * (float)sum;
+            quantize_block(xr + j * QK, qb, &d);
+            int half[2] = {0, 0};
+            for (int i = 0; i < 16; i++) half[0] += qb[i];
+            for (int i = 16; i < QK; i++) half[1] += qb[i];
             if (levels == 2) {
                 int8_t *q2 = xq + M * K + m * K + j * QK;
                 const float id = d > 0.0f ? 256.0f / d : 0.0f;
-                int sum2 = 0;
+                int half2[2] = {0, 0};
                 for (int i = 0; i < QK; i++) {
                     int q = (int)nearbyintf((xr[j * QK + i] - d * (float)qb[i]) * id);
                     q = q > 127 ? 127 : q < -127 ? -127 : q;
                     q2[i] = (int8_t)q;
-                    sum2 += q;
                 }
-                xd[m * nb + j] = d / 256.0f;
-                xs[m * nb + j] = (d / 256.0f) * (float)(256 * sum + sum2);
+                for (int i = 0; i < 16; i++) half2[0] += q2[i];
+                for (int i = 16; i < QK; i++) half2[1] += q2[i];
+                d /= 256.0f;
+                half[0] = 256 * half[0] + half2[0];
+                half[1] = 256 * half[1] + half2[1];
             }
+            xd[m * nb + j] = d;
+            xs[m * nb + j] = d * (float)(half[0] + half[1]);
+            xh[m * 2 * nb + 2 * j] = d * (float)half[0];
+            xh[m * 2 * nb + 2 * j + 1] = d * (float)half[1];
         }
     }
 }
 
 /* ----------------------------------------------------------------------- portable kernel */
-/* Every kernel: `rows` activation rows (codes xq, scales xd, block sums xs; the second level's
- * codes and scales `xplane` / `dplane` elements further on) against one tile of 16 columns. */
+/* Every kernel: `rows` activation rows (codes xq, scales xd, block sums xs, half-block sums xh;
+ * the second level's codes `xplane` elements further on) against one tile of 16 columns. */
 #define KERNEL_ARGS const uint8_t *tile, int fmt, int64_t nb, const int8_t *xq, const float *xd, \
-    const float *xs, int64_t K, int64_t rows, float *y, int64_t ldy, int ncols, int levels,     \
-    int64_t xplane
+    const float *xs, const float *xh, int64_t K, int64_t rows, float *y, int64_t ldy, int ncols, \
+    int levels, int64_t xplane
 
 static void tile_portable(KERNEL_ARGS) {
-    const int rb = record_bytes(fmt), cb = code_bytes(fmt);
-    const float off = code_offset(fmt);
-    for (int64_t m = 0; m < rows; m++) {
-        float acc[TILE_N] = {0};
-        for (int64_t j = 0; j < nb; j++) {
-            const uint8_t *rec = tile + j * rb;
-            const float sx = xs[m * nb + j];
-            for (int n = 0; n < TILE_N; n++) {
-                uint16_t h;
-                memcpy(&h, rec + cb + 2 * n, 2);
-                const float d = half_to_float(h);
-                float mn = -off * d;
-                if (fmt == TL_Q4_1) {
-                    memcpy(&h, rec + cb + 32 + 2 * n, 2);
-                    mn = half_to_float(h);
-                }
-                int32_t s = 0;
+    const int ub = UB(fmt), cb = CB(fmt), unit = UNIT_BYTES(fmt);
+    float acc[M_BLOCK][TILE_N];
+    memset(acc, 0, sizeof(float) * TILE_N * (size_t)rows);
+    /* Each block's codes and parameters are decoded once per column, then applied to every row. */
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *u = tile + (j / ub) * unit, *codes = u + (j % ub) * cb;
+        for (int n = 0; n < TILE_N; n++) {
+            float d[2], mn[2];
+            params_at(u + ub * cb, fmt, (int)(j % ub), n, d, mn);
+            int32_t q[QK];
+            for (int k = 0; k < QK; k++) q[k] = code_at(codes, fmt, n, k);
+            for (int64_t m = 0; m < rows; m++) {
+                const float dx = xd[m * nb + j];
+                int32_t s[2] = {0, 0};
                 for (int l = 0; l < levels; l++) {
                     const int8_t *xb = xq + l * xplane + m * K + j * QK;
-                    int32_t sl = 0;
-                    for (int k = 0; k < QK; k++) sl += code_at(rec, fmt, n, k) * (int32_t)xb[k];
-                    s = s * 256 + sl;
+                    int32_t lo = 0, hi = 0;
+                    for (int k = 0; k < 16; k++) lo += q[k] * (int32_t)xb[k];
+                    for (int k = 16; k < QK; k++) hi += q[k] * (int32_t)xb[k];
+                    s[0] = s[0] * 256 + lo;
+                    s[1] = s[1] * 256 + hi;
                 }
-                acc[n] += d * xd[m * nb + j] * (float)s + mn * sx;
+                if (fmt == TL_Q6_K)
+                    acc[m][n] += d[0] * dx * (float)s[0] + d[1] * dx * (float)s[1]
+                                 + mn[0] * xh[m * 2 * nb + 2 * j] + mn[1] * xh[m * 2 * nb + 2 * j + 1];
+                else
+                    acc[m][n] += d[0] * dx * (float)(s[0] + s[1]) + mn[0] * xs[m * nb + j];
             }
         }
-        for (int n = 0; n < ncols; n++) y[m * ldy + n] = acc[n];
     }
+    for (int64_t m = 0; m < rows; m++) memcpy(y + m * ldy, acc[m], sizeof(float) * (size_t)ncols);
 }
 
 /* ------------------------------------------------------------------ AVX-512 VNNI kernel */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#define INLINE512 static inline __attribute__((always_inline)) AVX512_TARGET
 
-AVX512_TARGET static inline void load_codes512(const uint8_t *rec, int fmt, __m512i w[8]) {
+/* The 8 group vectors of a block's codes (16 columns x 4 k each). */
+INLINE512 void load_codes512(const uint8_t *c, const int fmt, __m512i w[8]) {
     if (fmt == TL_Q8) {
-        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(rec + 64 * g));
-    } else {
-        const __m512i low = _mm512_set1_epi8(0x0f);
-        for (int v = 0; v < 4; v++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(rec + 64 * v));
-            w[v] = _mm512_and_si512(raw, low);
-            w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(c + 64 * g));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < 4; v++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
+        w[v] = _mm512_and_si512(raw, low);
+        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    if (fmt == TL_Q5_0 || fmt == TL_Q5_K) { /* bit g of each byte -> bit 4 */
+        const __m512i hb = _mm512_loadu_si512((const void *)(c + 256)), bit4 = _mm512_set1_epi8(0x10);
+        for (int g = 0; g < 8; g++) {
+            const __m512i t = g <= 4 ? _mm512_slli_epi32(hb, 4 - g) : _mm512_srli_epi32(hb, g - 4);
+            w[g] = _mm512_ternarylogic_epi32(w[g], t, bit4, 0xF8); /* w | (t & bit4) */
+        }
+    } else if (fmt == TL_Q6_K) { /* bits 2r, 2r+1 of each byte -> bits 4, 5 */
+        const __m512i bits45 = _mm512_set1_epi8(0x30);
+        for (int half = 0; half < 2; half++) {
+            const __m512i hb = _mm512_loadu_si512((const void *)(c + 256 + 64 * half));
+            const __m512i t[4] = {_mm512_slli_epi32(hb, 4), _mm512_slli_epi32(hb, 2), hb,
+                                  _mm512_srli_epi32(hb, 2)};
+            for (int r = 0; r < 4; r++)
+                w[4 * half + r] = _mm512_ternarylogic_epi32(w[4 * half + r], t[r], bits45, 0xF8);
         }
     }
 }
 
-/* sum over the block of codes (16 columns) times the 32 activation codes at xb. */
-AVX512_TARGET static inline __m512i block_dot512(const __m512i w[8], const int8_t *xb) {
+/* Per-column scale d and min m (16 lanes) of sub-block s of a unit; [1] is the second half's
+ * (Q6_K only). */
+INLINE512 void params512(const uint8_t *p, const int fmt, int s, __m512 d[2], __m512 m[2]) {
+    if (fmt == TL_Q4_K || fmt == TL_Q5_K) {
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 64 + 16 * s)));
+        const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 64 + 16 * (8 + (s & 3)))));
+        const __m512i three = _mm512_set1_epi32(3);
+        const int sh = 2 * (s >> 2);
+        const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, sh), three), 4));
+        const __m512i mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, sh + 4), three), 4));
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        d[0] = d[1] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc));
+        m[0] = m[1] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dm), _mm512_cvtepi32_ps(mn));
+    } else if (fmt == TL_Q6_K) {
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+        const __m512 neg32 = _mm512_set1_ps(-32.0f);
+        for (int h = 0; h < 2; h++) {
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * (2 * s + h))));
+            d[h] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(sc));
+            m[h] = _mm512_mul_ps(d[h], neg32);
+        }
+    } else {
+        d[0] = d[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        m[0] = m[1] = fmt == TL_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
+                                     : _mm512_mul_ps(d[0], _mm512_set1_ps(-code_offset(fmt)));
+    }
+}
+
+/* Q4_K / Q5_K: a super-block's 6-bit scales and mins for all 8 sub-blocks and 16 columns at once,
+ * as bytes: out[16 s + n] = scale of sub-block s, out[128 + 16 s + n] = its min (the planes of
+ * the layout comment: per-sub-block decoding cost about as much as the block's dot products at
+ * one row). Byte-wise shifts are 16-bit shifts whose spill into the neighbour byte is masked off. */
+INLINE512 void k_scales512(const uint8_t *p, uint8_t out[256]) {
+    const __m512i l0 = _mm512_loadu_si512((const void *)(p + 64));  /* planes 0-3 */
+    const __m512i l1 = _mm512_loadu_si512((const void *)(p + 128)); /* planes 4-7 */
+    const __m512i h = _mm512_loadu_si512((const void *)(p + 192));  /* planes 8-11 */
+    const __m512i low = _mm512_set1_epi8(0x0f), b45 = _mm512_set1_epi8(0x30);
+    const __m512i lo0 = _mm512_and_si512(l0, low), lo1 = _mm512_and_si512(l1, low);
+    const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(l0, 4), low);
+    const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(l1, 4), low);
+    _mm512_storeu_si512((void *)out, _mm512_ternarylogic_epi32(lo0, _mm512_slli_epi16(h, 4), b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 64), _mm512_ternarylogic_epi32(lo1, _mm512_slli_epi16(h, 2), b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 128), _mm512_ternarylogic_epi32(hi0, h, b45, 0xF8));
+    _mm512_storeu_si512((void *)(out + 192), _mm512_ternarylogic_epi32(hi1, _mm512_srli_epi16(h, 2), b45, 0xF8));
+}
+
+/* sum over groups g0..g1-1 of codes (16 columns) times the activation codes at xb. */
+INLINE512 __m512i block_dot512(const __m512i w[8], const int8_t *xb, int g0, int g1) {
     __m512i s = _mm512_setzero_si512();
-    for (int g = 0; g < 8; g++) {
+    for (int g = g0; g < g1; g++) {
         int32_t x4;
         memcpy(&x4, xb + 4 * g, 4);
         s = _mm512_dpbusd_epi32(s, w[g], _mm512_set1_epi32(x4));
@@ -185,121 +314,107 @@ AVX512_TARGET static inline __m512i block_dot512(const __m512i w[8], const int8_
     return s;
 }
 
-/* MR activation rows against one tile; MR and LEVELS are constants in every caller, so the
- * loops over them unroll into independent accumulator chains. */
-#define DEFINE_TILE512(MR, LEVELS)                                                               \
-AVX512_TARGET static void tile512_##MR##_##LEVELS(const uint8_t *tile, int fmt, int64_t nb,     \
-        const int8_t *xq, const float *xd, const float *xs, int64_t K, float *y, int64_t ldy,    \
-        int ncols, int64_t xplane) {                                                             \
-    const int rb = record_bytes(fmt), cb = code_bytes(fmt);                                      \
-    const __m512 neg_off = _mm512_set1_ps(-code_offset(fmt));                                    \
-    __m512 acc[MR];                                                                              \
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();                                   \
-    for (int64_t j = 0; j < nb; j++) {                                                           \
-        const uint8_t *rec = tile + j * rb;                                                      \
-        __m512i w[8];                                                                            \
-        load_codes512(rec, fmt, w);                                                              \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));        \
-        const __m512 mn = fmt == TL_Q4_1                                                         \
-            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))              \
-            : _mm512_mul_ps(d, neg_off);                                                         \
-        for (int r = 0; r < MR; r++) {                                                           \
-            __m512i s = block_dot512(w, xq + r * K + j * QK);                                    \
-            if (LEVELS == 2)                                                                     \
-                s = _mm512_add_epi32(_mm512_slli_epi32(s, 8),                                    \
-                                     block_dot512(w, xq + xplane + r * K + j * QK));             \
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nb + j]));               \
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);                      \
-            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r * nb + j]), acc[r]);                \
-        }                                                                                        \
-    }                                                                                            \
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);                                      \
-    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);              \
+INLINE512 __m512i dot_levels512(const __m512i w[8], const int8_t *xb, int64_t xplane, int levels,
+                                int g0, int g1) {
+    __m512i s = block_dot512(w, xb, g0, g1);
+    if (levels == 2)
+        s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), block_dot512(w, xb + xplane, g0, g1));
+    return s;
 }
-DEFINE_TILE512(1, 1)
-DEFINE_TILE512(2, 1)
-DEFINE_TILE512(3, 1)
-DEFINE_TILE512(4, 1)
-DEFINE_TILE512(1, 2)
-DEFINE_TILE512(2, 2)
-DEFINE_TILE512(3, 2)
-DEFINE_TILE512(4, 2)
 
-#define TILE512_CALL(MR, LEVELS) tile512_##MR##_##LEVELS(tile, fmt, nb, xq + r * K, xd + r * nb,  \
-    xs + r * nb, K, y + r * ldy, ldy, ncols, xplane)
-
-AVX512_TARGET static void tile_avx512(KERNEL_ARGS) {
-    int64_t r = 0;
-    if (levels == 2) {
-        for (; r + 4 <= rows; r += 4) TILE512_CALL(4, 2);
-        switch (rows - r) {
-        case 3: TILE512_CALL(3, 2); break;
-        case 2: TILE512_CALL(2, 2); break;
-        case 1: TILE512_CALL(1, 2); break;
-        default: break;
+/* MR (1..MR_MAX) activation rows against one tile; FMT and LEVELS are constants in every
+ * instance, so the format's branches fold away. A block's codes and scales are expanded once per
+ * MR rows: 16 rather than 4 took 9 % (Q4_1) to 19 % (Q6_K, whose 6-bit codes cost the most to
+ * expand) off 64-row matmuls. The loop over the rows stays rolled (the accumulators live in L1):
+ * unrolled for a constant MR of 4 it measured a few % slower. */
+INLINE512 void tile512_body(const int FMT, const int MR, const int LEVELS, const uint8_t *tile,
+                            int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+                            const float *xh, int64_t K, float *y, int64_t ldy, int ncols,
+                            int64_t xplane) {
+    const int ub = UB(FMT), cb = CB(FMT), unit = UNIT_BYTES(FMT);
+    __m512 acc[MR_MAX];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    uint8_t kbytes[256] __attribute__((aligned(64)));
+    __m512 kd = _mm512_setzero_ps(), kdmin = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *u = tile + (j / ub) * unit;
+        const int s = (int)(j % ub);
+        __m512i w[8];
+        load_codes512(u + s * cb, FMT, w);
+        __m512 d[2], mn[2];
+        if (FMT == TL_Q4_K || FMT == TL_Q5_K) {
+            const uint8_t *p = u + ub * cb;
+            if (s == 0) {
+                k_scales512(p, kbytes);
+                kd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+                kdmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))));
+            }
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(kbytes + 16 * s))));
+            const __m512 mm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(kbytes + 128 + 16 * s))));
+            d[0] = d[1] = _mm512_mul_ps(kd, sc);
+            mn[0] = mn[1] = _mm512_mul_ps(kdmin, mm);
+        } else {
+            params512(u + ub * cb, FMT, s, d, mn);
         }
-        return;
-    }
-    for (; r + 4 <= rows; r += 4) TILE512_CALL(4, 1);
-    switch (rows - r) {
-    case 3: TILE512_CALL(3, 1); break;
-    case 2: TILE512_CALL(2, 1); break;
-    case 1: TILE512_CALL(1, 1); break;
-    default: break;
-    }
-}
-
-/* ----------------------------------------------------------------------- AVX2 kernel */
-/* VPMADDUBSW multiplies unsigned by signed bytes into saturating int16 pairs: safe for 4-bit
- * codes (2 * 15 * 128 < 32767), not for Q8's 8-bit ones, which take the portable kernel. */
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
-AVX2_TARGET static void tile_avx2(KERNEL_ARGS) {
-    const int rb = record_bytes(fmt), cb = code_bytes(fmt);
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256 neg_off = _mm256_set1_ps(-code_offset(fmt));
-    for (int64_t r = 0; r < rows; r++) {
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t j = 0; j < nb; j++) {
-            const uint8_t *rec = tile + j * rb;
-            for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7 */
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 16 * h)));
-                __m256i total = _mm256_setzero_si256();
-                for (int l = 0; l < levels; l++) {
-                    const int8_t *xb = xq + l * xplane + r * K + j * QK;
-                    __m256i s = _mm256_setzero_si256();
-                    for (int v = 0; v < 4; v++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + 64 * v + 32 * h));
-                        const __m256i lo = _mm256_and_si256(raw, low);
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                        int32_t a4, b4;
-                        memcpy(&a4, xb + 4 * v, 4);
-                        memcpy(&b4, xb + 4 * (v + 4), 4);
-                        const __m256i p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a4)),
-                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b4)));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                    }
-                    total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), s);
-                }
-                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
-                                         _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nb + j])), acc[h]);
-                const __m256 mn = fmt == TL_Q4_1
-                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 32 + 16 * h)))
-                    : _mm256_mul_ps(d, neg_off);
-                acc[h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r * nb + j]), acc[h]);
+        #pragma GCC unroll 1
+        for (int r = 0; r < MR; r++) {
+            const int8_t *xb = xq + r * K + j * QK;
+            const __m512 dx = _mm512_set1_ps(xd[r * nb + j]);
+            if (FMT == TL_Q6_K) {
+                const __m512i s0 = dot_levels512(w, xb, xplane, LEVELS, 0, 4);
+                const __m512i s1 = dot_levels512(w, xb, xplane, LEVELS, 4, 8);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d[0], dx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d[1], dx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[0], _mm512_set1_ps(xh[r * 2 * nb + 2 * j]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[1], _mm512_set1_ps(xh[r * 2 * nb + 2 * j + 1]), acc[r]);
+            } else {
+                const __m512i s = dot_levels512(w, xb, xplane, LEVELS, 0, 8);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[0], dx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[0], _mm512_set1_ps(xs[r * nb + j]), acc[r]);
             }
         }
-        float out[TILE_N];
-        _mm256_storeu_ps(out, acc[0]);
-        _mm256_storeu_ps(out + 8, acc[1]);
-        memcpy(y + r * ldy, out, sizeof(float) * (size_t)ncols);
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+typedef void (*tile512_fn)(int, const uint8_t *, int64_t, const int8_t *, const float *,
+                           const float *, const float *, int64_t, float *, int64_t, int, int64_t);
+
+#define DEFINE_TILE512(FMT, LEVELS)                                                              \
+AVX512_TARGET static void tile512_##FMT##_##LEVELS(int mr, const uint8_t *tile, int64_t nb,     \
+        const int8_t *xq, const float *xd, const float *xs, const float *xh, int64_t K, float *y, \
+        int64_t ldy, int ncols, int64_t xplane) {                                                \
+    tile512_body(FMT, mr, LEVELS, tile, nb, xq, xd, xs, xh, K, y, ldy, ncols, xplane);           \
+}
+#define DEFINE_TILE512_FMT(FMT) DEFINE_TILE512(FMT, 1) DEFINE_TILE512(FMT, 2)
+DEFINE_TILE512_FMT(TL_Q4_0)
+DEFINE_TILE512_FMT(TL_Q4_1)
+DEFINE_TILE512_FMT(TL_Q8)
+DEFINE_TILE512_FMT(TL_Q5_0)
+DEFINE_TILE512_FMT(TL_Q4_K)
+DEFINE_TILE512_FMT(TL_Q5_K)
+DEFINE_TILE512_FMT(TL_Q6_K)
+
+#define TILE512_ROW(FMT) {tile512_##FMT##_1, tile512_##FMT##_2}
+/* [format][levels - 1] */
+static const tile512_fn TILE512[TL_NFMT][2] = {
+    TILE512_ROW(TL_Q4_0), TILE512_ROW(TL_Q4_1), TILE512_ROW(TL_Q8), TILE512_ROW(TL_Q5_0),
+    TILE512_ROW(TL_Q4_K), TILE512_ROW(TL_Q5_K), TILE512_ROW(TL_Q6_K)};
+
+static void tile_avx512(KERNEL_ARGS) {
+    const tile512_fn fn = TILE512[fmt][levels - 1];
+    for (int64_t r = 0; r < rows; r += MR_MAX) {
+        const int mr = rows - r < MR_MAX ? (int)(rows - r) : MR_MAX;
+        fn(mr, tile, nb, xq + r * K, xd + r * nb, xs + r * nb, xh + r * 2 * nb, K,
+                    y + r * ldy, ldy, ncols, xplane);
     }
 }
 
-/* ------------------------------------------------------------------------- dispatch */
-typedef void (*tile_fn)(KERNEL_ARGS);
+#include "quant_gemm_avx2.h" /* tile2_* and TILE2[] */
 
+/* ------------------------------------------------------------------------- dispatch */
 static int isa_level = -1; /* 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 
 static int detect_isa(void) {
@@ -319,8 +434,8 @@ static int detect_isa(void) {
 
 /* The kernel that runs `fmt` here (2 AVX-512 VNNI, 1 AVX2, 0 portable C). */
 int32_t tl_q_isa(int32_t fmt) {
+    (void)fmt; /* every format has every kernel */
     if (isa_level < 0) isa_level = detect_isa();
-    if (isa_level == 1 && fmt == TL_Q8) return 0;
     return isa_level;
 }
 
@@ -335,33 +450,36 @@ int32_t tl_q_limit_isa(int32_t level) {
 static tile_fn pick(int fmt) {
     switch (tl_q_isa(fmt)) {
     case 2: return tile_avx512;
-    case 1: return tile_avx2;
+    case 1: return TILE2[fmt];
     default: return tile_portable;
     }
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias), W the tiled weight of N
  * rows (padded to a multiple of 16), activations quantized in `levels` (1 or 2) int8 planes into
- * `scratch` (tl_q_scratch_bytes). Returns 0, or -1 for a K that is not a multiple of 32. */
+ * `scratch` (tl_q_scratch_bytes). Returns 0, or -1 for a K that is not a multiple of the
+ * format's unit (32, or 256 for the K-quants) or another bad argument. */
 int64_t tl_q_scratch_bytes(int64_t M, int64_t K) {
-    return 2 * M * K + 2 * M * (K / QK) * (int64_t)sizeof(float) + 64;
+    return 2 * M * K + 4 * M * (K / QK) * (int64_t)sizeof(float) + 64;
 }
 
 int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
                     void *scratch, int32_t levels) {
-    if (K % QK != 0 || N <= 0 || M < 0 || levels < 1 || levels > 2) return -1;
+    if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0 || levels < 1 ||
+        levels > 2)
+        return -1;
     const int64_t nb = K / QK, ntiles = (N + TILE_N - 1) / TILE_N;
-    const int64_t tile_bytes = nb * record_bytes(fmt);
+    const int64_t tile_bytes = nb / UB(fmt) * UNIT_BYTES(fmt);
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(((uintptr_t)(xq + levels * M * K) + 63) & ~(uintptr_t)63);
-    float *xs = xd + M * nb;
+    float *xs = xd + M * nb, *xh = xs + M * nb;
     const tile_fn kern = pick(fmt);
     const int64_t mblocks = (M + M_BLOCK - 1) / M_BLOCK;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_rows(x, ldx, m, m + 1, M, K, levels, xq, xd, xs);
+        for (int64_t m = 0; m < M; m++) quantize_rows(x, ldx, m, m + 1, M, K, levels, xq, xd, xs, xh);
         /* Row blocks outermost: a block's activations stay in L2 while each thread streams its
          * share of the weight tiles past them. */
         #pragma omp for collapse(2) schedule(static)
@@ -370,8 +488,8 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
                 const int64_t m0 = mb * M_BLOCK, rows = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
                 const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
                 float *yt = y + m0 * ldy + t * TILE_N;
-                kern(w + t * tile_bytes, fmt, nb, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, K, rows,
-                     yt, ldy, ncols, levels, M * K);
+                kern(w + t * tile_bytes, fmt, nb, xq + m0 * K, xd + m0 * nb, xs + m0 * nb,
+                     xh + m0 * 2 * nb, K, rows, yt, ldy, ncols, levels, M * K);
                 if (bias)
                     for (int64_t r = 0; r < rows; r++)
                         for (int n = 0; n < ncols; n++) yt[r * ldy + n] += bias[t * TILE_N + n];
@@ -384,24 +502,18 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
 /* Rows `ids` of the tiled weight, dequantized into out [n_ids, K] (the embedding lookup). */
 void tl_q_dequant_rows(int32_t fmt, const uint8_t *w, int64_t K, const int64_t *ids,
                        int64_t n_ids, float *out) {
-    const int64_t nb = K / QK, rb = record_bytes(fmt), cb = code_bytes(fmt);
-    const float off = code_offset(fmt);
+    const int64_t nb = K / QK, ub = UB(fmt), cb = CB(fmt), unit = UNIT_BYTES(fmt);
+    const int64_t tile_bytes = nb / ub * unit;
     #pragma omp parallel for schedule(static) if (n_ids > 16)
     for (int64_t i = 0; i < n_ids; i++) {
         const int64_t row = ids[i], t = row / TILE_N;
         const int n = (int)(row % TILE_N);
         for (int64_t j = 0; j < nb; j++) {
-            const uint8_t *rec = w + (t * nb + j) * rb;
-            uint16_t h;
-            memcpy(&h, rec + cb + 2 * n, 2);
-            const float d = half_to_float(h);
-            float mn = -off * d;
-            if (fmt == TL_Q4_1) {
-                memcpy(&h, rec + cb + 32 + 2 * n, 2);
-                mn = half_to_float(h);
-            }
+            const uint8_t *u = w + t * tile_bytes + (j / ub) * unit, *codes = u + (j % ub) * cb;
+            float d[2], mn[2];
+            params_at(u + ub * cb, fmt, (int)(j % ub), n, d, mn);
             float *o = out + i * K + j * QK;
-            for (int k = 0; k < QK; k++) o[k] = d * (float)code_at(rec, fmt, n, k) + mn;
+            for (int k = 0; k < QK; k++) o[k] = d[k >= 16] * (float)code_at(codes, fmt, n, k) + mn[k >= 16];
         }
     }
 }
