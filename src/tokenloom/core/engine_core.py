@@ -20,9 +20,14 @@ from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.ops import cpu_features, cpu_kernels, elementwise
 from tokenloom.ops.cpu_threads import ThreadGovernor
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import StructuredOutputManager
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# While every live request waits for its grammar, the loop sleeps this long on the compilations
+# between (empty) steps instead of spinning; it never waits while anything else can run.
+GRAMMAR_POLL_SECONDS = 0.005
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -64,7 +69,12 @@ class EngineCore:
                             quantization=config.quantization)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
         self.model_runner = ModelRunner(loaded, config, self.max_model_len)
-        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len)
+        tokenizer_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        stop_ids = [t for t in [tokenizer_eos, *loaded.config.eos_token_ids] if t is not None]
+        self.structured_output_manager = StructuredOutputManager(
+            loaded.tokenizer, loaded.config.vocab_size, stop_ids, config.max_num_seqs)
+        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len,
+                                   self.structured_output_manager)
         self.info = EngineInfo(
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
@@ -137,6 +147,8 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=now())
         if self.thread_governor is not None:
             self.thread_governor.step()
+        if self.scheduler.waiting_for_grammar:
+            self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         step_start = now()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()

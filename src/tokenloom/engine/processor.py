@@ -12,6 +12,7 @@ from typing import Any
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import validate as validate_structured_outputs
 
 Conversation = list[dict[str, Any]]
 
@@ -222,6 +223,9 @@ class InputProcessor:
             changes["_bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         params = params.clone(**changes)
         params.verify_against_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            # The schema, regex or grammar must compile: refused here with the compiler's message.
+            validate_structured_outputs(params.structured_outputs)
         return params
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:

@@ -9,7 +9,7 @@ and updated by `sample()` itself with one scatter, so no step re-reads a request
 One step, in vLLM's order (each stage skipped when no row of the step uses it):
 
 1. logprobs are of the raw logits (vLLM's default `raw_logprobs`), for rows that asked;
-2. token constraints: allowed_token_ids, bad_words, min_tokens' stop-token suppression (-inf),
+2. token constraints: the structured-output grammar's bitmask (sample/grammar.py), allowed_token_ids, bad_words, min_tokens' stop-token suppression (-inf),
    then logit_bias (added). Stored sparsely per row; the Python work of a step is proportional
    to the rows that use them;
 3. penalties: repetition, frequency, presence;
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from tokenloom.messages import LogprobsLists
 from tokenloom.sample import ops
+from tokenloom.sample.grammar import GrammarMask, apply_grammar_mask
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Sampler:
 
         # Step-local [max_num_reqs, V] float32 buffers, allocated on first use (see _buffer).
         self._workspace: list[Tensor | None] = [None] * 3
+        self._grammar_rows: Tensor | None = None  # int32 bitmask rows, on the first grammar step
 
         # Unseeded random rows share this generator (seeded rows hash their own uniforms).
         self._rng = np.random.Generator(np.random.PCG64(seed))
@@ -247,9 +249,11 @@ class Sampler:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def sample(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray) -> SamplerOutput:
+    def sample(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray,
+               grammar: GrammarMask | None = None) -> SamplerOutput:
         """Samples one token for each logits row; `logits[i]` belongs to the request at
-        `rows[i]`. `logits` is not modified. Counts the sampled tokens into the rows' histories."""
+        `rows[i]`; `grammar` constrains some rows to the tokens a grammar allows. `logits` is not
+        modified. Counts the sampled tokens into the rows' histories."""
         rows_np = _as_numpy(rows)
         n = len(rows_np)
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.vocab_size:
@@ -269,7 +273,7 @@ class Sampler:
         raw = logits
 
         # 2-3. Constraints and penalties.
-        logits = self._process(logits, rows_np, rows_t)
+        logits = self._process(logits, rows_np, rows_t, grammar)
 
         # 4. Greedy and random rows of one step, each group in one pass.
         greedy = self._greedy[rows_np]
@@ -296,15 +300,24 @@ class Sampler:
         rows_t = torch.from_numpy(rows_np).to(self.device)
         return self._process(logits.to(device=self.device, dtype=torch.float32), rows_np, rows_t).clone()
 
-    def _process(self, logits: Tensor, rows_np: np.ndarray, rows_t: Tensor) -> Tensor:
+    def _process(self, logits: Tensor, rows_np: np.ndarray, rows_t: Tensor,
+                 grammar: GrammarMask | None = None) -> Tensor:
         """Constraints then penalties, never writing into the caller's tensor. The result may
         live in a workspace buffer (_CONSTRAINED or _PENALISED), valid until the next step."""
         con_pos = np.flatnonzero(self._uses_constraint[rows_np])
         pen_pos = np.flatnonzero(self._uses_penalty[rows_np])
         n = len(rows_np)
         copied = False
-        if con_pos.size:
+        if grammar is not None:
             logits = self._buffer(_CONSTRAINED, n).copy_(logits)
+            copied = True
+            if self._grammar_rows is None:
+                width = -(-self.vocab_size // 32)
+                self._grammar_rows = torch.empty(self.max_num_reqs, width, dtype=torch.int32, device=self.device)
+            apply_grammar_mask(logits, grammar, self._grammar_rows)
+        if con_pos.size:
+            if not copied:
+                logits = self._buffer(_CONSTRAINED, n).copy_(logits)
             copied = True
             self._apply_constraints(logits, rows_np, con_pos)
         if pen_pos.size:
