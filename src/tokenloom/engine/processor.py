@@ -114,9 +114,12 @@ class InputProcessor:
         self,
         messages: Conversation | Sequence[Conversation],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str | list[str]:
         """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
-        of prompt texts of a list of conversations, by the tokenizer's chat template."""
+        of prompt texts of a list of conversations, by the tokenizer's chat template. `tools`
+        (OpenAI's function definitions) are rendered as the template renders them (transformers'
+        `apply_chat_template(tools=...)`); a template without tool support leaves them out."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("The tokenizer has no chat template; pass prompts as text or token ids.")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -129,7 +132,8 @@ class InputProcessor:
                 raise ValueError("each conversation must be a list of {'role': ..., 'content': ...} dicts.")
             prompts.append(
                 self.tokenizer.apply_chat_template(
-                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                    tools=tools,
                 )
             )
         return prompts[0] if single else prompts
