@@ -147,8 +147,6 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=now())
         if self.thread_governor is not None:
             self.thread_governor.step()
-        if self.scheduler.waiting_for_grammar:
-            self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         step_start = now()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -158,6 +156,9 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+            # Part of this (empty) step, so the ledger counts it as queue_grammar_compile.
+            self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         outputs.timestamp = now()
         if self.ledger is not None:
             self.ledger.on_update(outputs.outputs, outputs.timestamp)
