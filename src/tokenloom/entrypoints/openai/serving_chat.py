@@ -53,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         tools = check_tools(req.tools or [])
         choice = tool_choice_of(req.tool_choice, tools)
         schema = constraint_schema(choice, tools, req.parallel_tool_calls)
-        extra = None if schema is None else (StructuredOutputsParams(json=schema), "tool_choice")
+        extra = None if schema is None else (StructuredOutputsParams(json=schema), "tools")
         return choice, structured_outputs_of(req, extra)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=structured,
         )
         self.check_capacity(params.n)
-        conversation = [template_message(m) for m in req.messages]
+        conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
         processor = self.engine.input_processor
         try:
             # The rendered prompt holds every message's text: their length alone may rule it out.

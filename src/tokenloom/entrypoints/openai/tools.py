@@ -100,7 +100,7 @@ def openai_tool_calls(calls: list[ParsedToolCall]) -> list[dict[str, Any]]:
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def template_message(message: Any) -> dict[str, Any]:
+def template_message(message: Any, index: int) -> dict[str, Any]:
     """A request message as chat templates expect it: tool calls' arguments as objects (the
     templates serialize them), a tool result with its call id."""
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
@@ -111,7 +111,12 @@ def template_message(message: Any) -> dict[str, Any]:
     if message.tool_calls:
         calls = []
         for call in message.tool_calls:
-            fn = dict(call.get("function") or {})
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request(f"messages[{index}].tool_calls must be a list of "
+                                  '{"type": "function", "function": {"name": ..., "arguments": ...}}.',
+                                  param="messages")
+            fn = dict(fn)
             if isinstance(fn.get("arguments"), str):
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
