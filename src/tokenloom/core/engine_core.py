@@ -192,7 +192,7 @@ class EngineCore:
         pool = s.kv_cache_manager.block_pool
         return {
             "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
+            "num_waiting": len(s.waiting) + len(s.waiting_for_grammar),
             "num_requests": len(s.requests),
             "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,
