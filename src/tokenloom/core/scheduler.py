@@ -101,10 +101,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.sampling_params.structured_outputs is not None:
             assert self.structured_output_manager is not None  # see _admission_error
-            request.structured_output = self.structured_output_manager.request_grammar(
+            so = request.structured_output = self.structured_output_manager.request_grammar(
                 request.sampling_params.structured_outputs)
-            self.waiting_for_grammar[request.request_id] = request
-            return
+            if not so.ready() or so.error is not None:  # compiling (or failed: see _check_grammars)
+                self.waiting_for_grammar[request.request_id] = request
+                return
+            self.structured_req_ids.add(request.request_id)  # a cached grammar: queued at once
         self.waiting.add(request)
 
     def reject_request(self, request: Request, error: str) -> None:
