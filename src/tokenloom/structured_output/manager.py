@@ -13,6 +13,7 @@ are recomputed, not resampled), the matcher needs no rollback there.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,18 +77,25 @@ class StructuredOutputManager:
         self.max_num_seqs = max_num_seqs
         # One compile thread: the cores belong to the model, and a compilation takes milliseconds.
         self._pool = ThreadPoolExecutor(max_workers=num_compile_threads, thread_name_prefix="grammar")
-        self._compiler: xgr.GrammarCompiler | None = None  # built by the first compilation
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        # The vocabulary is read for xgrammar once, on the compile thread, right away: it takes
+        # ~0.1 s of one core (seconds on a loaded machine), which the first structured request
+        # would otherwise wait for. The busy loop never waits for it.
+        self._pool.submit(self._get_compiler)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(V/32)], on first use
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
 
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = backend.tokenizer_info(self._tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        # Runs on the pool's thread. The vocabulary is read once, by the first compilation, so an
-        # engine that never sees a structured request never pays for it.
-        if self._compiler is None:
-            info = backend.tokenizer_info(self._tokenizer, self.vocab_size, self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return backend.compile_spec(self._compiler, params)
+        return backend.compile_spec(self._get_compiler(), params)  # on the pool's thread
 
     def request_grammar(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         key = backend.spec_key(params)
