@@ -187,6 +187,7 @@ class LedgerBucket(enum.IntEnum):
     PREFILL = 7
     DECODE = 8
     PREEMPTED = 9  # from a preemption until it decodes again: waiting to resume, then recompute
+    GRAMMAR_COMPILE = 10  # waiting for its structured-output grammar to compile
 
 
 class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -130,6 +130,71 @@ def _strings(name: str, value: Any) -> list[str]:
     return list(dict.fromkeys(value))  # de-duplicated, order kept (as vLLM)
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+    """Constrains a request's output to a structure (vLLM's names): a JSON schema (`json`, a dict
+    or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of
+    several strings (`choice`) or an EBNF grammar (`grammar`, xgrammar's GBNF dialect). Exactly
+    one kind per request. The engine core enforces it with a token bitmask at every step.
+
+    Only the shape is checked here (this module knows no grammar compiler): whether the schema,
+    regex or grammar compiles is checked by the caller's input processor, before anything is
+    queued, with the compiler's own message."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's option: JSON without free whitespace between tokens (compact, as json.dumps with
+    # separators=(",", ":")). Free whitespace lets a small model pad forever; see the engine's
+    # cap in structured_output/.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self._verify()
+
+    def _verify(self) -> None:
+        p = "structured_outputs"
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _fail(f"{p}.json", "a JSON schema (a dict or its JSON text)", self.json)
+        if isinstance(self.json, str) and not self.json.strip():
+            raise _fail(f"{p}.json", "a JSON schema (a dict or its JSON text)", self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _fail(f"{p}.{name}", "a non-empty string", value)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise _fail(f"{p}.choice", "a non-empty list of non-empty strings", self.choice)
+            self.choice = list(dict.fromkeys(self.choice))
+        if self.json_object is not None:
+            _bool(f"{p}.json_object", self.json_object)
+        _bool(f"{p}.disable_any_whitespace", self.disable_any_whitespace)
+        kinds = self.kinds()
+        if not kinds:
+            raise ValueError(
+                f"{p} must set one of json, regex, choice, grammar or json_object, got none."
+            )
+        if len(kinds) > 1:
+            raise ValueError(
+                f"{p} must set exactly one kind of constraint, got {len(kinds)}: {', '.join(kinds)}."
+            )
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (exactly one once verified)."""
+        return [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
 class SamplingParams(
     msgspec.Struct, omit_defaults=True, dict=True  # dict=True: caches set by the engine
 ):  # type: ignore[call-arg]
@@ -157,6 +222,7 @@ class SamplingParams(
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the caller's input processor, not by users: token ids of `bad_words` (each word
     # tokenized with and without a leading space), and the union of EOS and stop_token_ids that
     # must stay suppressed until `min_tokens`.
@@ -224,6 +290,8 @@ class SamplingParams(
             raise ValueError("stop strings need detokenize=True (stop is matched on the text).")
 
         self._verify_token_constraints()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _fail("structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)
 
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the truncation knobs mean nothing, and n copies would all be the same.

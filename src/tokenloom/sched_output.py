@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class WaitReason(enum.IntEnum):
     NO_KV_BLOCKS = 2  # the KV cache manager could not allocate its blocks
     HEAD_OF_LINE = 3  # queued behind a waiting request that itself could not be admitted
     PREEMPTED = 4  # was running, lost its blocks to make room for another request
+    GRAMMAR_COMPILE = 5  # its structured-output grammar is still compiling
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -65,6 +67,12 @@ class SchedulerOutput:
     # Why the head of the waiting queue was not admitted (None: nobody was left waiting). The
     # requests behind it wait with HEAD_OF_LINE; this says what they are really waiting for.
     blocked_reason: WaitReason | None = None
+    # Structured outputs: row i of `grammar_bitmask` (an int32 torch tensor [k, ceil(V/32)],
+    # xgrammar's layout: bit t of a row allows token t) constrains the next token of
+    # `structured_output_req_ids[i]`. Only for scheduled requests that sample in this step;
+    # None (and []) in a step without any, which then costs the runner nothing.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_decode_tokens(self) -> int:

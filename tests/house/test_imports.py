@@ -23,6 +23,9 @@ LAYERS: dict[str, int] = {
     "tokenloom.entrypoints": 9,
     "tokenloom.engine": 8,
     "tokenloom.core": 7,
+    # Grammars and matchers of structured outputs: the scheduler's (core) helpers, and what the
+    # caller's input processor (engine) validates a request with; below them, above the runner.
+    "tokenloom.structured_output": 6,
     "tokenloom.executor": 6,
     "tokenloom.worker": 5,
     "tokenloom.model": 4,

@@ -113,7 +113,7 @@ def test_get_metrics_and_prometheus_text(mixed):
     ttft = by_name["tokenloom:time_to_first_token_seconds"]
     assert len(ttft) == 1 and isinstance(ttft[0], HistogramMetric) and ttft[0].count == len(outputs)
     assert {m.labels["reason"] for m in by_name["tokenloom:request_wait_seconds"]} == {
-        "token_budget", "max_num_seqs", "no_kv_blocks", "head_of_line", "preempted"
+        "token_budget", "max_num_seqs", "no_kv_blocks", "head_of_line", "preempted", "grammar_compile"
     }
     budget = {m.labels["kind"]: m for m in by_name["tokenloom:step_budget_tokens"]}
     steps = next(m for m in metrics if m.name == "tokenloom:engine_steps")

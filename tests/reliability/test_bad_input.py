@@ -2,8 +2,8 @@
 names the offending field, and the server keeps serving.
 
 Policy on unknown fields (as vLLM): they are ignored, with a warning in the server's log, so newer
-clients keep working; fields the server knows but cannot honour (echo, suffix, tools, best_of != n)
-are rejected by name.
+clients keep working; fields the server knows but cannot honour (echo, suffix, best_of != n)
+are rejected by name, and so are structured-output specs that do not compile.
 """
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ _BAD_COMPLETIONS = [
     ({"request_id": ["not", "a", "string"]}, "request_id"),
     ({"model": "gpt-17"}, "model"),
     ({"stop": ["\udc80"]}, "stop"),  # a lone surrogate, escaped in the JSON
+    # Structured outputs: the compiler's message, under the request's own field name.
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": {"type": "object"}, "regex": "a+"}}, "structured_outputs"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"guided_regex": "a+", "guided_choice": ["b"]}, "guided_choice"),  # two kinds at once
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
 ]
 
 
@@ -147,6 +159,13 @@ _BAD_CHATS = [
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "tools"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "messages"),
     ({"n": 1000, "temperature": 1.0}, "n"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

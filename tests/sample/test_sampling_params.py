@@ -9,7 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenloom.sampling_params import MAX_LOGPROBS, MAX_N, RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 FIELDS = [f.name for f in msgspec.structs.fields(SamplingParams)]
 
@@ -90,6 +96,7 @@ INVALID = [
     (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens"),
     (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
     (dict(temperature=0.0, n=2), "n"),
+    (dict(structured_outputs={"json": {}}), "structured_outputs"),
     (dict(_bad_words_token_ids=[[]]), "_bad_words_token_ids"),
     (dict(_bad_words_token_ids=[1, 2]), "_bad_words_token_ids"),
     (dict(_all_stop_token_ids=[-1]), "_all_stop_token_ids"),
@@ -178,6 +185,7 @@ def _every_field_set() -> SamplingParams:
         spaces_between_special_tokens=False, include_stop_str_in_output=True, output_kind=RequestOutputKind.DELTA,
         logit_bias={3: 1.5, 4: -2.0}, allowed_token_ids=[1, 2, 3, 4], bad_words=["foo", "bar baz"],
         _bad_words_token_ids=[[11], [12, 13]], _all_stop_token_ids=[0, 2, 7],
+        structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1, "x"]}}}),
     )
 
 
@@ -190,6 +198,38 @@ def test_msgpack_round_trip_preserves_every_field():
     assert {f: getattr(decoded, f) for f in FIELDS} == {f: getattr(params, f) for f in FIELDS}
     assert isinstance(decoded.output_kind, RequestOutputKind)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams()), type=SamplingParams) == SamplingParams()
+
+
+# ---- structured outputs: shape checks (whether a schema compiles is the input processor's)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(json={"type": "object"}, regex="a+"), "json, regex"),
+    (dict(choice=["a"], grammar="root ::= \"a\"", json_object=True), "choice, grammar, json_object"),
+    (dict(), "one of json, regex"),
+    (dict(json=5), "structured_outputs.json"),
+    (dict(json=" "), "structured_outputs.json"),
+    (dict(regex=""), "structured_outputs.regex"),
+    (dict(grammar=["x"]), "structured_outputs.grammar"),
+    (dict(choice="yes"), "structured_outputs.choice"),
+    (dict(choice=["yes", ""]), "structured_outputs.choice"),
+    (dict(json_object="yes"), "structured_outputs.json_object"),
+    (dict(json_object=True, disable_any_whitespace=1), "structured_outputs.disable_any_whitespace"),
+])
+def test_structured_outputs_shape_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_one_kind_and_round_trip():
+    so = StructuredOutputsParams(choice=["yes", "no", "yes"], json_object=False)
+    assert so.kind == "choice" and so.choice == ["yes", "no"]  # json_object=False is "not set"
+    params = SamplingParams(structured_outputs=so)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
+    # Two kinds at once are refused also when decoded in the engine core (a foreign encoder).
+    raw = msgspec.msgpack.encode({"structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}})
+    with pytest.raises(ValueError, match="exactly one kind"):
+        msgspec.msgpack.decode(raw, type=SamplingParams)
 
 
 def test_decoding_validates_too():

@@ -20,9 +20,14 @@ from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.ops import cpu_features, cpu_kernels, elementwise
 from tokenloom.ops.cpu_threads import ThreadGovernor
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import StructuredOutputManager
 from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# While every live request waits for its grammar, the loop sleeps this long on the compilations
+# between (empty) steps instead of spinning; it never waits while anything else can run.
+GRAMMAR_POLL_SECONDS = 0.005
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -64,7 +69,12 @@ class EngineCore:
                             quantization=config.quantization)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
         self.model_runner = ModelRunner(loaded, config, self.max_model_len)
-        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len)
+        tokenizer_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        stop_ids = [t for t in [tokenizer_eos, *loaded.config.eos_token_ids] if t is not None]
+        self.structured_output_manager = StructuredOutputManager(
+            loaded.tokenizer, loaded.config.vocab_size, stop_ids, config.max_num_seqs)
+        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len,
+                                   self.structured_output_manager)
         self.info = EngineInfo(
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
@@ -146,6 +156,9 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+            # Part of this (empty) step, so the ledger counts it as queue_grammar_compile.
+            self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         outputs.timestamp = now()
         if self.ledger is not None:
             self.ledger.on_update(outputs.outputs, outputs.timestamp)
@@ -179,7 +192,7 @@ class EngineCore:
         pool = s.kv_cache_manager.block_pool
         return {
             "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
+            "num_waiting": len(s.waiting) + len(s.waiting_for_grammar),
             "num_requests": len(s.requests),
             "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,

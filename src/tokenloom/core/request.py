@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tokenloom.core.kv_cache_utils import ROOT_BLOCK_HASH, BlockHash, hash_block_tokens
 from tokenloom.messages import EngineCoreRequest, FinishReason
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +66,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     error: str | None = None  # set with FINISHED_ERROR
+    # Its grammar and matcher, when it asked for structured outputs (set by the scheduler).
+    structured_output: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

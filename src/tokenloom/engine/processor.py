@@ -12,6 +12,7 @@ from typing import Any
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import validate as validate_structured_outputs
 
 Conversation = list[dict[str, Any]]
 
@@ -113,9 +114,12 @@ class InputProcessor:
         self,
         messages: Conversation | Sequence[Conversation],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str | list[str]:
         """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
-        of prompt texts of a list of conversations, by the tokenizer's chat template."""
+        of prompt texts of a list of conversations, by the tokenizer's chat template. `tools`
+        (OpenAI's function definitions) are rendered as the template renders them (transformers'
+        `apply_chat_template(tools=...)`); a template without tool support leaves them out."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("The tokenizer has no chat template; pass prompts as text or token ids.")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -128,7 +132,8 @@ class InputProcessor:
                 raise ValueError("each conversation must be a list of {'role': ..., 'content': ...} dicts.")
             prompts.append(
                 self.tokenizer.apply_chat_template(
-                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                    tools=tools,
                 )
             )
         return prompts[0] if single else prompts
@@ -222,6 +227,9 @@ class InputProcessor:
             changes["_bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         params = params.clone(**changes)
         params.verify_against_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            # The schema, regex or grammar must compile: refused here with the compiler's message.
+            validate_structured_outputs(params.structured_outputs)
         return params
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:

@@ -41,6 +41,8 @@ BUCKETS: dict[LedgerBucket, Bucket] = {
     B.PREFILL: Bucket("prefill", None, "prefill"),
     B.DECODE: Bucket("decode", None, "decode"),
     B.PREEMPTED: Bucket("preempted", "preempted", "preempted", wait=W.PREEMPTED),
+    B.GRAMMAR_COMPILE: Bucket("queue_grammar_compile", "grammar_compile", "queued: grammar_compile",
+                              wait=W.GRAMMAR_COMPILE),
 }
 del B, W
 assert list(BUCKETS) == list(LedgerBucket), "one row per bucket, in the enum's order"

@@ -49,9 +49,10 @@ WAIT_REASON_PARTS = {
     "no_kv_blocks": "queue_no_kv_blocks",
     "head_of_line": "queue_head_of_line",
     "preempted": "preempted",
+    "grammar_compile": "queue_grammar_compile",
 }
 _QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs", "queue_no_kv_blocks",
-                "queue_head_of_line")
+                "queue_head_of_line", "queue_grammar_compile")
 
 
 class LedgerMetrics:

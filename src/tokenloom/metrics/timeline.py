@@ -20,6 +20,7 @@ The parts (caller side, then the core's buckets, then caller side again):
   queue_max_num_seqs   left waiting: max_num_seqs requests were running
   queue_no_kv_blocks   left waiting: no KV blocks for it
   queue_head_of_line   queued behind a waiting request that could not be admitted
+  queue_grammar_compile  waiting for its structured-output grammar to compile (off the busy loop)
   prefill              steps in which it computed prompt tokens
   decode               steps in which it computed a decode token
   preempted            from a preemption until it decodes again (waiting, then recompute)

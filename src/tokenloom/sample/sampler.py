@@ -8,6 +8,8 @@ and updated by `sample()` itself with one scatter, so no step re-reads a request
 
 One step, in vLLM's order (each stage skipped when no row of the step uses it):
 
+0. structured outputs: a grammar's bitmask (sample/grammar.py), in place, as vLLM applies it to
+   the model's logits before its sampler;
 1. logprobs are of the raw logits (vLLM's default `raw_logprobs`), for rows that asked;
 2. token constraints: allowed_token_ids, bad_words, min_tokens' stop-token suppression (-inf),
    then logit_bias (added). Stored sparsely per row; the Python work of a step is proportional
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from tokenloom.messages import LogprobsLists
 from tokenloom.sample import ops
+from tokenloom.sample.grammar import GrammarMask, apply_grammar_mask
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -146,6 +149,7 @@ class Sampler:
 
         # Step-local [max_num_reqs, V] float32 buffers, allocated on first use (see _buffer).
         self._workspace: list[Tensor | None] = [None] * 3
+        self._grammar_rows: Tensor | None = None  # int32 bitmask rows, on the first grammar step
 
         # Unseeded random rows share this generator (seeded rows hash their own uniforms).
         self._rng = np.random.Generator(np.random.PCG64(seed))
@@ -247,9 +251,13 @@ class Sampler:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def sample(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray) -> SamplerOutput:
+    def sample(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray,
+               grammar: GrammarMask | None = None) -> SamplerOutput:
         """Samples one token for each logits row; `logits[i]` belongs to the request at
-        `rows[i]`. `logits` is not modified. Counts the sampled tokens into the rows' histories."""
+        `rows[i]`. `logits` is not modified, except by `grammar`, which constrains some rows to
+        the tokens a grammar allows in place (as vLLM masks the model's logits: a constrained
+        row's logprobs are those of its masked distribution; and a copy of a [64, 49152] block
+        costs milliseconds a step on a CPU). Counts the sampled tokens into the rows' histories."""
         rows_np = _as_numpy(rows)
         n = len(rows_np)
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.vocab_size:
@@ -263,6 +271,11 @@ class Sampler:
         dev = self.device
         rows_t = torch.from_numpy(rows_np).to(dev, non_blocking=True)
         logits = logits.to(device=dev, dtype=torch.float32)
+        if grammar is not None:
+            if self._grammar_rows is None:
+                width = -(-self.vocab_size // 32)
+                self._grammar_rows = torch.empty(self.max_num_reqs, width, dtype=torch.int32, device=dev)
+            apply_grammar_mask(logits, grammar, self._grammar_rows)
 
         # 1. Logprobs are of the model's own distribution: `raw` is never written to, so they
         # are read from it after the token is known.

@@ -23,6 +23,7 @@ from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import prepare_cpu_weights
 from tokenloom.ops import cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from tokenloom.sample.grammar import GrammarMask
 from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.worker.input_batch import InputBatch
 
@@ -190,19 +191,20 @@ class ModelRunner:
         self._pending_prompt_logprobs.pop(req_id, None)
         self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
 
-    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str],
+                grammar: GrammarMask | None = None) -> SamplerOutput:
         """One batched draw; if it raises, each row again on its own, so that only the rows that
         raise on their own fail (their token is -1). A row's draw does not depend on the others
         (sample/ops), and a failed sample() changes no row's history, so the retry is exact."""
         try:
-            return self.sampler.sample(logits, sample_rows)
+            return self.sampler.sample(logits, sample_rows, grammar)
         except Exception:  # noqa: BLE001 - find the culprits below
             logger.warning("batched sampling failed; sampling its %d rows one by one", len(sample_rows))
         tokens = torch.full((len(sample_rows),), -1, dtype=torch.int64)
         logprobs: list[LogprobsLists | None] = [None] * len(sample_rows)
         for i, row in enumerate(sample_rows.tolist()):
             try:
-                out = self.sampler.sample(logits[i : i + 1], [row])
+                out = self.sampler.sample(logits[i : i + 1], [row], None if grammar is None else grammar.select(i))
             except Exception as e:  # noqa: BLE001 - this row's own fault
                 self._fail_request(sample_req_ids[i], row, "sampling its next token", e)
                 continue
@@ -234,7 +236,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         t2 = time.perf_counter()
         sample_pos = np.flatnonzero(step.do_sample).tolist()
-        sampler_out = self._sample(logits, step.rows[step.do_sample], [step.req_ids[p] for p in sample_pos])
+        sample_req_ids = [step.req_ids[p] for p in sample_pos]
+        grammar = None if so.grammar_bitmask is None else _grammar_mask(so, sample_req_ids)
+        sampler_out = self._sample(logits, step.rows[step.do_sample], sample_req_ids, grammar)
         t3 = time.perf_counter()
         out = self._build_output(step, sample_pos, sampler_out)
         out.prompt_logprobs = prompt_logprobs
@@ -369,3 +373,16 @@ class ModelRunner:
                     ranks=[r for p in parts for r in p.ranks],
                 )
         return done
+
+
+def _grammar_mask(so: SchedulerOutput, sample_req_ids: list[str]) -> GrammarMask | None:
+    """The scheduler's bitmask rows placed on this step's logits rows. A request the scheduler
+    filled a row for is always sampled, unless it failed in this step (then its row is dropped)."""
+    position = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+    keep = [(j, position[r]) for j, r in enumerate(so.structured_output_req_ids) if r in position]
+    if not keep:
+        return None
+    bitmask = so.grammar_bitmask
+    if len(keep) < len(so.structured_output_req_ids):
+        bitmask = bitmask[torch.tensor([j for j, _ in keep], dtype=torch.int64)]
+    return GrammarMask(bitmask, np.fromiter((p for _, p in keep), dtype=np.int64, count=len(keep)))

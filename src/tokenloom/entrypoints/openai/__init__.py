@@ -44,6 +44,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "and /v1/models included) instead of exiting "
         "with status 1 (the default, as vLLM: let the supervisor restart the server)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "json", "llama3_json"],
+        help="how replies to tool_choice='auto' are read as tool calls: 'hermes' (<tool_call>{...}</tool_call>, "
+        "ChatML tool templates) or 'json' (the whole reply is a call object or a list of them); default: hermes",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=_run_serve)

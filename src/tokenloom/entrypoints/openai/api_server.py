@@ -34,6 +34,7 @@ from tokenloom.entrypoints.openai.protocol import (
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
+from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tokenloom.serve")
@@ -243,6 +244,7 @@ def build_app(
     max_waiting_requests: int | None = None,
     shutdown_engine_on_exit: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -254,7 +256,10 @@ def build_app(
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
-    chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests)
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
+    chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests,
+                             tool_parser=TOOL_PARSERS[tool_call_parser]())
 
     # The last one added runs first: the key is checked before the engine's state is revealed.
     app.add_middleware(EngineDeadMiddleware, engine=engine)
@@ -355,6 +360,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_engine_on_exit=True,
         max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
     )
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)

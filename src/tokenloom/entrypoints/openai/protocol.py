@@ -5,7 +5,7 @@ the streaming path free of per-chunk model validation.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do, so newer clients that send
 fields this server does not know still work. Fields whose meaning this server cannot honour
-(`echo`, `suffix`, `best_of` > n, tools) are rejected with a 400 naming them instead of being
+(`echo`, `suffix`, `best_of` > n) are rejected with a 400 naming them instead of being
 silently dropped.
 
 Types are strict (pydantic's strict mode): `"max_tokens": "16"`, `"max_tokens": true`,
@@ -117,6 +117,14 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = Field(default=None, description="optional caller-chosen id (vLLM extra)")
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one
+    # of them; see structured.py). Plain dicts, checked there with errors naming the field.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,6 +145,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if self.content is None:
@@ -154,4 +164,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extra

@@ -16,6 +16,17 @@ from tokenloom.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
+from tokenloom.entrypoints.openai.structured import structured_outputs_of
+from tokenloom.entrypoints.openai.tool_parsers import ToolParser
+from tokenloom.entrypoints.openai.tools import (
+    ToolChoice,
+    check_tools,
+    constrained_calls,
+    constraint_schema,
+    openai_tool_calls,
+    template_message,
+    tool_choice_of,
+)
 from tokenloom.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -30,13 +41,24 @@ from tokenloom.entrypoints.openai.serving_engine import (
     usage,
 )
 from tokenloom.outputs import CompletionOutput
+from tokenloom.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, tool_parser: ToolParser, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser  # reads `tool_choice="auto"` replies (--tool-call-parser)
+
+    def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
+        tools = check_tools(req.tools or [])
+        choice = tool_choice_of(req.tool_choice, tools)
+        schema = constraint_schema(choice, tools, req.parallel_tool_calls)
+        extra = None if schema is None else (StructuredOutputsParams(json=schema), "tools")
+        return choice, structured_outputs_of(req, extra)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(req.model)
-        if req.tools:
-            raise bad_request("tools are not supported by this server.", param="tools")
+        choice, structured = self._tools(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -47,9 +69,10 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens=max_tokens,
             logprobs=num_top,
             field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
+            structured_outputs=structured,
         )
         self.check_capacity(params.n)
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
         processor = self.engine.input_processor
         try:
             # The rendered prompt holds every message's text: their length alone may rule it out.
@@ -57,7 +80,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         try:
-            prompt = await self.engine.run_off_loop(processor.apply_chat_template, conversation, req.add_generation_prompt)
+            prompt = await self.engine.run_off_loop(processor.apply_chat_template, conversation, req.add_generation_prompt,
+                                                    req.tools or None)
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
             raise bad_request(f"messages could not be rendered with the chat template: {e}", param="messages") from None
         self.check_capacity(params.n)  # again: other requests were admitted while it was rendered
@@ -66,22 +90,22 @@ class OpenAIServingChat(OpenAIServing):
         created = unix_time()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, model, created, streams[0], num_top, include_usage)
+            body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice)
             return EngineStreamingResponse(body, on_close=lambda: self.engine.abort_nowait(streams[0].request_id))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
             return Response(status_code=499)
         out = result[0]
-        choices = [
-            {
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = self._message(c, choice)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top)},
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
-        ]
+            })
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return json_response(
             {
@@ -94,6 +118,21 @@ class OpenAIServingChat(OpenAIServing):
             }
         )
 
+    def _message(self, c: CompletionOutput, choice: ToolChoice) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished choice and its finish_reason: `tool_calls` when
+        the reply is calls (a reply cut by max_tokens keeps its text and `length`)."""
+        text, finish = c.text, c.finish_reason
+        if choice.mode in ("required", "named"):
+            calls = constrained_calls(choice, text) if finish == "stop" else None
+            content = None
+        elif choice.mode == "auto":
+            content, calls = self.tool_parser.extract(text)
+        else:
+            return {"role": "assistant", "content": text}, finish
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content, "tool_calls": openai_tool_calls(calls)}, "tool_calls"
+
     async def _stream(
         self,
         request_id: str,
@@ -102,6 +141,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         num_top: int | None,
         include_usage: bool,
+        choice: ToolChoice,
     ) -> AsyncIterator[bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
@@ -113,6 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                 for i in range(stream.num_seqs)
             ]
             yield sse_event({**base, "choices": first, **extra})
+            tool_streams = [_ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())
                 choices = []
@@ -122,12 +163,16 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason == "error":
                         check_output_error(out)
                     completion_tokens += len(c.token_ids)
+                    if choice.mode == "none":
+                        delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+                    else:
+                        delta, finish_reason = tool_streams[c.index].feed(c.text, c.finish_reason)
                     choices.append(
                         {
                             "index": c.index,
-                            "delta": {"content": c.text} if c.text else {},
+                            "delta": delta,
                             "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top)},
-                            "finish_reason": c.finish_reason,
+                            "finish_reason": finish_reason,
                             "stop_reason": c.stop_reason,
                         }
                     )
@@ -160,3 +205,58 @@ class OpenAIServingChat(OpenAIServing):
                 }
             )
         return content
+
+
+class _ToolStream:
+    """One streamed choice of a request with tools: content deltas while the reply is text, and
+    OpenAI's `delta.tool_calls` for calls. A named function's arguments stream as they are
+    generated; calls in a `required` list or in free text (`auto`) go out when the reply ends
+    (only then is it known whether they parse), one delta per call with its whole arguments."""
+
+    def __init__(self, choice: ToolChoice, parser: ToolParser) -> None:
+        self.choice = choice
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of `text` already sent as content (auto) or arguments (named)
+        self.call_id: str | None = None
+
+    def feed(self, new_text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        self.text += new_text
+        mode = self.choice.mode
+        if mode == "named":
+            delta: dict[str, Any] = {}
+            if new_text:
+                fn: dict[str, Any] = {"arguments": new_text}
+                call: dict[str, Any] = {"index": 0, "function": fn}
+                if self.call_id is None:
+                    self.call_id = random_id("call")
+                    call.update(id=self.call_id, type="function")
+                    fn["name"] = self.choice.function
+                delta = {"tool_calls": [call]}
+            return delta, ("tool_calls" if finish == "stop" and self.call_id is not None else finish)
+        if finish is None:
+            if mode == "required":
+                return {}, None
+            end = self.parser.content_end(self.text)
+            if end > self.sent:
+                content = self.text[self.sent:end]
+                self.sent = end
+                return {"content": content}, None
+            return {}, None
+        # The reply has ended: what was held back is calls, or text after all.
+        if mode == "required":
+            calls = constrained_calls(self.choice, self.text) if finish == "stop" else None
+            content = None if calls else self.text
+        else:
+            _, calls = self.parser.extract(self.text)
+            # Without calls, all that was held back is text; with them, the text before them.
+            end = self.parser.content_end(self.text) if calls else len(self.text)
+            content = self.text[self.sent:end]
+        delta = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(openai_tool_calls(calls))]
+            return delta, "tool_calls"
+        return delta, finish
+

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.protocol import CompletionRequest, OpenAIServingError, bad_request, random_id, unix_time
+from tokenloom.entrypoints.openai.structured import structured_outputs_of
 from tokenloom.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -50,7 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of must equal n ({req.n}) on this server, got {req.best_of}.", param="best_of")
         prompts = _prompts(req)
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, field_names={})
+        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, field_names={},
+                                      structured_outputs=structured_outputs_of(req))
         self.check_capacity(params.n * len(prompts))
         request_id = req.request_id or random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt")

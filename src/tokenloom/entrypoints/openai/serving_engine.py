@@ -17,7 +17,7 @@ from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.outputs import Logprob, RequestOutput
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         field_names: dict[str, str],
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": req.n,
@@ -129,6 +130,7 @@ class OpenAIServing:
             "allowed_token_ids": req.allowed_token_ids,
             "bad_words": req.bad_words,
             "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            "structured_outputs": structured_outputs,
         }
         for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
             value = getattr(req, name)

@@ -1,0 +1,114 @@
+"""Tool calls in free text (`tool_choice="auto"`): how a model wrote its calls, by model family.
+
+`--tool-call-parser` picks one:
+- `hermes` (Hermes, Qwen2/2.5/3, SmolLM3 and other ChatML tool templates): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, possibly after some text;
+- `json` (alias `llama3_json`): the whole reply is one call object, or a list of them, with
+  `arguments` or `parameters`.
+
+A reply that does not parse as calls is plain content: a model that chose to answer in text, or
+wrote a broken call, is answered as text, never with a made-up call.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ParsedToolCall:
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+def _call_of(obj: object) -> ParsedToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def calls_of_json(text: str) -> list[ParsedToolCall] | None:
+    """A JSON call object or list of them; None when `text` is not that."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call_of(item) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+class ToolParser:
+    name = ""
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content, calls) of a finished reply; calls [] means the reply is all content."""
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        """How much of a reply so far may be streamed as content now: everything before the point
+        where a call starts or may be starting (the rest is held until the reply ends)."""
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        calls = []
+        for block in self._BLOCK.findall(text[start:]):
+            call = _call_of(_loads(block.strip()))
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:start].strip()
+        return (content or None), calls
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.START)
+        if start >= 0:
+            return start
+        # Hold back a tail that could be the beginning of "<tool_call>".
+        for k in range(min(len(self.START) - 1, len(text)), 0, -1):
+            if self.START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class JsonToolParser(ToolParser):
+    name = "json"
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        calls = calls_of_json(text.strip())
+        return (text, []) if calls is None else (None, calls)
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        return 0 if not stripped or stripped[0] in "{[" else len(text)
+
+
+def _loads(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "json": JsonToolParser,
+                                             "llama3_json": JsonToolParser}

@@ -1,0 +1,132 @@
+"""Grammars compiled off the busy loop, one matcher per request, and the step's bitmask.
+
+`request_grammar` starts (or finds in the cache) a request's compilation on the manager's thread
+pool and returns at once; the scheduler keeps the request out of its waiting queue until
+`StructuredOutputRequest.ready()` (ledger: `queue_grammar_compile`), so the others keep running.
+The cache is keyed by `spec_key`: the n children of one request, and every later request with the
+same schema, share one compilation.
+
+Each request owns a matcher that has accepted exactly its output tokens so far: the scheduler
+advances it with every token it appends, and since preemption keeps a request's output tokens (they
+are recomputed, not resampled), the matcher needs no rollback there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.structured_output import backend
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+
+
+@dataclass(slots=True, eq=False)
+class StructuredOutputRequest:
+    """One request's grammar: its compilation, then its matcher."""
+
+    params: StructuredOutputsParams
+    future: Future
+    stop_token_ids: list[int]
+    matcher: xgr.GrammarMatcher | None = None
+    error: str | None = field(default=None)
+
+    def ready(self) -> bool:
+        """True once the matcher exists; False while compiling. A failed compilation sets
+        `error` and returns True (the scheduler then fails the request)."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        exc = self.future.exception()
+        if exc is not None:
+            self.error = f"structured_outputs.{self.params.kind} could not be compiled: {exc}"
+            return True
+        self.matcher = xgr.GrammarMatcher(self.future.result(), override_stop_tokens=self.stop_token_ids)
+        return True
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advances the matcher; False when a token breaks the grammar (it is not accepted)."""
+        matcher = self.matcher
+        assert matcher is not None
+        for token in token_ids:
+            if not matcher.accept_token(token):
+                return False
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
+                 *, num_compile_threads: int = 1) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.max_num_seqs = max_num_seqs
+        # One compile thread: the cores belong to the model, and a compilation takes milliseconds.
+        self._pool = ThreadPoolExecutor(max_workers=num_compile_threads, thread_name_prefix="grammar")
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        # The vocabulary is read for xgrammar once, on the compile thread, right away: it takes
+        # ~0.1 s of one core (seconds on a loaded machine), which the first structured request
+        # would otherwise wait for. The busy loop never waits for it.
+        self._pool.submit(self._get_compiler)
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(V/32)], on first use
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = backend.tokenizer_info(self._tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return backend.compile_spec(self._get_compiler(), params)  # on the pool's thread
+
+    def request_grammar(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        key = backend.spec_key(params)
+        future = self._cache.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return StructuredOutputRequest(params=params, future=future, stop_token_ids=self.stop_token_ids)
+
+    def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> torch.Tensor:
+        """Rows 0..len(requests)-1 of the bitmask filled for the requests' next tokens (a view
+        of a buffer allocated once; valid until the next call)."""
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        bitmask = self._bitmask[: len(requests)]
+        matchers = [r.matcher for r in requests]
+        assert self._batch_matcher is not None and all(m is not None for m in matchers)
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
+
+    def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
+        """Blocks up to `timeout` seconds until one of the compilations ends (for a busy loop
+        that has nothing else to do meanwhile)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        wait([r.future for r in requests], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
