@@ -16,12 +16,18 @@ def make_llm() -> Callable:
 
     llms = []
 
-    def make(**kwargs):
+    def make(warmup: bool = False, **kwargs):
+        """`warmup`: one request first, so a fresh engine's first (slow) step holds up no one
+        the test measures: requests that arrive during it wait for it, and say so."""
         kwargs.setdefault("kv_cache_memory_bytes", 64 * 1024**2)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
             llm = LLM(**kwargs)
         llms.append(llm)
+        if warmup:
+            from tokenloom import SamplingParams
+
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
         return llm
 
     yield make

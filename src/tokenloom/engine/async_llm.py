@@ -77,7 +77,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = PrometheusMetrics(self.model_name) if log_stats else None
         # The ledger's caller side: returned stamps, and the trace file (`--trace`).
         self.ledger: FrontendLedger | None = None
@@ -198,10 +198,11 @@ class AsyncLLM:
             self._num_unfinished_seqs -= stream.num_seqs
         final_outputs, core_ids = self.output_processor.abort_requests(live)
         for out in final_outputs:
-            self._record_finished(out)
+            self._returned(out)
             stream = streams.get(out.request_id)
             if stream is not None:
                 stream.collector.put(out)
+        self._record_ready()  # with the ledger on, their accounts come later from the core
         if core_ids and self._dead_error is None:
             # Queued on the socket now, not from a task: a client may reuse a request_id as soon
             # as this returns, and its ADD must not reach the core before this ABORT.
@@ -241,6 +242,7 @@ class AsyncLLM:
                 await asyncio.sleep(0)
             processed = self.output_processor.process_outputs(core_outputs[start : start + OUTPUT_CHUNK_SIZE], received)
             self._route(processed.request_outputs)
+            self._record_ready()
             if processed.reqs_to_abort:  # e.g. stop strings found by the detokenizer
                 await self.engine_core.abort_requests_async(processed.reqs_to_abort)
 
@@ -255,15 +257,26 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
                 self._num_unfinished_seqs -= stream.num_seqs
-                self._record_finished(out)
+                self._returned(out)
                 failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
                 if failed and self.metrics is not None:
                     self.metrics.request_errors.inc()  # failed alone: the core is still running
             stream.collector.put(out)
 
+    def _returned(self, out: RequestOutput) -> None:
+        """A final output handed to its stream: the end of its e2e."""
+        if self.ledger is not None:
+            self.ledger.returned(out)
+
+    def _record_ready(self) -> None:
+        """Metrics of the finished requests whose accounts are complete, each once (see
+        engine/accounts.py: an aborted request's account arrives after its final output)."""
+        for out in self.output_processor.pop_ready():
+            self._record_finished(out)
+
     def _record_finished(self, out: RequestOutput) -> None:
         if self.ledger is not None:
-            self.ledger.record_finished(out)  # first: it stamps returned_time, the end of e2e
+            self.ledger.record_finished(out)  # the trace
         m = out.metrics
         if self.metrics is None or m is None:
             return
@@ -280,7 +293,8 @@ class AsyncLLM:
         try:
             for out in self.output_processor.fail_all(str(error)):
                 if out.request_id in self._streams:
-                    self._record_finished(out)  # counted as finished_reason="error"
+                    self._returned(out)
+            self._record_ready()  # counted as finished_reason="error"
         except Exception:  # noqa: BLE001 - the streams below must be failed regardless
             logger.exception("OutputProcessor.fail_all failed")
         for stream in self._streams.values():

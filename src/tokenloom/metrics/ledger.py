@@ -53,8 +53,8 @@ class FrontendLedger:
         if self.trace is not None:
             self.trace.record_step(outputs)
 
-    def record_finished(self, output: RequestOutput, t: float | None = None) -> None:
-        """A finished output, as it is handed to the caller."""
+    def returned(self, output: RequestOutput, t: float | None = None) -> None:
+        """A finished output, as it is handed to the caller: the end of its e2e."""
         m = output.metrics
         if m is not None and m.returned_time is None:
             m.returned_time = now() if t is None else t
@@ -62,6 +62,10 @@ class FrontendLedger:
             if m.core is not None and m.core.finished_time <= self._message_sent_time:
                 m.output_sent_time = self._message_sent_time
             settle(m)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """A finished output whose account is complete (OutputProcessor.pop_ready): once each."""
+        m = output.metrics
         if self._feeds_metrics and m is not None:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             e2e = m.e2e_latency
@@ -76,14 +80,18 @@ class FrontendLedger:
         if self.trace is not None:
             self.trace.record_request(output)
 
-    def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput]) -> None:
-        """One message from the core and what the caller got from it (LLMEngine.step)."""
+    def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput],
+               ready: Iterable[RequestOutput]) -> None:
+        """One message from the core, what the caller got from it, and the outputs whose
+        accounts it completed (LLMEngine.step)."""
         self.record_step(outputs)
         t = None
         for out in request_outputs:
             if out.finished:
                 t = now() if t is None else t
-                self.record_finished(out, t)
+                self.returned(out, t)
+        for out in ready:
+            self.record_finished(out)
 
     def get_metrics(self) -> list[Metric]:
         return read_metrics(self.metrics.registry)

@@ -12,11 +12,14 @@ vLLM's names where the meaning is the same (`request_queue_time_seconds`,
 `inter_token_latency_seconds`, `iteration_tokens_total`), and the ledger's own:
 
 - `request_wait_seconds{reason}`: per finished request, seconds left waiting in the core, by
-  the scheduler's reason (token_budget, max_num_seqs, no_kv_blocks, head_of_line, preempted);
+  the scheduler's reason (step_boundary: for the step in flight to end; token_budget,
+  max_num_seqs, no_kv_blocks, head_of_line, preempted);
 - `request_part_seconds_total{part}`: seconds of finished requests per decomposition part
   (their rates' shares are the live form of `tokenloom explain`'s verdict);
 - `requests_by_dominant_wait_total{reason}`: finished requests by the cause they waited longest
-  for (head-of-line resolved to what blocked the head; "none" if they never waited);
+  for (head-of-line resolved to what blocked the head; step_in_flight and long_prefill for the
+  step in flight, long_prefill also for decodes stretched by a long prefill chunk; "none" if
+  they never waited);
 - `step_budget_tokens{kind=prefill|decode|unused}`: per step, the token budget spent and left;
 - `kv_blocks{state=free|cached|used}`: blocks empty, free but holding a cached prefix, held;
 - `step_duration_seconds{phase=schedule|execute|update}` and `engine_steps_total`;
@@ -44,6 +47,7 @@ _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The scheduler's wait reasons, and the part of the decomposition each one's seconds are in.
 WAIT_REASON_PARTS = {
+    "step_boundary": "queue_step_boundary",
     "token_budget": "queue_token_budget",
     "max_num_seqs": "queue_max_num_seqs",
     "no_kv_blocks": "queue_no_kv_blocks",
