@@ -82,3 +82,45 @@ def test_mixed_run_every_request_accounted_once(server):
     assert dominant - dominant_before == num
     aborted = sum(v for k, v in after.items() if k.startswith("tokenloom:request_success_total{") and "abort" in k)
     assert aborted >= 1
+
+
+def test_grafana_dashboard_queries_exist(server, dashboard_metrics):
+    names = dashboard_metrics("tokenloom")
+    assert len(names) >= 15
+    missing = sorted(n for n in names if n not in server.metrics())
+    assert not missing, missing
+
+
+def test_live_ledger_view(server, tmp_path):
+    """`GET /ledger`: the last steps and the requests in flight with their state in the core;
+    `?format=trace` is what `tokenloom explain --url` draws."""
+    import subprocess
+    import sys
+    import threading
+
+    # A long request in flight while the view is read.
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
+    thread = threading.Thread(target=lambda: httpx.post(server.url("/v1/completions"), json=body, timeout=120))
+    thread.start()
+    try:
+        view = {}
+        for _ in range(200):
+            view = httpx.get(server.url("/ledger"), params={"steps": 5}, timeout=30).json()
+            if view["in_flight"] and view["in_flight"][0].get("state") in ("decode", "prefill"):
+                break
+        assert view["in_flight"], view
+        row = view["in_flight"][0]
+        assert row["state"] in ("decode", "prefill") and row["in_core_s"] >= row["in_state_s"] >= 0
+        assert 0 < len(view["steps"]) <= 5
+        assert {"step", "prefill", "decode", "budget", "running", "waiting", "age_s"} <= set(view["steps"][-1])
+    finally:
+        thread.join()
+    view = httpx.get(server.url("/ledger"), params={"requests": 3}, timeout=30).json()
+    assert len(view["finished"]) == 3 and all("parts" in r for r in view["finished"])
+    assert httpx.get(server.url("/ledger"), params={"steps": "x"}).status_code == 400
+
+    png = tmp_path / "live.png"
+    proc = subprocess.run([sys.executable, "-m", "tokenloom.entrypoints.cli", "explain", "--url", server.base_url,
+                           "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verdict:" in proc.stdout and png.read_bytes()[:4] == b"\x89PNG"

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,21 @@ def make_llm() -> Callable:
     yield make
     for llm in llms:
         llm.shutdown()
+
+
+@pytest.fixture
+def check_plot():
+    """Draws a trace's picture and checks it: the verdict, in a sentence, is its title. With
+    TOKENLOOM_LEDGER_PLOTS=DIR the picture is kept there as <verdict>.png (how docs/ledger/ is
+    made)."""
+    from tokenloom.metrics.plot import figure_title, plot_trace
+    from tokenloom.metrics.timeline import VERDICT_HEADLINES
+
+    def check(trace: dict, report: dict, verdict: str, tmp_path: Path) -> Path:
+        assert VERDICT_HEADLINES[verdict].lower() in figure_title(report).lower()
+        out = Path(os.environ.get("TOKENLOOM_LEDGER_PLOTS") or tmp_path) / f"{verdict}.png"
+        plot_trace(trace, out, report)
+        assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 20_000
+        return out
+
+    return check

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenloom import SamplingParams
-from tokenloom.metrics.explain import analyze
+from tokenloom.metrics.explain import analyze, format_report
 from tokenloom.metrics.stats import CounterMetric, GaugeMetric, HistogramMetric
 from tokenloom.metrics.buckets import WAIT_CAUSES
-from tokenloom.metrics.timeline import PART_NAMES
+from tokenloom.metrics.timeline import PART_NAMES, VERDICT_HEADLINES
 from tokenloom.metrics.trace import load_trace
 
 SCHEMA = json.loads((Path(__file__).parent / "chrome_trace.schema.json").read_text())
@@ -166,6 +166,15 @@ def test_trace_file(mixed):
 # ---- planted bottlenecks ------------------------------------------------------------------------
 
 PLANTED = {
+    # 12 short requests decode while 3 prompts of 300 tokens are prefilled in chunks of the whole
+    # 320-token budget: every decode step is mostly someone else's prefill, and so are the short
+    # prompts' own prefills.
+    "prefill-bound": (
+        dict(max_num_batched_tokens=320, max_model_len=512),
+        [prompt(i, 8) for i in range(12)] + [prompt(100 + i, 300) for i in range(3)],
+        [SamplingParams(max_tokens=12, ignore_eos=True)] * 12 + [SamplingParams(max_tokens=2, ignore_eos=True)] * 3,
+        {"long_prefill"},
+    ),
     # 12 prompts of 32 tokens, 16 tokens of budget per step: each prefill takes 2 steps, and the
     # others wait behind it for budget (the wait grows with the square of the queue).
     "budget-bound": (
@@ -193,7 +202,7 @@ PLANTED = {
 
 
 @pytest.mark.parametrize("verdict", list(PLANTED))
-def test_planted_bottleneck(verdict, make_llm, tmp_path):
+def test_planted_bottleneck(verdict, make_llm, tmp_path, check_plot):
     config, prompts, params, causes = PLANTED[verdict]
     path = tmp_path / "trace.json"
     llm = make_llm(trace_path=str(path), warmup=True, **config)
@@ -204,8 +213,11 @@ def test_planted_bottleneck(verdict, make_llm, tmp_path):
     slowest = sorted(outputs, key=lambda o: o.metrics.e2e_latency, reverse=True)[: len(outputs) // 2]
     assert {o.metrics.dominant_wait for o in slowest} <= causes, [o.metrics.wait_by_cause for o in slowest]
     llm.flush_trace()
-    report = analyze(check_trace_file(path), top=3)
+    trace = check_trace_file(path)
+    report = analyze(trace, top=3)
     assert report["verdict"] == verdict, report["group_shares"]
+    assert report["headline"] == VERDICT_HEADLINES[verdict] and report["headline"] in format_report(report)
+    check_plot(trace, report, verdict, tmp_path)
     assert {r["dominant_wait"] for r in report["slowest"]} <= causes
     if verdict == "block-bound":
         assert report["num_preemptions"] > 0

@@ -191,6 +191,11 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def get_ledger_state(self) -> list[dict]:
+        """The ledger's live view of the requests in the core (CoreLedger.snapshot); [] when the
+        ledger is off."""
+        return [] if self.ledger is None else self.ledger.snapshot(now())
+
     def get_state(self) -> dict:
         """Introspection for tests and /metrics: what the core holds right now."""
         s = self.scheduler

@@ -35,6 +35,7 @@ from tokenloom.engine.output_processor import OutputProcessor, RequestOutputColl
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
+from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.loader import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
@@ -64,7 +65,10 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True,
+                 metrics_prefix: str = "tokenloom") -> None:
+        """`metrics_prefix`: "vllm" names the metrics vLLM also has `vllm:...` (see
+        metrics/prometheus.py)."""
         config.validate()
         self.config = config
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
@@ -78,11 +82,13 @@ class AsyncLLM:
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
-        self.metrics: PrometheusMetrics | None = PrometheusMetrics(self.model_name) if log_stats else None
+        self.metrics: PrometheusMetrics | None = (
+            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix) if log_stats else None)
         # The ledger's caller side: returned stamps, and the trace file (`--trace`).
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
-            self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics)
+            self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics,
+                                         live=True)
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
         self._num_pending_seqs = 0  # being tokenized (see add_request)
@@ -361,6 +367,21 @@ class AsyncLLM:
         """The core's `get_state()`: num_running, num_waiting, num_requests, num_free_blocks,
         num_total_blocks."""
         return await self.call_utility("get_state", timeout=timeout)
+
+    async def get_ledger_view(self, num_steps: int = 100, num_requests: int = 20,
+                              timeout: float = 2.0) -> dict | None:
+        """The ledger's live view (metrics/live.py): the last steps, the requests in flight with
+        their state in the core, the last finished requests. None when the ledger is off."""
+        if self.ledger is None or self.ledger.recent is None:
+            return None
+        in_core = await self.call_utility("get_ledger_state", timeout=timeout)
+        return live_view(self.ledger.recent, in_core, list(self._streams), now(), num_steps, num_requests)
+
+    def get_ledger_trace(self) -> dict | None:
+        """The recent past as a trace (`tokenloom explain --url`); None when the ledger is off."""
+        if self.ledger is None or self.ledger.recent is None:
+            return None
+        return self.ledger.recent.to_json()
 
     async def refresh_metrics(self, timeout: float = 2.0) -> None:
         """Brings the gauges up to date before a scrape (an idle core sends no steps). When the

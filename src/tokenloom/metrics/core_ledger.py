@@ -8,6 +8,14 @@ between its bucket changes: from the moment the input thread decoded it (in STEP
 the first step considers it) to the end of the step that finished it. Nothing is sampled and
 nothing is lost; the seconds add up to finished - received exactly.
 
+Waiting for the step in flight is a wait like any other: a request received during a long
+prefill step waits in BEHIND_PREFILL (else STEP_BOUNDARY), and a request that computes only a
+few tokens in a step that is mostly someone else's long prefill is in DECODE_BEHIND_PREFILL or
+PREFILL_BEHIND_PREFILL (`is_long_prefill`): "long prefills starve decodes", in numbers.
+
+An aborted request's account is not dropped: `abort()` closes it and returns it as a final output
+of its own, which the core sends to the caller (engine/accounts.py waits for it).
+
 Cost: per step, one dict lookup and a comparison per scheduled or waiting request (the
 scheduler already loops over both); per request a list of len(LedgerBucket) floats. The totals
 cross the process boundary once, with the request's final output. Phases (bucket, start, end)
@@ -18,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenloom.messages import EngineCoreOutput, FinishReason, LedgerBucket, RequestTiming
-from tokenloom.metrics.buckets import HOL_BUCKET, WAIT_BUCKET
+from tokenloom.metrics.buckets import BUCKET_PHASE, HOL_BUCKET, WAIT_BUCKET
 from tokenloom.sched_output import SchedulerOutput, WaitReason
 
 NUM_BUCKETS = len(LedgerBucket)
@@ -103,6 +111,16 @@ class CoreLedger:
             if e is not None:
                 finals.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, timing=self._finish(e, t)))
         return finals
+
+    def snapshot(self, t: float) -> list[dict]:
+        """The requests the core holds now, each with where it is (its bucket's phase name:
+        "queued: token_budget", "decode", ...) and for how long: the live view's rows
+        (`GET /ledger`). Only on request: nothing is kept for it."""
+        return [
+            {"request_id": req_id, "state": BUCKET_PHASE[e.bucket], "in_state_s": t - e.since,
+             "in_core_s": t - e.received, "num_preemptions": e.num_preemptions}
+            for req_id, e in self.entries.items()
+        ]
 
     def _switch(self, e: _Entry, bucket: LedgerBucket, t: float) -> None:
         e.seconds[e.bucket] += t - e.since

@@ -30,6 +30,7 @@ import argparse
 import bisect
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -96,8 +97,12 @@ def fetch_live_trace(url: str, timeout: float = 30.0) -> dict[str, Any]:
     import urllib.request
 
     full = url.rstrip("/") + "/ledger?format=trace"
+    headers = {}
+    key = os.environ.get("TOKENLOOM_API_KEY")
+    if key:  # a server started with --api-key keeps /ledger behind it
+        headers["Authorization"] = f"Bearer {key}"
     try:
-        with urllib.request.urlopen(full, timeout=timeout) as resp:  # noqa: S310 - a URL the user gave
+        with urllib.request.urlopen(urllib.request.Request(full, headers=headers), timeout=timeout) as resp:  # noqa: S310
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError) as e:
         raise ValueError(f"could not read the ledger of {url}: {e}") from None
@@ -213,7 +218,10 @@ def step_waited_behind(request: dict[str, Any], steps: list[dict[str, Any]], con
         return None
     s = steps[i]
     prefill, decode, budget = s.get("prefill", 0), s.get("decode", 0), s.get("budget", 0)
+    # The busy loop's time before the next step (outputs queued, inputs drained) is waited too.
+    gap = steps[i + 1]["ts"] - (s["ts"] + s["dur"]) if i + 1 < len(steps) else 0.0
     return {
+        "gap_after": max(gap, 0.0),
         "step": s.get("step"),
         "duration": s["dur"],
         "prefill_tokens": prefill,
@@ -226,7 +234,8 @@ def step_waited_behind(request: dict[str, Any], steps: list[dict[str, Any]], con
 def describe_step(b: dict[str, Any]) -> str:
     why = f"a prefill chunk of {b['prefill_tokens']} tokens" if b["prefill_tokens"] else f"{b['decode_tokens']} decodes"
     full = ", the budget full" if b["budget_full"] else ""
-    return f"behind step {b['step']} ({why}{full}, {b['duration'] * 1000:.0f} ms)"
+    gap = f", then {b['gap_after'] * 1000:.0f} ms before the next step" if b.get("gap_after", 0) > 0.001 else ""
+    return f"behind step {b['step']} ({why}{full}, {b['duration'] * 1000:.0f} ms{gap})"
 
 
 def _mean(values: list[float]) -> float | None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
+from tokenloom.metrics.live import LIVE_MAX_REQUESTS, LIVE_MAX_STEPS
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.metrics.stats import Metric, read_metrics
 from tokenloom.metrics.timeline import settle
@@ -32,15 +33,21 @@ class FrontendLedger:
         model_name: str,
         info: EngineInfo | None = None,
         metrics: PrometheusMetrics | None = None,
+        live: bool = False,
     ) -> None:
         """`metrics`: an engine's existing `PrometheusMetrics`, which its owner already feeds
-        (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine)."""
+        (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine). `live`: keep
+        the recent past for the live view (a server's `GET /ledger`, metrics/live.py)."""
         self._feeds_metrics = metrics is None
         self.metrics = metrics if metrics is not None else PrometheusMetrics(model_name)
         self._message_sent_time = 0.0  # of the message being processed (AsyncLLM: in chunks)
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
             self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
+        # The live view reads the trace when there is one, else a small recorder of its own.
+        self.recent: TraceRecorder | None = self.trace
+        if live and self.trace is None:
+            self.recent = TraceRecorder(None, _run_config(config, model_name, info), LIVE_MAX_STEPS, LIVE_MAX_REQUESTS)
 
     def record_step(self, outputs: EngineCoreOutputs) -> None:
         """A message from the core, before its outputs are processed."""
@@ -50,8 +57,8 @@ class FrontendLedger:
             return
         if self._feeds_metrics:
             self.metrics.record_scheduler_stats(stats)
-        if self.trace is not None:
-            self.trace.record_step(outputs)
+        if self.recent is not None:
+            self.recent.record_step(outputs)
 
     def returned(self, output: RequestOutput, t: float | None = None) -> None:
         """A finished output, as it is handed to the caller: the end of its e2e."""
@@ -77,8 +84,8 @@ class FrontendLedger:
                 m.time_to_first_token,
             )
             self.metrics.record_request_output(output)
-        if self.trace is not None:
-            self.trace.record_request(output)
+        if self.recent is not None:
+            self.recent.record_request(output)
 
     def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput],
                ready: Iterable[RequestOutput]) -> None:

@@ -21,6 +21,8 @@ from tokenloom.metrics.plot_parts import SLICES, bars
 from tokenloom.metrics.trace import trace_config, trace_requests, trace_steps
 
 NUM_SLOWEST = 3
+# Beyond this many steps the time panels (but the step durations) show interval means.
+MAX_POINTS = 1000
 _SLOW_COLORS = ("#d62728", "#ff7f0e", "#bcbd22")
 
 
@@ -38,15 +40,20 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike, report: dict[str,
 
     fig = plt.figure(figsize=(16, 10))
     grid = fig.add_gridspec(4, 2, width_ratios=(1, 1.5), hspace=0.45, wspace=0.22, top=0.88, bottom=0.07,
-                            left=0.1, right=0.97)
+                            left=0.12, right=0.97)
     _title(fig, report)
     _request_bars(fig.add_subplot(grid[:, 0]), requests)
     axes = [fig.add_subplot(grid[0, 1])]
     axes += [fig.add_subplot(grid[i, 1], sharex=axes[0]) for i in range(1, 4)]
     _step_durations(axes[0], steps)
-    _step_tokens(axes[1], steps, config.get("max_num_batched_tokens"))
-    _kv_blocks(axes[2], steps, config.get("num_kv_blocks"))
-    _queue(axes[3], steps, config.get("max_num_seqs"))
+    # Many steps are drawn as means over short intervals: a trend a reader can follow.
+    series = binned(steps) if len(steps) > MAX_POINTS else steps
+    _step_tokens(axes[1], series, config.get("max_num_batched_tokens"))
+    _kv_blocks(axes[2], series, config.get("num_kv_blocks"))
+    _queue(axes[3], series, config.get("max_num_seqs"))
+    if series is not steps:
+        axes[1].set_title(f"token budget spent per step (mean of the steps in each of {len(series)} intervals)",
+                          fontsize=11)
     axes[3].set_xlabel("time since the first event (s)")
     for ax in axes:
         _mark_slowest(ax, slowest)
@@ -56,16 +63,20 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike, report: dict[str,
     return path
 
 
-def _title(fig, report: dict[str, Any]) -> None:
+def figure_title(report: dict[str, Any]) -> str:
+    """The picture's title: the verdict in a sentence, and its share of all requests' time."""
     verdict = report.get("verdict", "unknown")
     share = (report.get("group_shares") or {}).get(verdict, 0.0)
     headline = report.get("headline") or verdict
+    return f"{headline[:1].upper()}{headline[1:]}  ({verdict}: {share:.0%} of all requests' time)"
+
+
+def _title(fig, report: dict[str, Any]) -> None:
     e2e = (report.get("latency") or {}).get("e2e") or {}
     stats = ""
     if e2e.get("count"):
         stats = f"{e2e['count']} requests, e2e p50 {e2e['p50']:.2f} s, p99 {e2e['p99']:.2f} s, max {e2e['max']:.2f} s"
-    fig.suptitle(f"{headline[:1].upper()}{headline[1:]}  ({verdict}: {share:.0%} of all requests' time)",
-                 fontsize=17, fontweight="bold", y=0.985)
+    fig.suptitle(figure_title(report), fontsize=17, fontweight="bold", y=0.985)
     advice = report.get("advice") or ""
     lines = [stats] + textwrap.wrap(f"what to change: {advice}", 150) if advice else [stats]
     fig.text(0.5, 0.94, "\n".join(x for x in lines if x), ha="center", va="top", fontsize=10.5, color="#333333")
@@ -93,12 +104,30 @@ def _request_bars(ax, requests: list[dict[str, Any]]) -> None:
         labels.append(label)
     ax.set_yticks(range(len(rows)), labels, fontsize=8 if len(rows) > 20 else 9)
     ax.set_xlabel("seconds (the slices add up to each request's e2e latency)")
-    kind = "request" if len(rows) == len(requests) else "percentile group, and the slowest requests"
-    ax.set_title(f"where each {kind}'s time went", fontsize=11)
+    if len(rows) == len(requests):
+        ax.set_title("where each request's time went", fontsize=11)
+    else:
+        ax.set_title("where the time went: mean request per e2e percentile group; the slowest", fontsize=11)
     ax.margins(x=0.18)
     handles = [Patch(color=color, label=name) for name, color in SLICES if name in used]
     ax.legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.9)
     ax.grid(axis="x", alpha=0.3)
+
+
+def binned(steps: list[dict[str, Any]], num_bins: int = MAX_POINTS // 2) -> list[dict[str, Any]]:
+    """The steps as `num_bins` intervals of equal time, each the mean of its steps' counts."""
+    keys = ("prefill", "decode", "used", "cached", "free", "running", "waiting")
+    start, end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    width = (end - start) / num_bins or 1.0
+    sums: dict[int, list[float]] = {}
+    for s in steps:
+        b = min(int((s["ts"] - start) / width), num_bins - 1)
+        acc = sums.setdefault(b, [0.0] * (len(keys) + 1))
+        for i, k in enumerate(keys):
+            acc[i] += s.get(k, 0)
+        acc[-1] += 1
+    return [{"ts": start + b * width, "dur": width, **{k: acc[i] / acc[-1] for i, k in enumerate(keys)}}
+            for b, acc in sorted(sums.items())]
 
 
 def _steps_xy(steps, key) -> tuple[list[float], list[float]]:
@@ -106,6 +135,8 @@ def _steps_xy(steps, key) -> tuple[list[float], list[float]]:
 
 
 def _step_durations(ax, steps: list[dict[str, Any]]) -> None:
+    from matplotlib.ticker import FuncFormatter
+
     kinds = (
         ("long prefill step", "#e7298a", lambda s: is_long_prefill(s.get("prefill", 0), s.get("decode", 0))),
         ("step with a prefill", "#1f77b4",
@@ -119,6 +150,8 @@ def _step_durations(ax, steps: list[dict[str, Any]]) -> None:
             x, y = _steps_xy(chosen, lambda s: s["dur"] * 1000)
             ax.scatter(x, y, s=size, color=color, label=f"{label} ({len(chosen)})", zorder=3)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_ylabel("ms (log)")
     ax.set_title("step duration", fontsize=11)
     ax.grid(alpha=0.3, which="both")
@@ -184,5 +217,5 @@ def _mark_slowest(ax, slowest: list[dict[str, Any]]) -> None:
         color = _SLOW_COLORS[i % 3]
         ax.axvspan(start, end, color=color, alpha=0.07, zorder=0)
         ax.axvline(end, color=color, linewidth=1, linestyle=":", zorder=1)
-        ax.annotate(f"#{i + 1}", xy=(end, 1.0), xycoords=("data", "axes fraction"), fontsize=8,
-                    color=color, fontweight="bold", ha="right", va="bottom")
+        ax.annotate(f"#{i + 1}", xy=(end, 0.97 - 0.12 * i), xycoords=("data", "axes fraction"), fontsize=8,
+                    color=color, fontweight="bold", ha="right", va="top")

@@ -76,7 +76,7 @@ def bars(requests: list[dict[str, Any]], num_slowest: int = 3) -> list[tuple[str
         for r in group:
             for name, seconds in request_slices(r).items():
                 mean[name] += seconds / len(group)
-        result.append((f"p{lo * 100:g}-p{hi * 100:g} mean (n={len(group)})", mean, None))
+        result.append((f"p{lo * 100:g}-{hi * 100:g} (n={len(group)})", mean, None))
     result += [(_label(r), request_slices(r), rank[id(r)]) for r in done[-num_slowest:]] if num_slowest else []
     return result
 

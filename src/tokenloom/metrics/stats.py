@@ -40,6 +40,24 @@ if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
 
 PREFIX = "tokenloom:"
+METRICS_PREFIXES = ("tokenloom", "vllm")
+# The metrics vLLM also has, under the same name and meaning. With metrics_prefix="vllm" (`serve
+# --metrics-prefix vllm`) these are named `vllm:<name>`, so dashboards and alerts written for
+# vLLM work unchanged; the ledger's own metrics keep `tokenloom:`.
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
+    "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+    "inter_token_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_inference_time_seconds", "iteration_tokens_total",
+})
+
+
+def metric_name(name: str, metrics_prefix: str = "tokenloom") -> str:
+    """`name`'s full Prometheus name: `vllm:` for the names vLLM shares when asked, else `tokenloom:`."""
+    if metrics_prefix not in METRICS_PREFIXES:
+        raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}, got {metrics_prefix!r}.")
+    return f"vllm:{name}" if metrics_prefix == "vllm" and name in VLLM_NAMES else PREFIX + name
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                     320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -59,9 +77,11 @@ _QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs
 
 
 class LedgerMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom") -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom",
+                 metrics_prefix: str = "tokenloom") -> None:
         self.registry = registry
         self._model_name = model_name
+        self._prefix = metrics_prefix
 
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.",
@@ -109,11 +129,12 @@ class LedgerMetrics:
         self.kv_blocks = {state: kv.labels(model_name, state) for state in ("free", "cached", "used")}
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
-        h = Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        h = Histogram(metric_name(name, self._prefix), doc, ["model_name"], buckets=buckets, registry=self.registry)
         return h.labels(self._model_name)
 
     def _histograms(self, name: str, doc: str, buckets: tuple, label: str, values: tuple) -> dict[str, Any]:
-        h = Histogram(PREFIX + name, doc, ["model_name", label], buckets=buckets, registry=self.registry)
+        h = Histogram(metric_name(name, self._prefix), doc, ["model_name", label], buckets=buckets,
+                      registry=self.registry)
         return {v: h.labels(self._model_name, v) for v in values}
 
     def _counters(self, name: str, doc: str, label: str, values: tuple) -> dict[str, Any]:
@@ -197,10 +218,10 @@ class HistogramMetric(Metric):
 
 
 def read_metrics(registry: CollectorRegistry) -> list[Metric]:
-    """Every `tokenloom:` sample in the registry, one object per label set."""
+    """Every `tokenloom:` (and `vllm:`) sample in the registry, one object per label set."""
     result: list[Metric] = []
     for family in registry.collect():
-        if not family.name.startswith(PREFIX):
+        if not family.name.startswith((PREFIX, "vllm:")):
             continue
         if family.type == "counter":
             for s in family.samples:

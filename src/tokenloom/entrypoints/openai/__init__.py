@@ -44,6 +44,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "and /v1/models included) instead of exiting "
         "with status 1 (the default, as vLLM: let the supervisor restart the server)",
     )
+    p.add_argument(
+        "--metrics-prefix",
+        default="tokenloom",
+        choices=["tokenloom", "vllm"],
+        help="vllm: /metrics names the metrics vLLM also has as vLLM does (vllm:...), so dashboards and alerts "
+        "written for vLLM work unchanged; the ledger's own metrics keep tokenloom: (default: tokenloom)",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
