@@ -28,7 +28,8 @@ def make_llm() -> Callable:
         if warmup:
             from tokenloom import SamplingParams
 
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
+            # A prefill over a block and a few decodes: the first steps of each shape are slow.
+            llm.generate([list(range(1000, 1040))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         return llm
 
     yield make

@@ -195,7 +195,7 @@ PLANTED = {
     "seq-limit-bound": (
         dict(max_num_seqs=1),
         [prompt(i, 8) for i in range(8)],
-        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=10, ignore_eos=True),
         {"max_num_seqs"},
     ),
 }

@@ -34,8 +34,8 @@ import os
 import sys
 from typing import Any
 
-from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 from tokenloom.metrics.core_ledger import is_long_prefill
+from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
 
@@ -62,7 +62,8 @@ def add_explain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="a running `tokenloom serve` (http://host:port): its live ledger")
     p.add_argument("--top", type=int, default=5, help="how many of the slowest requests to show (default: 5)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--plot", metavar="PNG", default=None, help="also draw budget, blocks, queue and latency over time")
+    p.add_argument("--plot", metavar="PNG", default=None, help="also draw it: the verdict as the title, each request's parts, steps, budget, "
+                   "KV blocks and the queue over time")
     p.set_defaults(func=_run_explain)
 
 

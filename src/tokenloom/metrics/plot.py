@@ -39,7 +39,7 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike, report: dict[str,
     slowest = sorted(requests, key=lambda r: r["e2e"], reverse=True)[:NUM_SLOWEST]
 
     fig = plt.figure(figsize=(16, 10))
-    grid = fig.add_gridspec(4, 2, width_ratios=(1, 1.5), hspace=0.45, wspace=0.22, top=0.88, bottom=0.07,
+    grid = fig.add_gridspec(4, 2, width_ratios=(1, 1.5), hspace=0.45, wspace=0.22, top=0.86, bottom=0.07,
                             left=0.12, right=0.97)
     _title(fig, report)
     _request_bars(fig.add_subplot(grid[:, 0]), requests)
