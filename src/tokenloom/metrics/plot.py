@@ -68,7 +68,9 @@ def figure_title(report: dict[str, Any]) -> str:
     verdict = report.get("verdict", "unknown")
     share = (report.get("group_shares") or {}).get(verdict, 0.0)
     headline = report.get("headline") or verdict
-    return f"{headline[:1].upper()}{headline[1:]}  ({verdict}: {share:.0%} of all requests' time)"
+    if "_" not in headline.split(" ", 1)[0]:  # a flag's name keeps its case
+        headline = headline[:1].upper() + headline[1:]
+    return f"{headline}  ({verdict}: {share:.0%} of all requests' time)"
 
 
 def _title(fig, report: dict[str, Any]) -> None:
