@@ -29,7 +29,7 @@ def make_llm() -> Callable:
             from tokenloom import SamplingParams
 
             # A prefill over a block and a few decodes: the first steps of each shape are slow.
-            llm.generate([list(range(1000, 1040))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            llm.generate([list(range(1000, 1024))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         return llm
 
     yield make
