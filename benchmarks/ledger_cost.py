@@ -126,7 +126,9 @@ def run_micro_benchmark(args: argparse.Namespace) -> dict:
 
     from tokenloom.messages import now
     from tokenloom.metrics.core_ledger import CoreLedger
+    from tokenloom.metrics.live import LIVE_MAX_REQUESTS, LIVE_MAX_STEPS
     from tokenloom.metrics.prometheus import PrometheusMetrics
+    from tokenloom.metrics.trace import TraceRecorder
     from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     def one_run() -> tuple[float, int]:
@@ -134,6 +136,8 @@ def run_micro_benchmark(args: argparse.Namespace) -> dict:
             num_blocks=4096, block_size=16, max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096
         )
         ledger, caller = CoreLedger(), PrometheusMetrics("bench")
+        # A server also keeps the recent past for its live view (`GET /ledger`).
+        recent = TraceRecorder(None, {}, LIVE_MAX_STEPS, LIVE_MAX_REQUESTS) if args.live else None
         metrics: dict[str, RequestMetrics] = {}
         for i in range(args.num_prompts):
             r = make_request(f"r{i}", args.input_len, max_tokens=args.output_len, ignore_eos=True)
@@ -159,8 +163,13 @@ def run_micro_benchmark(args: argparse.Namespace) -> dict:
                     m.core = out.timing
                     m.finished_time = m.detokenized_time = m.returned_time = now()
                     done = CompletionOutput(0, "", [], None, None, "length")
-                    caller.record_request_output(RequestOutput(out.request_id, None, None, None, [done], True, m))
+                    finished = RequestOutput(out.request_id, None, None, None, [done], True, m)
+                    caller.record_request_output(finished)
+                    if recent is not None:
+                        recent.record_request(finished)
             caller.record_scheduler_stats(outputs.scheduler_stats)  # type: ignore[arg-type]
+            if recent is not None:
+                recent.record_step(outputs)
             caller_s += time.perf_counter() - t1
             steps += 1
         return core_s, caller_s, steps
@@ -179,6 +188,8 @@ def main() -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--inprocess", action="store_true", help="one engine in this process, the ledger toggled")
     p.add_argument("--micro-only", action="store_true", help="only the model-free measurement")
+    p.add_argument("--live", action="store_true",
+                   help="model-free measurement with the server's live-view recorder (GET /ledger) too")
     args = p.parse_args()
 
     micro = run_micro_benchmark(args)

@@ -178,16 +178,20 @@ class LedgerBucket(enum.IntEnum):
     """
 
     STEP_BOUNDARY = 0  # received, not yet considered: the step in flight must end first
-    TOKEN_BUDGET = 1
-    MAX_NUM_SEQS = 2
-    NO_KV_BLOCKS = 3
-    HOL_TOKEN_BUDGET = 4  # behind a waiting request blocked by the token budget
-    HOL_MAX_NUM_SEQS = 5
-    HOL_NO_KV_BLOCKS = 6
-    PREFILL = 7
-    DECODE = 8
-    PREEMPTED = 9  # from a preemption until it decodes again: waiting to resume, then recompute
-    GRAMMAR_COMPILE = 10  # waiting for its structured-output grammar to compile
+    BEHIND_PREFILL = 1  # the same, when the step in flight was a long prefill chunk
+    TOKEN_BUDGET = 2
+    MAX_NUM_SEQS = 3
+    NO_KV_BLOCKS = 4
+    HOL_TOKEN_BUDGET = 5  # behind a waiting request blocked by the token budget
+    HOL_MAX_NUM_SEQS = 6
+    HOL_NO_KV_BLOCKS = 7
+    PREFILL = 8
+    DECODE = 9
+    # Its tokens computed in a step that was mostly someone else's long prefill chunk.
+    PREFILL_BEHIND_PREFILL = 10
+    DECODE_BEHIND_PREFILL = 11
+    PREEMPTED = 12  # from a preemption until it decodes again: waiting to resume, then recompute
+    GRAMMAR_COMPILE = 13  # waiting for its structured-output grammar to compile
 
 
 class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -206,3 +210,6 @@ class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # Only when tracing: its phases in order, (bucket, start, end), end to end consecutive.
     segments: list[tuple[int, float, float]] = []
     num_segments_dropped: int = 0
+    # The bucket it was in at the end: where an aborted request's account is cut back to its
+    # caller's end (metrics.timeline.clip_core).
+    last_bucket: int = -1

@@ -154,3 +154,36 @@ def server(request):
             os.kill(core, signal.SIGKILL)
         os.unlink(srv.log.name)
         assert not orphan, f"engine core {core} outlived its server"
+
+
+DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "tokenloom.json"
+
+
+@pytest.fixture(scope="session")
+def dashboard_metrics():
+    """The Grafana dashboard (examples/grafana/tokenloom.json) as Grafana imports it: a `panels`
+    list whose Prometheus targets hold `expr`; returns a function giving the sample names its
+    queries read with `$metrics_prefix` set to the given prefix."""
+    import json
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert isinstance(dashboard["panels"], list) and dashboard["panels"]
+    exprs = []
+    for panel in dashboard["panels"]:
+        assert {"id", "type", "title", "gridPos", "targets"} <= set(panel), panel.get("title")
+        for target in panel["targets"]:
+            assert target["refId"] and target["expr"], panel["title"]
+            exprs.append(target["expr"])
+    for variable in dashboard["templating"]["list"]:
+        query = variable.get("query")
+        if isinstance(query, dict):
+            exprs.append(query["query"])
+
+    def names(prefix: str) -> set[str]:
+        found: set[str] = set()
+        for expr in exprs:
+            expr = expr.replace("${metrics_prefix}", prefix).replace("$metrics_prefix", prefix)
+            found |= set(re.findall(r"\b((?:tokenloom|vllm):[A-Za-z0-9_:]+)", expr))
+        return found
+
+    return names

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -58,3 +59,46 @@ def test_async_llm_ledger(tmp_path):
     data = load_trace(trace)
     jsonschema.validate(data, SCHEMA)
     assert sorted(e["args"]["request_id"] for e in data["traceEvents"] if e.get("cat") == "request") == ["r0", "r1", "r2"]
+
+
+def test_planted_slow_front_end(tmp_path, check_plot):
+    """A front end that cannot keep up: 6 requests of n=4 children with 20 logprobs per token,
+    streamed, whose consumers each format the logprobs and then hold the event loop for 200 ms
+    per output they read (a synchronous handler: a blocking write of a heavy body, a blocking
+    log call). It blocks without using a CPU, so the engine core runs at full speed on a small
+    machine. While the loop is blocked the core's outputs wait in the socket, so the requests'
+    time goes to the front end, and `explain` says frontend-bound."""
+    from tokenloom.engine.async_llm import AsyncLLM
+    from tokenloom.metrics.explain import analyze, format_report
+    from tokenloom.metrics.timeline import VERDICT_HEADLINES
+
+    trace = tmp_path / "frontend.json"
+    with pytest.MonkeyPatch.context() as mp:  # see conftest.make_llm
+        mp.setenv("OMP_NUM_THREADS", "1")
+        engine = AsyncLLM(EngineConfig(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256, trace_path=str(trace)))
+    loop = asyncio.new_event_loop()
+
+    async def consume(i: int, max_tokens: int, busy_s: float) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=4, temperature=1.0, seed=i, logprobs=20,
+                                output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate([1000 + 31 * i + j for j in range(24)], params, f"r{i}"):
+            body = json.dumps([[{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs or []]
+                               for c in out.outputs])
+            assert body
+            time.sleep(busy_s)  # the rest of a slow handler, on the loop
+
+    async def run_all():
+        await asyncio.gather(*(consume(i, 12, 0.2) for i in range(6)))
+
+    try:
+        loop.run_until_complete(consume(99, 1, 0.0))  # a fresh engine's first step is slow: not this test's point
+        loop.run_until_complete(run_all())
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    data = load_trace(trace)
+    report = analyze(data, top=3)
+    assert report["verdict"] == "frontend-bound", format_report(report)
+    assert VERDICT_HEADLINES["frontend-bound"] in format_report(report)
+    check_plot(data, report, "frontend-bound", tmp_path)

@@ -48,8 +48,8 @@ def test_parts_are_the_critical_path():
     assert parts["tokenize"] == pytest.approx(0.001) and parts["ipc_in"] == pytest.approx(0.001)
     assert parts["queue_head_of_line"] == 2.0 and parts["queue_token_budget"] == 1.0
     assert parts["ipc_out"] == pytest.approx(0.001) and parts["detokenize"] == pytest.approx(0.0005)
-    assert m.wait_by_cause == {"token_budget": 3.0, "max_num_seqs": 0.0, "no_kv_blocks": 0.0, "preempted": 0.0,
-                               "grammar_compile": 0.0}
+    assert m.wait_by_cause == {"step_in_flight": 0.5, "long_prefill": 0.0, "token_budget": 3.0, "max_num_seqs": 0.0,
+                               "no_kv_blocks": 0.0, "preempted": 0.0, "grammar_compile": 0.0}
     assert m.dominant_wait == "token_budget"
     assert m.time_per_output_token == pytest.approx(m.last_token_time - m.first_token_time)
 

@@ -13,7 +13,7 @@ import time
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
+from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
@@ -96,6 +96,8 @@ class EngineCore:
             logger.info("CPU: %s", self.info.cpu)
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
+        # The accounts of aborted requests, owed to the caller: sent with the next step.
+        self._aborted_outputs: list[EngineCoreOutput] = []
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -111,6 +113,8 @@ class EngineCore:
             self.scheduler.add_request(Request.from_engine_core_request(request))
         except Exception as e:  # noqa: BLE001 - one malformed request must not stop the core
             logger.exception("request %s could not be admitted; the engine keeps running", request.request_id)
+            if self.ledger is not None:  # its error output carries an account like any other
+                self.ledger.add(request.request_id, request.sent_time, received, now())
             self.reject_request(request.request_id, f"request {request.request_id} could not be admitted: {e!r}")
             return
         if self.ledger is not None:
@@ -124,13 +128,22 @@ class EngineCore:
         stub = Request(
             request_id=request_id, prompt_token_ids=[], sampling_params=SamplingParams(), eos_token_id=None, arrival_time=now()
         )
+        if self.ledger is not None and request_id not in self.ledger.entries:
+            t = now()
+            self.ledger.add(request_id, 0.0, t, t)
         self.scheduler.reject_request(stub, error)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if self.ledger is not None:
-            self.ledger.drop(request_ids)
+            self._aborted_outputs += self.ledger.abort(request_ids, now())
         self._release_if_idle()
+
+    def pop_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """The accounts of requests aborted since the last step, for a caller that sends them at
+        once (the busy loop: ahead of any later reply, such as a get_state for /metrics)."""
+        aborted, self._aborted_outputs = self._aborted_outputs, []
+        return aborted
 
     def _release_if_idle(self) -> None:
         """The runner learns of finished requests with the next schedule(); when no next step is
@@ -140,11 +153,14 @@ class EngineCore:
             self.scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
 
     def step(self) -> EngineCoreOutputs:
+        # Aborted requests' accounts go first: the caller may reuse an aborted id at once, and
+        # the old request's account must reach it before anything of the new one.
+        aborted, self._aborted_outputs = self._aborted_outputs, []
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=now())
+            return EngineCoreOutputs(outputs=aborted, timestamp=now())
         if self.thread_governor is not None:
             self.thread_governor.step()
         step_start = now()
@@ -162,6 +178,8 @@ class EngineCore:
         outputs.timestamp = now()
         if self.ledger is not None:
             self.ledger.on_update(outputs.outputs, outputs.timestamp)
+        if aborted:
+            outputs.outputs[:0] = aborted
         self._release_if_idle()
         t3 = time.perf_counter()
         stats = outputs.scheduler_stats
@@ -185,6 +203,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_ledger_state(self) -> list[dict]:
+        """The ledger's live view of the requests in the core (CoreLedger.snapshot); [] when the
+        ledger is off."""
+        return [] if self.ledger is None else self.ledger.snapshot(now())
 
     def get_state(self) -> dict:
         """Introspection for tests and /metrics: what the core holds right now."""

@@ -162,6 +162,9 @@ class EngineCoreProc:
                 self.engine.reject_request(request_id, f"request {request_id} could not be decoded: {error}")
         elif kind is EngineCoreRequestType.ABORT:
             self.engine.abort_requests(obj)
+            aborted = self.engine.pop_aborted_outputs()
+            if aborted:  # their accounts, owed to the caller (see metrics/core_ledger.py)
+                self.output_queue.put(EngineCoreOutputs(outputs=aborted, timestamp=now()))
         elif kind is EngineCoreRequestType.UTILITY:
             self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(obj)))
         else:

@@ -35,6 +35,7 @@ from tokenloom.engine.output_processor import OutputProcessor, RequestOutputColl
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
+from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.loader import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
@@ -64,7 +65,10 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True,
+                 metrics_prefix: str = "tokenloom") -> None:
+        """`metrics_prefix`: "vllm" names the metrics vLLM also has `vllm:...` (see
+        metrics/prometheus.py)."""
         config.validate()
         self.config = config
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
@@ -77,12 +81,14 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics: PrometheusMetrics | None = PrometheusMetrics(self.model_name) if log_stats else None
+        self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
+        self.metrics: PrometheusMetrics | None = (
+            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix) if log_stats else None)
         # The ledger's caller side: returned stamps, and the trace file (`--trace`).
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
-            self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics)
+            self.ledger = FrontendLedger(config, self.model_name, self.engine_core.info, metrics=self.metrics,
+                                         live=True)
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
         self._num_pending_seqs = 0  # being tokenized (see add_request)
@@ -198,10 +204,11 @@ class AsyncLLM:
             self._num_unfinished_seqs -= stream.num_seqs
         final_outputs, core_ids = self.output_processor.abort_requests(live)
         for out in final_outputs:
-            self._record_finished(out)
+            self._returned(out)
             stream = streams.get(out.request_id)
             if stream is not None:
                 stream.collector.put(out)
+        self._record_ready()  # with the ledger on, their accounts come later from the core
         if core_ids and self._dead_error is None:
             # Queued on the socket now, not from a task: a client may reuse a request_id as soon
             # as this returns, and its ADD must not reach the core before this ABORT.
@@ -241,6 +248,7 @@ class AsyncLLM:
                 await asyncio.sleep(0)
             processed = self.output_processor.process_outputs(core_outputs[start : start + OUTPUT_CHUNK_SIZE], received)
             self._route(processed.request_outputs)
+            self._record_ready()
             if processed.reqs_to_abort:  # e.g. stop strings found by the detokenizer
                 await self.engine_core.abort_requests_async(processed.reqs_to_abort)
 
@@ -255,15 +263,26 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
                 self._num_unfinished_seqs -= stream.num_seqs
-                self._record_finished(out)
+                self._returned(out)
                 failed = out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
                 if failed and self.metrics is not None:
                     self.metrics.request_errors.inc()  # failed alone: the core is still running
             stream.collector.put(out)
 
+    def _returned(self, out: RequestOutput) -> None:
+        """A final output handed to its stream: the end of its e2e."""
+        if self.ledger is not None:
+            self.ledger.returned(out)
+
+    def _record_ready(self) -> None:
+        """Metrics of the finished requests whose accounts are complete, each once (see
+        engine/accounts.py: an aborted request's account arrives after its final output)."""
+        for out in self.output_processor.pop_ready():
+            self._record_finished(out)
+
     def _record_finished(self, out: RequestOutput) -> None:
         if self.ledger is not None:
-            self.ledger.record_finished(out)  # first: it stamps returned_time, the end of e2e
+            self.ledger.record_finished(out)  # the trace
         m = out.metrics
         if self.metrics is None or m is None:
             return
@@ -280,7 +299,8 @@ class AsyncLLM:
         try:
             for out in self.output_processor.fail_all(str(error)):
                 if out.request_id in self._streams:
-                    self._record_finished(out)  # counted as finished_reason="error"
+                    self._returned(out)
+            self._record_ready()  # counted as finished_reason="error"
         except Exception:  # noqa: BLE001 - the streams below must be failed regardless
             logger.exception("OutputProcessor.fail_all failed")
         for stream in self._streams.values():
@@ -347,6 +367,21 @@ class AsyncLLM:
         """The core's `get_state()`: num_running, num_waiting, num_requests, num_free_blocks,
         num_total_blocks."""
         return await self.call_utility("get_state", timeout=timeout)
+
+    async def get_ledger_view(self, num_steps: int = 100, num_requests: int = 20,
+                              timeout: float = 2.0) -> dict | None:
+        """The ledger's live view (metrics/live.py): the last steps, the requests in flight with
+        their state in the core, the last finished requests. None when the ledger is off."""
+        if self.ledger is None or self.ledger.recent is None:
+            return None
+        in_core = await self.call_utility("get_ledger_state", timeout=timeout)
+        return live_view(self.ledger.recent, in_core, list(self._streams), now(), num_steps, num_requests)
+
+    def get_ledger_trace(self) -> dict | None:
+        """The recent past as a trace (`tokenloom explain --url`); None when the ledger is off."""
+        if self.ledger is None or self.ledger.recent is None:
+            return None
+        return self.ledger.recent.to_json()
 
     async def refresh_metrics(self, timeout: float = 2.0) -> None:
         """Brings the gauges up to date before a scrape (an idle core sends no steps). When the

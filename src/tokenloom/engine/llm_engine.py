@@ -14,7 +14,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.processor import InputProcessor
-from tokenloom.messages import now
+from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.loader import load_model_config, load_tokenizer
@@ -36,7 +36,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
         # The caller's half of the ledger: metrics (get_metrics) and the trace file.
@@ -73,7 +73,10 @@ class LLMEngine:
         if self._dead_error is None:
             self.engine_core.abort_requests(core_ids)
         if self.ledger is not None:
+            t = now()
             for out in outputs:
+                self.ledger.returned(out, t)
+            for out in self.output_processor.pop_ready():  # their accounts come with a later step
                 self.ledger.record_finished(out)
         return outputs
 
@@ -86,17 +89,24 @@ class LLMEngine:
             core_outputs = self.engine_core.get_output(timeout)
         except EngineDeadError as e:
             self._dead_error = e
-            return self.output_processor.fail_all(str(e))
+            failed = self.output_processor.fail_all(str(e))
+            if self.ledger is not None:
+                self.ledger.record(EngineCoreOutputs(), failed, self.output_processor.pop_ready())
+            return failed
         # Token times are when the message was received (not when it was processed).
         processed = self.output_processor.process_outputs(core_outputs.outputs, core_outputs.received_time or None)
         if self.ledger is not None:
-            self.ledger.record(core_outputs, processed.request_outputs)
+            self.ledger.record(core_outputs, processed.request_outputs, self.output_processor.pop_ready())
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """Requests in flight, or finished ones (aborted, stopped by a stop string) whose
+        account the core still owes: stepping on collects it, so their metrics are complete."""
+        if self._dead_error is not None:
+            return self.output_processor.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests() or self.output_processor.owes_timing()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from tokenloom.engine.accounts import Account, Accounts
 from tokenloom.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, now
@@ -138,6 +139,7 @@ class RequestState:
         "num_cached_tokens",
         "queue",
         "error",
+        "account",
     )
 
     def __init__(
@@ -171,6 +173,8 @@ class RequestState:
         self.num_cached_tokens = 0
         self.queue = queue
         self.error: str | None = None
+        # Its metrics' account (engine/accounts.py); a child's is its parent's.
+        self.account = Account(self.metrics) if parent is None else parent.account
 
     @property
     def external_id(self) -> str:
@@ -223,8 +227,11 @@ class RequestState:
 class OutputProcessor:
     """Turns the engine core's outputs into `RequestOutput`s, request by request."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, expect_timing: bool = False) -> None:
+        """`expect_timing`: the engine core's ledger is on, so every core request's account
+        comes (late for aborted ones); metrics of a request are ready only with it."""
         self.tokenizer = tokenizer
+        self.accounts = Accounts(expect_timing)
         self._backend = backend_tokenizer(tokenizer) if tokenizer is not None else None
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
@@ -276,8 +283,6 @@ class OutputProcessor:
         if params.detokenize and self.tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer; this OutputProcessor has none.")
         detokenizer = IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids)
-        # A child's outputs go out through its parent, and so to the parent's collector.
-        state = RequestState(request, prompt, detokenizer, parent, request_index, queue if parent is None else None)
         if parent is not None:
             if self.parent_requests.setdefault(parent.request_id, parent) is not parent:
                 raise ValueError(f"request_id {parent.request_id!r} is already in flight.")
@@ -287,12 +292,23 @@ class OutputProcessor:
                 parent.metrics = RequestMetrics(
                     request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now()
                 )
+                parent.account = Account(parent.metrics)
             if queue is not None:
                 self._parent_queues[parent.request_id] = queue
+        # A child's outputs go out through its parent, and so to the parent's collector.
+        state = RequestState(request, prompt, detokenizer, parent, request_index, queue if parent is None else None)
         self.request_states[request_id] = state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def owes_timing(self) -> bool:
+        """Finished requests whose core account has not arrived yet (see engine/accounts.py)."""
+        return bool(self.accounts)
+
+    def pop_ready(self) -> list[RequestOutput]:
+        """Final outputs whose metrics are complete: record each now (it appears here once)."""
+        return self.accounts.pop_ready()
 
     def get_num_unfinished_requests(self) -> int:
         """Engine-core requests in flight (as vLLM: each child of an n > 1 request counts)."""
@@ -310,7 +326,13 @@ class OutputProcessor:
         t = now() if timestamp is None else timestamp
         result = OutputProcessorOutput()
         parents: dict[str, ParentRequest] = {}  # touched this step, in first-seen order
+        accounts = self.accounts
         for out in outputs:
+            # An aborted request's late account comes before anything of a request that reuses
+            # its id (the core sends it first).
+            if out.timing is not None and accounts.owes(out.request_id):
+                accounts.pay(out)
+                continue
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue
@@ -366,6 +388,7 @@ class OutputProcessor:
         finish_reason "error" and `error` set, and the processor is left empty."""
         ids = list(self.parent_requests) + [s.request_id for s in self.request_states.values() if s.parent is None]
         outputs, _ = self._finish_requests(ids, FinishReason.ERROR, error)
+        self.accounts.forgive_all()
         return outputs
 
     # ------------------------------------------------------------------------------ internals
@@ -404,11 +427,11 @@ class OutputProcessor:
         metrics.finished_time = t
         metrics.detokenized_time = now()  # its final completion has just been built
         settle(metrics)
+        # The child that finishes last is the parent's critical path: its stamps are the
+        # parent's (the others ran alongside it).
+        self.accounts.finished(state.account, state.request_id, metrics)
         parent = state.parent
         if parent is not None and parent.metrics is not None:
-            # The child that finishes last is the parent's critical path: its stamps are the
-            # parent's (the others ran alongside it).
-            parent.metrics.core = metrics.core
             parent.metrics.detokenized_time = metrics.detokenized_time
 
     def _route(self, state: RequestState, completion: CompletionOutput, sink: list[RequestOutput],
@@ -417,7 +440,10 @@ class OutputProcessor:
         emits once per step (`_emit_parent`) after all its children's completions are in."""
         parent = state.parent
         if parent is None:
-            self._emit(self._request_output(state, [completion]), state.queue, sink)
+            output = self._request_output(state, [completion])
+            if output.finished:
+                self.accounts.emitted(state.account, output)
+            self._emit(output, state.queue, sink)
             return
         parents[parent.request_id] = parent
         if parent.prompt_logprobs is None and state.prompt_logprobs is not None:
@@ -452,6 +478,8 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
         )
+        if finished and parent.account is not None:
+            self.accounts.emitted(parent.account, output)
         queues = self._parent_queues
         queue = queues.pop(parent.request_id, None) if finished else queues.get(parent.request_id)
         self._emit(output, queue, sink)

@@ -7,8 +7,13 @@ with `ParentRequest.child_requests()` and folds the children's completions back 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenloom.outputs import CompletionOutput, PromptLogprobs, RequestMetrics
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.engine.accounts import Account
 
 
 def child_request_id(index: int, parent_request_id: str) -> str:
@@ -42,6 +47,7 @@ class ParentRequest:
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprobs_sent = False
         self.metrics: RequestMetrics | None = None
+        self.account: Account | None = None  # set with metrics (engine/accounts.py)
         self.num_cached_tokens = 0
         self.error: str | None = None
 

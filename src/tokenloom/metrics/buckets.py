@@ -14,7 +14,10 @@ from tokenloom.sched_output import WaitReason
 @dataclass(frozen=True, slots=True)
 class Bucket:
     part: str  # the part of `RequestMetrics.parts` its seconds go to
-    cause: str | None  # the root cause it counts for in `wait_by_cause` (None: not a wait)
+    # The root cause it counts for in `wait_by_cause` (None: not a wait). Waiting for the step
+    # in flight is a wait too: behind a long prefill chunk ("long_prefill", as is a decode
+    # stretched by someone else's prefill), or behind any other step ("step_in_flight").
+    cause: str | None
     phase: str  # its name on a request's trace track
     # The wait reason that puts a request in it; for head-of-line buckets, the reasons that
     # blocked the head (a head preempted in this very step is blocked by blocks).
@@ -24,7 +27,8 @@ class Bucket:
 
 B, W = LedgerBucket, WaitReason
 BUCKETS: dict[LedgerBucket, Bucket] = {
-    B.STEP_BOUNDARY: Bucket("queue_step_boundary", None, "queued: step boundary"),
+    B.STEP_BOUNDARY: Bucket("queue_step_boundary", "step_in_flight", "queued: step boundary"),
+    B.BEHIND_PREFILL: Bucket("queue_step_boundary", "long_prefill", "queued: step boundary (behind a prefill)"),
     B.TOKEN_BUDGET: Bucket("queue_token_budget", "token_budget", "queued: token_budget",
                            wait=W.TOKEN_BUDGET),
     B.MAX_NUM_SEQS: Bucket("queue_max_num_seqs", "max_num_seqs", "queued: max_num_seqs",
@@ -40,6 +44,8 @@ BUCKETS: dict[LedgerBucket, Bucket] = {
                                behind=(W.NO_KV_BLOCKS, W.PREEMPTED)),
     B.PREFILL: Bucket("prefill", None, "prefill"),
     B.DECODE: Bucket("decode", None, "decode"),
+    B.PREFILL_BEHIND_PREFILL: Bucket("prefill", "long_prefill", "prefill (behind a long prefill)"),
+    B.DECODE_BEHIND_PREFILL: Bucket("decode", "long_prefill", "decode (behind a long prefill)"),
     B.PREEMPTED: Bucket("preempted", "preempted", "preempted", wait=W.PREEMPTED),
     B.GRAMMAR_COMPILE: Bucket("queue_grammar_compile", "grammar_compile", "queued: grammar_compile",
                               wait=W.GRAMMAR_COMPILE),

@@ -8,6 +8,14 @@ between its bucket changes: from the moment the input thread decoded it (in STEP
 the first step considers it) to the end of the step that finished it. Nothing is sampled and
 nothing is lost; the seconds add up to finished - received exactly.
 
+Waiting for the step in flight is a wait like any other: a request received during a long
+prefill step waits in BEHIND_PREFILL (else STEP_BOUNDARY), and a request that computes only a
+few tokens in a step that is mostly someone else's long prefill is in DECODE_BEHIND_PREFILL or
+PREFILL_BEHIND_PREFILL (`is_long_prefill`): "long prefills starve decodes", in numbers.
+
+An aborted request's account is not dropped: `abort()` closes it and returns it as a final output
+of its own, which the core sends to the caller (engine/accounts.py waits for it).
+
 Cost: per step, one dict lookup and a comparison per scheduled or waiting request (the
 scheduler already loops over both); per request a list of len(LedgerBucket) floats. The totals
 cross the process boundary once, with the request's final output. Phases (bucket, start, end)
@@ -17,11 +25,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenloom.messages import EngineCoreOutput, LedgerBucket, RequestTiming
-from tokenloom.metrics.buckets import HOL_BUCKET, WAIT_BUCKET
+from tokenloom.messages import EngineCoreOutput, FinishReason, LedgerBucket, RequestTiming
+from tokenloom.metrics.buckets import BUCKET_PHASE, HOL_BUCKET, WAIT_BUCKET
 from tokenloom.sched_output import SchedulerOutput, WaitReason
 
 NUM_BUCKETS = len(LedgerBucket)
+# A step is "a long prefill" for a request it holds up (one waiting for it to end, or one that
+# computes a few tokens in it) when the prefill tokens of the others number at least this many
+# and are the most of the step's tokens. Below that a step's cost is mostly its fixed part
+# (reading every weight once), which the request would pay anyway; above it, someone else's
+# prefill is what makes the step long. Tuning the chunk size (max_num_batched_tokens) is the
+# remedy: vLLM users know it as chunked-prefill tuning.
+LONG_PREFILL_TOKENS = 64
+
+
+def is_long_prefill(num_prefill_tokens: int, num_other_tokens: int) -> bool:
+    """Whether `num_prefill_tokens` (of others' prefills) make a step long for a request, when
+    `num_other_tokens` (its own and the decodes) are computed alongside."""
+    return num_prefill_tokens >= LONG_PREFILL_TOKENS and num_prefill_tokens > num_other_tokens
 
 
 class _Entry:
@@ -40,13 +61,14 @@ class _Entry:
         "num_dropped",
     )
 
-    def __init__(self, sent: float, received: float, queued: float, segments: list | None) -> None:
+    def __init__(self, sent: float, received: float, queued: float, segments: list | None,
+                 boundary: LedgerBucket) -> None:
         self.sent = sent
         self.received = received
         self.queued = queued
         self.first_scheduled = 0.0
         self.first_token = 0.0
-        self.bucket = LedgerBucket.STEP_BOUNDARY
+        self.bucket = boundary
         self.since = received
         self.seconds = [0.0] * NUM_BUCKETS
         # Set by a preemption, cleared by the next decode: the time between is the preemption's.
@@ -61,6 +83,9 @@ class CoreLedger:
         self.record_segments = record_segments
         self.max_segments = max_segments
         self.entries: dict[str, _Entry] = {}
+        # The last step scheduled: whether it was a long prefill, and when it ended.
+        self._step_long_prefill = False
+        self._step_end = 0.0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -68,12 +93,34 @@ class CoreLedger:
     def add(self, request_id: str, sent_time: float, received_time: float, queued_time: float) -> None:
         """A request the scheduler accepted (or rejected: its error output still needs timing)."""
         sent = sent_time if 0.0 < sent_time <= received_time else received_time
-        self.entries[request_id] = _Entry(sent, received_time, queued_time, [] if self.record_segments else None)
+        # Received while a long prefill step ran (the input thread stamps it during the step; the
+        # busy loop adds it after): its wait for the step boundary is that prefill's doing.
+        behind_prefill = self._step_long_prefill and received_time < self._step_end
+        boundary = LedgerBucket.BEHIND_PREFILL if behind_prefill else LedgerBucket.STEP_BOUNDARY
+        self.entries[request_id] = _Entry(sent, received_time, queued_time, [] if self.record_segments else None,
+                                          boundary)
 
-    def drop(self, request_ids: Iterable[str]) -> None:
-        """Aborted requests: the caller already gave them their final output."""
+    def abort(self, request_ids: Iterable[str], t: float) -> list[EngineCoreOutput]:
+        """Aborted requests (by the caller: a client gone, a stop string it found). The caller
+        already gave them their final output, but their account is still owed to it: one final
+        output each, carrying only the timing, to send with the next step. Ids the ledger does
+        not hold (finished meanwhile: their timing went with their final output) get none."""
+        finals = []
         for req_id in request_ids:
-            self.entries.pop(req_id, None)
+            e = self.entries.pop(req_id, None)
+            if e is not None:
+                finals.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, timing=self._finish(e, t)))
+        return finals
+
+    def snapshot(self, t: float) -> list[dict]:
+        """The requests the core holds now, each with where it is (its bucket's phase name:
+        "queued: token_budget", "decode", ...) and for how long: the live view's rows
+        (`GET /ledger`). Only on request: nothing is kept for it."""
+        return [
+            {"request_id": req_id, "state": BUCKET_PHASE[e.bucket], "in_state_s": t - e.since,
+             "in_core_s": t - e.received, "num_preemptions": e.num_preemptions}
+            for req_id, e in self.entries.items()
+        ]
 
     def _switch(self, e: _Entry, bucket: LedgerBucket, t: float) -> None:
         e.seconds[e.bucket] += t - e.since
@@ -92,7 +139,14 @@ class CoreLedger:
         switch = self._switch
         t = step_start
         decodes = so.decode_req_ids
-        for req_id in so.num_scheduled_tokens:
+        num_decodes = len(decodes)
+        num_prefill = so.total_num_scheduled_tokens - num_decodes
+        # Whether the step was long for someone computing only a little in it: a decode, or a
+        # prefill chunk far smaller than the others' (one check per request, only then).
+        long_prefill = is_long_prefill(num_prefill, num_decodes)
+        self._step_long_prefill = long_prefill
+        decode_bucket = LedgerBucket.DECODE_BEHIND_PREFILL if long_prefill else LedgerBucket.DECODE
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
             e = entries.get(req_id)
             if e is None:
                 continue
@@ -101,9 +155,13 @@ class CoreLedger:
             # A resumed request's recompute is a prefill with outputs: still the preemption's.
             if req_id in decodes:
                 e.preempted = False
-                bucket = LedgerBucket.DECODE
+                bucket = decode_bucket
+            elif e.preempted:
+                bucket = LedgerBucket.PREEMPTED
+            elif long_prefill and is_long_prefill(num_prefill - num_tokens, num_decodes + num_tokens):
+                bucket = LedgerBucket.PREFILL_BEHIND_PREFILL
             else:
-                bucket = LedgerBucket.PREEMPTED if e.preempted else LedgerBucket.PREFILL
+                bucket = LedgerBucket.PREFILL
             if bucket != e.bucket:
                 switch(e, bucket, t)
         if not so.wait_reasons:
@@ -128,6 +186,7 @@ class CoreLedger:
 
     def on_update(self, outputs: list[EngineCoreOutput], step_end: float) -> None:
         """Stamps first tokens and attaches the timing to every final output of the step."""
+        self._step_end = step_end
         entries = self.entries
         for out in outputs:
             e = entries.get(out.request_id)
@@ -150,6 +209,7 @@ class CoreLedger:
             finished_time=t,
             seconds=e.seconds,
             num_preemptions=e.num_preemptions,
+            last_bucket=int(e.bucket),
         )
         if e.segments is not None:
             timing.segments = e.segments

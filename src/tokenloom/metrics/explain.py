@@ -1,10 +1,13 @@
-"""`tokenloom explain TRACE [--top 5] [--json] [--plot out.png]`: where a traced run's time went.
+"""`tokenloom explain TRACE|--url URL [--top 5] [--json] [--plot out.png]`: where a run's time went.
 
-Reads a trace written with `LLM(trace_path=...)` / `--trace PATH` and reports:
+Reads a trace written with `LLM(trace_path=...)` / `--trace PATH`, or the live ledger of a running
+server (`--url http://host:port`, its `GET /ledger`: the same records, for the recent past), and
+reports:
 - the latency distribution: mean, p50, p90, p99 of e2e, TTFT and TPOT;
-- the slowest requests, each with its decomposition (the parts add up to its e2e) and the cause
-  it waited longest for;
-- a verdict for the run.
+- the slowest requests, each with its decomposition (the parts add up to its e2e), the cause
+  it waited longest for, and, when it waited for the step in flight, which step that was and
+  why it was long (a prefill chunk of K tokens, a full budget, its duration);
+- a verdict for the run, in a sentence, with what to change.
 
 The verdict rule: every finished request's latency is split into groups (timeline.group_seconds)
 and summed over all requests; the verdict is the group with the largest total:
@@ -14,7 +17,8 @@ and summed over all requests; the verdict is the group with the largest total:
 | budget-bound | waiting for token budget (directly, or behind a head of line that was) |
 | block-bound | waiting for KV blocks (directly or behind the head), and preempted time (wait + recompute) |
 | seq-limit-bound | waiting because max_num_seqs requests were running (directly or behind the head) |
-| compute-bound | prefill and decode steps, and waiting for the step in flight to end |
+| prefill-bound ("long prefills starve decodes") | waiting for a long prefill step to end, and decodes computed in steps that were mostly someone else's prefill |
+| compute-bound | prefill and decode steps, and waiting for any other step in flight to end |
 | frontend-bound | tokenize, detokenize, IPC in and out (with the core's output queue), the caller's other work |
 
 Summing seconds (not counting requests) weights each cause by how much latency it cost. The
@@ -23,42 +27,86 @@ shares of every group are reported with the verdict, so a close call is visible 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
+import os
 import sys
 from typing import Any
 
-from tokenloom.metrics.timeline import VERDICT_GROUPS, group_seconds
+from tokenloom.metrics.core_ledger import is_long_prefill
+from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
 
+# What to change, per verdict (the CLI flags of `tokenloom serve`, as in vLLM).
+VERDICT_ADVICE = {
+    "budget-bound": "raise --max-num-batched-tokens (more tokens per step), or send fewer requests at once",
+    "block-bound": "give the KV cache more room (--kv-cache-memory-bytes / --num-kv-blocks), or fewer concurrent "
+                   "sequences (--max-num-seqs) so the running ones keep their blocks",
+    "seq-limit-bound": "raise --max-num-seqs (more requests decode together)",
+    "prefill-bound": "cut prefills into smaller chunks: lower --max-num-batched-tokens so decodes run between "
+                     "chunks (chunked-prefill tuning; vLLM's --max-num-batched-tokens and "
+                     "--long-prefill-token-threshold)",
+    "compute-bound": "the steps themselves: a faster dtype or quantization, more cores; batching more "
+                     "(--max-num-seqs) buys throughput at this latency",
+    "frontend-bound": "the caller's work per request: fewer n children or logprobs, smaller outputs per message",
+    "unknown": "",
+}
+
+
 def add_explain_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("explain", help="explain where the time of a traced run went (see --trace)")
-    p.add_argument("trace", metavar="TRACE", help="a trace file written with --trace / LLM(trace_path=...)")
+    p = sub.add_parser("explain", help="explain where the time of a traced run (or a running server) went")
+    p.add_argument("trace", metavar="TRACE", nargs="?", default=None,
+                   help="a trace file written with --trace / LLM(trace_path=...)")
+    p.add_argument("--url", default=None, help="a running `tokenloom serve` (http://host:port): its live ledger")
     p.add_argument("--top", type=int, default=5, help="how many of the slowest requests to show (default: 5)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--plot", metavar="PNG", default=None, help="also draw budget, blocks, queue and latency over time")
+    p.add_argument("--plot", metavar="PNG", default=None, help="also draw it: the verdict as the title, each request's parts, steps, budget, "
+                   "KV blocks and the queue over time")
     p.set_defaults(func=_run_explain)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}.")
-    try:
-        trace = load_trace(args.trace)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{args.trace} is not a JSON trace: {e}") from None
+    if (args.trace is None) == (args.url is None):
+        raise ValueError("give a TRACE file or --url of a running server (one of them).")
+    if args.url is not None:
+        trace = fetch_live_trace(args.url)
+    else:
+        try:
+            trace = load_trace(args.trace)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.trace} is not a JSON trace: {e}") from None
     report = analyze(trace, top=args.top)
     if args.plot is not None:
         from tokenloom.metrics.plot import plot_trace
 
-        report["plot"] = plot_trace(trace, args.plot)
+        report["plot"] = plot_trace(trace, args.plot, report)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
     else:
         print(format_report(report))
     return 0
+
+
+def fetch_live_trace(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    """A running server's `GET /ledger?format=trace`: its recent steps and requests as a trace."""
+    import urllib.error
+    import urllib.request
+
+    full = url.rstrip("/") + "/ledger?format=trace"
+    headers = {}
+    key = os.environ.get("TOKENLOOM_API_KEY")
+    if key:  # a server started with --api-key keeps /ledger behind it
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(full, headers=headers), timeout=timeout) as resp:  # noqa: S310
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"could not read the ledger of {url}: {e}") from None
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -113,11 +161,14 @@ def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
     budget_used = [
         (s.get("prefill", 0) + s.get("decode", 0)) / s["budget"] for s in steps if s.get("budget")
     ]
+    config = trace_config(trace)
     return {
-        "config": trace_config(trace),
+        "config": config,
         "num_requests": len(requests),
         "num_steps": len(steps),
         "verdict": verdict,
+        "headline": VERDICT_HEADLINES.get(verdict, "no finished requests"),
+        "advice": VERDICT_ADVICE.get(verdict, ""),
         "group_seconds": totals,
         "group_shares": shares,
         "parts_seconds": parts_total,
@@ -145,10 +196,47 @@ def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
                 "wait_by_cause": r.get("wait_by_cause"),
                 "num_preemptions": r.get("num_preemptions", 0),
                 "parts": {k: v for k, v in (r.get("parts") or {}).items() if v > 0},
+                "behind_step": step_waited_behind(r, steps, config),
             }
             for r in slowest
         ],
     }
+
+
+def step_waited_behind(request: dict[str, Any], steps: list[dict[str, Any]], config: dict[str, Any]) -> dict | None:
+    """The step that was in flight when the request reached the core (it waited for its end,
+    `queue_step_boundary`), and what made it long; None if it did not wait for one (or the
+    trace no longer holds that step)."""
+    if (request.get("parts") or {}).get("queue_step_boundary", 0.0) <= 0:
+        return None
+    received = (request.get("stamps") or {}).get("received_by_core")
+    origin = config.get("clock_origin_s")
+    if received is None or origin is None or not steps:
+        return None
+    t = received - origin
+    i = bisect.bisect_right([s["ts"] for s in steps], t) - 1
+    if i < 0 or t > steps[i]["ts"] + steps[i]["dur"]:
+        return None
+    s = steps[i]
+    prefill, decode, budget = s.get("prefill", 0), s.get("decode", 0), s.get("budget", 0)
+    # The busy loop's time before the next step (outputs queued, inputs drained) is waited too.
+    gap = steps[i + 1]["ts"] - (s["ts"] + s["dur"]) if i + 1 < len(steps) else 0.0
+    return {
+        "gap_after": max(gap, 0.0),
+        "step": s.get("step"),
+        "duration": s["dur"],
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "budget_full": bool(budget) and prefill + decode >= budget,
+        "long_prefill": is_long_prefill(prefill, decode),
+    }
+
+
+def describe_step(b: dict[str, Any]) -> str:
+    why = f"a prefill chunk of {b['prefill_tokens']} tokens" if b["prefill_tokens"] else f"{b['decode_tokens']} decodes"
+    full = ", the budget full" if b["budget_full"] else ""
+    gap = f", then {b['gap_after'] * 1000:.0f} ms before the next step" if b.get("gap_after", 0) > 0.001 else ""
+    return f"behind step {b['step']} ({why}{full}, {b['duration'] * 1000:.0f} ms{gap})"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -170,9 +258,10 @@ def format_report(report: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        f"verdict: {report['verdict']}",
+        f"verdict: {report['verdict']}: {report['headline']}",
         "  share of all requests' time: "
         + ", ".join(f"{g} {s:.0%}" for g, s in sorted(report["group_shares"].items(), key=lambda kv: -kv[1])),
+        *([f"  what to change: {report['advice']}"] if report.get("advice") else []),
         "",
         f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}",
     ]
@@ -195,6 +284,9 @@ def format_report(report: dict[str, Any]) -> str:
                 f"waited most for: {r['dominant_wait'] or 'nothing'}"
                 + (f"  preempted {r['num_preemptions']}x" if r["num_preemptions"] else "")
             )
+            if r.get("behind_step"):
+                wait = r["parts"].get("queue_step_boundary", 0.0)
+                lines.append(f"      waited {_ms(wait)} ms for the step in flight: {describe_step(r['behind_step'])}")
             lines.append("      " + "  ".join(f"{k} {_ms(v)}" for k, v in r["parts"].items()))
     if "plot" in report:
         lines += ["", f"plot: {report['plot']}"]

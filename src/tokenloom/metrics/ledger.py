@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
+from tokenloom.metrics.live import LIVE_MAX_REQUESTS, LIVE_MAX_STEPS
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.metrics.stats import Metric, read_metrics
 from tokenloom.metrics.timeline import settle
@@ -32,15 +33,21 @@ class FrontendLedger:
         model_name: str,
         info: EngineInfo | None = None,
         metrics: PrometheusMetrics | None = None,
+        live: bool = False,
     ) -> None:
         """`metrics`: an engine's existing `PrometheusMetrics`, which its owner already feeds
-        (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine)."""
+        (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine). `live`: keep
+        the recent past for the live view (a server's `GET /ledger`, metrics/live.py)."""
         self._feeds_metrics = metrics is None
         self.metrics = metrics if metrics is not None else PrometheusMetrics(model_name)
         self._message_sent_time = 0.0  # of the message being processed (AsyncLLM: in chunks)
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
             self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
+        # The live view reads the trace when there is one, else a small recorder of its own.
+        self.recent: TraceRecorder | None = self.trace
+        if live and self.trace is None:
+            self.recent = TraceRecorder(None, _run_config(config, model_name, info), LIVE_MAX_STEPS, LIVE_MAX_REQUESTS)
 
     def record_step(self, outputs: EngineCoreOutputs) -> None:
         """A message from the core, before its outputs are processed."""
@@ -50,11 +57,11 @@ class FrontendLedger:
             return
         if self._feeds_metrics:
             self.metrics.record_scheduler_stats(stats)
-        if self.trace is not None:
-            self.trace.record_step(outputs)
+        if self.recent is not None:
+            self.recent.record_step(outputs)
 
-    def record_finished(self, output: RequestOutput, t: float | None = None) -> None:
-        """A finished output, as it is handed to the caller."""
+    def returned(self, output: RequestOutput, t: float | None = None) -> None:
+        """A finished output, as it is handed to the caller: the end of its e2e."""
         m = output.metrics
         if m is not None and m.returned_time is None:
             m.returned_time = now() if t is None else t
@@ -62,6 +69,10 @@ class FrontendLedger:
             if m.core is not None and m.core.finished_time <= self._message_sent_time:
                 m.output_sent_time = self._message_sent_time
             settle(m)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """A finished output whose account is complete (OutputProcessor.pop_ready): once each."""
+        m = output.metrics
         if self._feeds_metrics and m is not None:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             e2e = m.e2e_latency
@@ -73,17 +84,21 @@ class FrontendLedger:
                 m.time_to_first_token,
             )
             self.metrics.record_request_output(output)
-        if self.trace is not None:
-            self.trace.record_request(output)
+        if self.recent is not None:
+            self.recent.record_request(output)
 
-    def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput]) -> None:
-        """One message from the core and what the caller got from it (LLMEngine.step)."""
+    def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput],
+               ready: Iterable[RequestOutput]) -> None:
+        """One message from the core, what the caller got from it, and the outputs whose
+        accounts it completed (LLMEngine.step)."""
         self.record_step(outputs)
         t = None
         for out in request_outputs:
             if out.finished:
                 t = now() if t is None else t
-                self.record_finished(out, t)
+                self.returned(out, t)
+        for out in ready:
+            self.record_finished(out)
 
     def get_metrics(self) -> list[Metric]:
         return read_metrics(self.metrics.registry)

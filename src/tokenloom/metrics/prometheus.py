@@ -1,4 +1,6 @@
-"""Prometheus exposition for one engine: vLLM's metric names with the `tokenloom:` prefix.
+"""Prometheus exposition for one engine: vLLM's metric names with the `tokenloom:` prefix, or with
+`metrics_prefix="vllm"` (`serve --metrics-prefix vllm`) those vLLM also has under vLLM's own
+`vllm:` names (stats.VLLM_NAMES), so its dashboards and alerts work unchanged.
 
 Every engine owns its `CollectorRegistry`, so several servers (or engines in one test process)
 never collide on metric names. Fed from two places only:
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenloom.messages import SchedulerStats
-from tokenloom.metrics.stats import LedgerMetrics
+from tokenloom.metrics.stats import LedgerMetrics, metric_name
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
@@ -30,20 +32,24 @@ _FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 metrics_prefix: str = "tokenloom") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._last_totals: dict[str, int] = {}
         labels = ["model_name"]
         r = self.registry
 
+        def full(name: str) -> str:
+            return metric_name(name, metrics_prefix)
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(full(name), doc, labels, registry=r).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(full(name), doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"tokenloom:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(full(name), doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set of the scheduler.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -65,7 +71,7 @@ class PrometheusMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         success = Counter(
-            "tokenloom:request_success", "Finished requests, by finish reason.", labels + ["finished_reason"], registry=r
+            full("request_success"), "Finished requests, by finish reason.", labels + ["finished_reason"], registry=r
         )
         self._request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
         self.request_errors = counter(
@@ -90,7 +96,7 @@ class PrometheusMetrics:
             "Mean time between output tokens after the first, per request.",
             _TOKEN_LATENCY_BUCKETS,
         )
-        self.ledger = LedgerMetrics(r, model_name)  # the ledger's metrics, in the same registry
+        self.ledger = LedgerMetrics(r, model_name, metrics_prefix)  # the ledger's metrics, in the same registry
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)

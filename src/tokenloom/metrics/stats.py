@@ -12,11 +12,14 @@ vLLM's names where the meaning is the same (`request_queue_time_seconds`,
 `inter_token_latency_seconds`, `iteration_tokens_total`), and the ledger's own:
 
 - `request_wait_seconds{reason}`: per finished request, seconds left waiting in the core, by
-  the scheduler's reason (token_budget, max_num_seqs, no_kv_blocks, head_of_line, preempted);
+  the scheduler's reason (step_boundary: for the step in flight to end; token_budget,
+  max_num_seqs, no_kv_blocks, head_of_line, preempted);
 - `request_part_seconds_total{part}`: seconds of finished requests per decomposition part
   (their rates' shares are the live form of `tokenloom explain`'s verdict);
 - `requests_by_dominant_wait_total{reason}`: finished requests by the cause they waited longest
-  for (head-of-line resolved to what blocked the head; "none" if they never waited);
+  for (head-of-line resolved to what blocked the head; step_in_flight and long_prefill for the
+  step in flight, long_prefill also for decodes stretched by a long prefill chunk; "none" if
+  they never waited);
 - `step_budget_tokens{kind=prefill|decode|unused}`: per step, the token budget spent and left;
 - `kv_blocks{state=free|cached|used}`: blocks empty, free but holding a cached prefix, held;
 - `step_duration_seconds{phase=schedule|execute|update}` and `engine_steps_total`;
@@ -37,6 +40,24 @@ if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
 
 PREFIX = "tokenloom:"
+METRICS_PREFIXES = ("tokenloom", "vllm")
+# The metrics vLLM also has, under the same name and meaning. With metrics_prefix="vllm" (`serve
+# --metrics-prefix vllm`) these are named `vllm:<name>`, so dashboards and alerts written for
+# vLLM work unchanged; the ledger's own metrics keep `tokenloom:`.
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
+    "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+    "inter_token_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_inference_time_seconds", "iteration_tokens_total",
+})
+
+
+def metric_name(name: str, metrics_prefix: str = "tokenloom") -> str:
+    """`name`'s full Prometheus name: `vllm:` for the names vLLM shares when asked, else `tokenloom:`."""
+    if metrics_prefix not in METRICS_PREFIXES:
+        raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}, got {metrics_prefix!r}.")
+    return f"vllm:{name}" if metrics_prefix == "vllm" and name in VLLM_NAMES else PREFIX + name
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                     320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -44,6 +65,7 @@ _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The scheduler's wait reasons, and the part of the decomposition each one's seconds are in.
 WAIT_REASON_PARTS = {
+    "step_boundary": "queue_step_boundary",
     "token_budget": "queue_token_budget",
     "max_num_seqs": "queue_max_num_seqs",
     "no_kv_blocks": "queue_no_kv_blocks",
@@ -56,9 +78,11 @@ _QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs
 
 
 class LedgerMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom") -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom",
+                 metrics_prefix: str = "tokenloom") -> None:
         self.registry = registry
         self._model_name = model_name
+        self._prefix = metrics_prefix
 
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.",
@@ -106,11 +130,12 @@ class LedgerMetrics:
         self.kv_blocks = {state: kv.labels(model_name, state) for state in ("free", "cached", "used")}
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
-        h = Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        h = Histogram(metric_name(name, self._prefix), doc, ["model_name"], buckets=buckets, registry=self.registry)
         return h.labels(self._model_name)
 
     def _histograms(self, name: str, doc: str, buckets: tuple, label: str, values: tuple) -> dict[str, Any]:
-        h = Histogram(PREFIX + name, doc, ["model_name", label], buckets=buckets, registry=self.registry)
+        h = Histogram(metric_name(name, self._prefix), doc, ["model_name", label], buckets=buckets,
+                      registry=self.registry)
         return {v: h.labels(self._model_name, v) for v in values}
 
     def _counters(self, name: str, doc: str, label: str, values: tuple) -> dict[str, Any]:
@@ -194,10 +219,10 @@ class HistogramMetric(Metric):
 
 
 def read_metrics(registry: CollectorRegistry) -> list[Metric]:
-    """Every `tokenloom:` sample in the registry, one object per label set."""
+    """Every `tokenloom:` (and `vllm:`) sample in the registry, one object per label set."""
     result: list[Metric] = []
     for family in registry.collect():
-        if not family.name.startswith(PREFIX):
+        if not family.name.startswith((PREFIX, "vllm:")):
             continue
         if family.type == "counter":
             for s in family.samples:

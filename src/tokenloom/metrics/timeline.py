@@ -30,8 +30,10 @@ The parts (caller side, then the core's buckets, then caller side again):
                        the caller was busy elsewhere
   detokenize           received → detokenized: output processing up to its final output
                        (including the outputs before it in the same message)
-  core_unattributed    tokenized → received, only when the core sent no timing (ledger off,
-                       aborted, or finished by a stop string in the caller)
+  core_unattributed    tokenized → received, only when the core sent no timing (the ledger off,
+                       or the core died first). An aborted request (or one a stop string
+                       finished in the caller) gets the core's account late, with the abort;
+                       its metrics are recorded when it arrives
 
 Until a request is returned (and when the ledger is off, which stamps no return), its e2e ends
 when its final output was received, and so do its parts.
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.messages import RequestTiming
 from tokenloom.metrics.buckets import BUCKET_CAUSE, BUCKET_PART, BUCKET_PHASE, WAIT_CAUSES
 
 if TYPE_CHECKING:
@@ -55,8 +56,17 @@ if TYPE_CHECKING:
 PART_NAMES = ("tokenize", "ipc_in", *dict.fromkeys(BUCKET_PART),
               "core_overhead", "ipc_out", "detokenize", "frontend_other", "core_unattributed")
 
-# The verdict of a run (see explain.py): which group of parts holds the most request time.
-VERDICT_GROUPS = ("budget-bound", "block-bound", "seq-limit-bound", "compute-bound", "frontend-bound")
+# The verdict of a run (see explain.py): which group of parts holds the most request time, and
+# what it means in a sentence.
+VERDICT_HEADLINES = {
+    "budget-bound": "requests wait for the token budget",
+    "block-bound": "KV blocks run out",
+    "seq-limit-bound": "max_num_seqs is reached",
+    "prefill-bound": "long prefills starve decodes",
+    "compute-bound": "the model's own steps take the time",
+    "frontend-bound": "the front end (tokenize, detokenize, IPC) takes the time",
+}
+VERDICT_GROUPS = tuple(VERDICT_HEADLINES)
 COMPUTE_PARTS = ("queue_step_boundary", "prefill", "decode")
 FRONTEND_PARTS = ("tokenize", "ipc_in", "core_overhead", "ipc_out", "detokenize", "frontend_other")
 
@@ -81,28 +91,54 @@ def critical_path(m: RequestMetrics, phases: bool = False) -> list[tuple[str, fl
     if core is None:
         path.append(("core_unattributed", tokenized, received_by_caller))
     else:
-        sent = min(max(core.sent_time, tokenized), core.received_time)
+        # An aborted request (a client gone, a stop string found by the caller) ended for its
+        # caller before the core heard of it: the core's account runs on past the caller's
+        # final output and is cut there, its latest parts first (see clip_core).
+        end = min(core.finished_time, received_by_caller)
+        received = min(max(core.received_time, tokenized), end)
+        sent = min(max(core.sent_time, tokenized), received)
         path.append(("frontend_other", tokenized, sent))
-        path.append(("ipc_in", sent, core.received_time))
+        path.append(("ipc_in", sent, received))
         if phases and core.segments:
-            path += [(BUCKET_PHASE[b], start, end) for b, start, end in core.segments]
-            if core.segments[-1][2] < core.finished_time:  # more phases than the core kept
-                path.append(("engine core (phases dropped)", core.segments[-1][2], core.finished_time))
+            path += [(BUCKET_PHASE[b], max(s, received), min(e, end)) for b, s, e in core.segments if min(e, end) > max(s, received)]
+            last = path[-1][2]
+            if last < end:  # more phases than the core kept
+                path.append(("engine core (phases dropped)", last, end))
         else:
-            t = core.received_time
-            for bucket, seconds in enumerate(core.seconds):
+            t = received
+            for bucket, seconds in enumerate(clip_core(core.seconds, end - received, core.last_bucket)):
                 if seconds:
                     path.append((BUCKET_PART[bucket], t, t + seconds))
                     t += seconds
         sent_out = m.output_sent_time
-        if sent_out is not None and core.finished_time <= sent_out <= received_by_caller:
-            path.append(("core_overhead", core.finished_time, sent_out))
+        if sent_out is not None and end <= sent_out <= received_by_caller:
+            path.append(("core_overhead", end, sent_out))
         else:
-            sent_out = core.finished_time
+            sent_out = end
         path.append(("ipc_out", sent_out, received_by_caller))
     path.append(("detokenize", received_by_caller, detokenized))
     path.append(("frontend_other", detokenized, returned))
     return path
+
+
+def clip_core(seconds: list[float], limit: float, last_bucket: int = -1) -> list[float]:
+    """The core's seconds per bucket, cut to add up to at most `limit`. Only the account of an
+    aborted request runs past its caller's end, by the time the abort took to reach the core
+    (about a step); that time is taken from the bucket it was in at the end (where the time
+    after its caller's end was), then, should that not hold enough, from the buckets in reverse
+    order (preempted, decode, prefill, then the waits)."""
+    excess = sum(seconds) - max(limit, 0.0)
+    if excess <= 0:
+        return seconds
+    clipped = list(seconds)
+    order = range(len(clipped) - 1, -1, -1)
+    for bucket in ([last_bucket] if 0 <= last_bucket < len(clipped) else []) + list(order):
+        cut = min(clipped[bucket], excess)
+        clipped[bucket] -= cut
+        excess -= cut
+        if excess <= 0:
+            break
+    return clipped
 
 
 def decompose(m: RequestMetrics) -> dict[str, float]:
@@ -117,12 +153,22 @@ def decompose(m: RequestMetrics) -> dict[str, float]:
     return parts
 
 
-def wait_by_cause(core: RequestTiming | None) -> dict[str, float]:
+def core_seconds(m: RequestMetrics) -> list[float] | None:
+    """The core's seconds per bucket as the request's path holds them: cut back to the caller's
+    end for an aborted request (clip_core). None without the core's account."""
+    core = m.core
+    if core is None:
+        return None
+    end = core.finished_time if m.finished_time is None else min(core.finished_time, m.finished_time)
+    return clip_core(core.seconds, end - core.received_time, core.last_bucket)
+
+
+def wait_by_cause(seconds: list[float] | None) -> dict[str, float]:
     causes = dict.fromkeys(WAIT_CAUSES, 0.0)
-    if core is not None:
-        for cause, seconds in zip(BUCKET_CAUSE, core.seconds):
+    if seconds is not None:
+        for cause, s in zip(BUCKET_CAUSE, seconds):
             if cause is not None:
-                causes[cause] += seconds
+                causes[cause] += s
     return causes
 
 
@@ -135,20 +181,23 @@ def settle(m: RequestMetrics) -> None:
     """Fills in `m.parts`, `m.wait_by_cause` and `m.dominant_wait` from its stamps: called when
     the request's final output is built and again when it is returned (the end of its e2e)."""
     m.parts = decompose(m)
-    m.wait_by_cause = wait_by_cause(m.core)
+    m.wait_by_cause = wait_by_cause(core_seconds(m))
     m.dominant_wait = dominant_wait(m.wait_by_cause)
 
 
 def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str, float]:
     """Seconds of one request per verdict group. Waits count for their root cause (head-of-line
-    waits for what blocked the head); waiting for the step in flight counts as compute (it is
-    the length of that step); the output queue (core_overhead) counts with IPC as frontend;
-    core_unattributed counts for no group."""
+    waits for what blocked the head); waiting for the step in flight and decoding count as
+    compute, except behind or alongside a long prefill chunk, which counts as prefill-bound
+    (core_ledger.is_long_prefill); the output queue (core_overhead) counts with IPC as
+    frontend; core_unattributed counts for no group."""
+    long_prefill = causes.get("long_prefill", 0.0)
     return {
         "budget-bound": causes.get("token_budget", 0.0),
         "block-bound": causes.get("no_kv_blocks", 0.0) + causes.get("preempted", 0.0),
         "seq-limit-bound": causes.get("max_num_seqs", 0.0),
-        "compute-bound": sum(parts.get(p, 0.0) for p in COMPUTE_PARTS),
+        "prefill-bound": long_prefill,
+        "compute-bound": max(sum(parts.get(p, 0.0) for p in COMPUTE_PARTS) - long_prefill, 0.0),
         "frontend-bound": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
     }
 
@@ -156,7 +205,7 @@ def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str
 def summarize(request_id: str, m: RequestMetrics, finish_reason: str | None = None) -> dict[str, Any]:
     """A finished request as plain JSON values: what the trace stores and explain reads."""
     parts = decompose(m)
-    causes = wait_by_cause(m.core)
+    causes = wait_by_cause(core_seconds(m))
     core = m.core
     itl = m.inter_token_latencies
     return {

@@ -39,7 +39,7 @@ DEFAULT_MAX_STEPS = 100_000
 DEFAULT_MAX_REQUESTS = 20_000
 
 # Fields of one step record, in order.
-_STEP_FIELDS = (
+STEP_FIELDS = (
     "step",
     "start",
     "schedule",
@@ -174,7 +174,7 @@ class TraceRecorder:
         ]
         last_end = 0
         for step in self.steps:
-            step_events = _step_events(dict(zip(_STEP_FIELDS, step)), us, last_end)
+            step_events = _step_events(dict(zip(STEP_FIELDS, step)), us, last_end)
             last_end = step_events[0]["ts"] + step_events[0]["dur"]
             events.extend(step_events)
         for tid, record in enumerate(self.requests, start=1):

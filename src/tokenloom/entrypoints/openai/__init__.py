@@ -51,6 +51,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="how replies to tool_choice='auto' are read as tool calls: 'hermes' (<tool_call>{...}</tool_call>, "
         "ChatML tool templates) or 'json' (the whole reply is a call object or a list of them); default: hermes",
     )
+    p.add_argument(
+        "--metrics-prefix",
+        default="tokenloom",
+        choices=["tokenloom", "vllm"],
+        help="vllm: /metrics names the metrics vLLM also has as vLLM does (vllm:...), so dashboards and alerts "
+        "written for vLLM work unchanged; the ledger's own metrics keep tokenloom: (default: tokenloom)",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=_run_serve)

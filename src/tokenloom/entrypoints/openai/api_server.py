@@ -1,7 +1,7 @@
 """`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics. Every error leaves in OpenAI's shape
+GET /version, GET /metrics, GET /ledger (the ledger's live view). Every error leaves in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
 """
 from __future__ import annotations
@@ -330,8 +330,39 @@ def build_app(
         await engine.refresh_metrics()
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/ledger")
+    async def ledger(request: Request) -> Response:
+        """The ledger's live view: `?steps=N` (default 100) last steps, the requests in flight
+        with their current state (queued and why, prefill, decode, preempted), `?requests=M`
+        (default 20) last finished requests; `?format=trace` the recent past as a trace (what
+        `tokenloom explain --url` reads)."""
+        q = request.query_params
+        if q.get("format", "json") == "trace":
+            trace = engine.get_ledger_trace()
+            if trace is None:
+                raise OpenAIServingError("The ledger is off (--no-ledger).", 404, "not_found_error")
+            return json_response(trace)
+        num_steps, num_requests = _int_param(q, "steps", 100), _int_param(q, "requests", 20)
+        view = await engine.get_ledger_view(num_steps, num_requests)
+        if view is None:
+            raise OpenAIServingError("The ledger is off (--no-ledger).", 404, "not_found_error")
+        return json_response(view)
+
     app.state.engine = engine
     return app
+
+
+def _int_param(query: Any, name: str, default: int, limit: int = 100_000) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be an integer, got {raw!r}.", param=name) from None
+    if not 0 <= value <= limit:
+        raise bad_request(f"{name} must be in [0, {limit}], got {value}.", param=name)
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -352,7 +383,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
-    engine = AsyncLLM(config, model_name=names[0])
+    engine = AsyncLLM(config, model_name=names[0], metrics_prefix=getattr(args, "metrics_prefix", "tokenloom"))
     app = build_app(
         engine,
         served_model_names=names,
