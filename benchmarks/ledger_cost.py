@@ -90,8 +90,13 @@ def run_engine_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             halves = (core.ledger, engine.ledger)
             prepare(llm)
 
+            accounts = engine.output_processor.accounts
+
             def run_once(name: str) -> dict[str, float]:
                 core.ledger, engine.ledger = halves if name == "on" else (None, None)
+                # With the ledger off the core sends no timing, so no final output may wait for
+                # one (engine/accounts.py); without this the caller waits forever.
+                accounts.expect_timing = name == "on"
                 return timed(llm)
 
             result = _abba(args, run_once, "in-process")
