@@ -28,14 +28,15 @@ def two_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
-def test_gives_up_a_thread_to_a_busy_process(two_threads):
-    gov = ThreadGovernor(interval_s=0.3)
-    assert gov.enabled and gov.max_threads == 2 and "adaptive" in gov.describe()
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def _step_beside_busy_process(gov: ThreadGovernor, prefix: list[str], seconds: float,
+                              until=lambda: False) -> None:
+    """Steps `gov` while a process (`prefix` + a Python spin loop) keeps our last core busy, for
+    `seconds` or until `until()`."""
+    busy = subprocess.Popen([*prefix, sys.executable, "-c", "while True: pass"])
     try:
         os.sched_setaffinity(busy.pid, {usable_cores()[-1]})
-        deadline = time.monotonic() + 10
-        while gov.threads == 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
             # Our own threads spin too, as in a decode step: the other process still shows.
             torch.mm(torch.randn(256, 256), torch.randn(256, 256))
             gov.step()
@@ -43,6 +44,12 @@ def test_gives_up_a_thread_to_a_busy_process(two_threads):
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_gives_up_a_thread_to_a_busy_process(two_threads):
+    gov = ThreadGovernor(interval_s=0.3)
+    assert gov.enabled and gov.max_threads == 2 and "adaptive" in gov.describe()
+    _step_beside_busy_process(gov, [], seconds=10, until=lambda: gov.threads != 2)
     assert gov.others_cores >= 0.4
     assert gov.threads == 1 and torch.get_num_threads() == 1
 
@@ -54,17 +61,7 @@ def test_keeps_its_threads_beside_a_niced_process(two_threads):
     thread would halve our rate for nothing."""
     gov = ThreadGovernor(interval_s=0.3)
     assert not gov.count_nice
-    busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-    try:
-        os.sched_setaffinity(busy.pid, {usable_cores()[-1]})
-        deadline = time.monotonic() + 2.5
-        while time.monotonic() < deadline:
-            torch.mm(torch.randn(256, 256), torch.randn(256, 256))
-            gov.step()
-            time.sleep(0.05)
-    finally:
-        busy.kill()
-        busy.wait()
+    _step_beside_busy_process(gov, ["nice", "-n", "19"], seconds=2.5)
     assert gov.threads == 2 and torch.get_num_threads() == 2
 
 
