@@ -159,6 +159,16 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):  # type: igno
             raise _fail(f"{p}.json", "a JSON schema (a dict or its JSON text)", self.json)
         if isinstance(self.json, str) and not self.json.strip():
             raise _fail(f"{p}.json", "a JSON schema (a dict or its JSON text)", self.json)
+        if isinstance(self.json, dict):
+            # The schema crosses to the engine core as msgpack: a value that cannot (an integer
+            # beyond 64 bits, a Python object) is the caller's error, not the server's.
+            try:
+                msgspec.msgpack.encode(self.json)
+            except (OverflowError, TypeError, msgspec.EncodeError) as e:
+                raise ValueError(
+                    f"{p}.json must be a JSON schema of JSON values with integers within 64 bits "
+                    f"({e})."
+                ) from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

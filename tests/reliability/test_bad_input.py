@@ -128,6 +128,10 @@ _BAD_COMPLETIONS = [
     # Structured outputs: the compiler's message, under the request's own field name.
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_json"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # An integer past 64 bits cannot cross to the engine core (hypothesis found it: was a 500).
+    ({"guided_json": {"": -(2**63) - 1}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"maximum": 2**64}}}},
+     "response_format"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
@@ -163,6 +167,8 @@ _BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**64}}}], "tool_choice": "required"},
      "tools"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "messages"),

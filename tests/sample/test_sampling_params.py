@@ -209,6 +209,8 @@ def test_msgpack_round_trip_preserves_every_field():
     (dict(), "one of json, regex"),
     (dict(json=5), "structured_outputs.json"),
     (dict(json=" "), "structured_outputs.json"),
+    (dict(json={"maximum": 2**64}), "structured_outputs.json"),  # cannot cross to the core
+    (dict(json={"default": object()}), "structured_outputs.json"),
     (dict(regex=""), "structured_outputs.regex"),
     (dict(grammar=["x"]), "structured_outputs.grammar"),
     (dict(choice="yes"), "structured_outputs.choice"),

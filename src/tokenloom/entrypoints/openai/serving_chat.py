@@ -53,7 +53,12 @@ class OpenAIServingChat(OpenAIServing):
         tools = check_tools(req.tools or [])
         choice = tool_choice_of(req.tool_choice, tools)
         schema = constraint_schema(choice, tools, req.parallel_tool_calls)
-        extra = None if schema is None else (StructuredOutputsParams(json=schema), "tools")
+        extra = None
+        if schema is not None:
+            try:
+                extra = (StructuredOutputsParams(json=schema), "tools")
+            except ValueError as e:  # a parameter schema that cannot cross to the core
+                raise bad_request(str(e).replace("structured_outputs.json", "tools"), param="tools") from None
         return choice, structured_outputs_of(req, extra)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:

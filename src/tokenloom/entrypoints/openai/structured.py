@@ -38,7 +38,11 @@ def _from_response_format(rf: dict[str, Any]) -> tuple[StructuredOutputsParams |
             raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
                               param="response_format.json_schema.schema")
         # Enforced by the grammar whatever `strict` says: the output always follows the schema.
-        return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
+        try:
+            return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
+        except ValueError as e:
+            param = "response_format.json_schema.schema"
+            raise bad_request(str(e).replace("structured_outputs.json", param), param=param) from None
     raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
                       param="response_format.type")
 
