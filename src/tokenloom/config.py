@@ -67,16 +67,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
 
-# The most the default KV cache takes (kv_cache_memory_bytes=None): 768 MiB holds ~34k tokens of
-# SmolLM2-135M in bfloat16 (~17k in float32: 64 sequences of 256 tokens). Below it the default
-# is what max_num_seqs sequences of max_model_len tokens need (default_kv_cache_bytes), as vLLM's
-# CPU backend sizes its cache by VLLM_CPU_KVCACHE_SPACE rather than by the whole memory.
+# The most the default KV cache takes (kv_cache_memory_bytes=None): at most 768 MiB and at most
+# 24,576 tokens (room for 96 sequences of 256 tokens, or three of SmolLM2's 8,192). The token cap
+# binds in bfloat16 (SmolLM2-135M: 540 MiB), the byte cap in float32 (~17k tokens: 64 sequences
+# of 256). Below both the default is what max_num_seqs sequences of max_model_len tokens need
+# (default_kv_cache_bytes), as vLLM's CPU backend sizes its cache by VLLM_CPU_KVCACHE_SPACE
+# rather than by the whole memory. The pool hands blocks out in LRU order (for the prefix
+# cache), so a busy server ends up touching all of it: this is resident memory, not a reservation.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 768 * 1024**2
+DEFAULT_KV_CACHE_MAX_TOKENS = 24 * 1024
 
 
 def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int,
-                           cap: int = DEFAULT_KV_CACHE_MEMORY_BYTES) -> int:
-    """The default KV cache budget: room for `max_num_seqs` full-length sequences, at most `cap`,
-    and at least one full-length sequence (so every admitted request can finish)."""
+                           cap: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+                           max_tokens: int = DEFAULT_KV_CACHE_MAX_TOKENS) -> int:
+    """The default KV cache budget: room for `max_num_seqs` full-length sequences, at most `cap`
+    bytes and `max_tokens` tokens, and at least one full-length sequence (so every admitted
+    request can finish)."""
     need = bytes_per_token * max_num_seqs * max_model_len
-    return max(min(need, cap), bytes_per_token * max_model_len)
+    return max(min(need, cap, bytes_per_token * max_tokens), bytes_per_token * max_model_len)

@@ -235,7 +235,7 @@ def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
 
 def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
     """No kv_cache_memory_bytes: room for max_num_seqs sequences of max_model_len tokens (below
-    the 768 MiB cap), whatever the dtype; the engine reports what it chose for this CPU."""
+    the 768 MiB and 24,576-token caps), whatever the dtype; the engine reports what it chose for this CPU."""
     with LLM(max_model_len=256, max_num_seqs=4) as llm:
         info = llm.llm_engine.engine_core.info
     assert info.num_kv_blocks == 4 * 256 // 16

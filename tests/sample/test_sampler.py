@@ -430,14 +430,16 @@ def test_sample_leaves_logits_alone_and_checks_rows():
 
 
 def test_output_counts_are_kept_per_row():
-    s = sampler_with([sp(temperature=0.0), sp(temperature=0.0)], rows=[3, 5])
-    logits = torch.zeros(2, V)
-    logits[0, 4] = logits[1, 8] = 1.0
+    """The history is kept for the rows that use a penalty (the others pay nothing)."""
+    pen = dict(temperature=0.0, presence_penalty=0.1)
+    s = sampler_with([sp(**pen), sp(temperature=0.0), sp(**pen)], rows=[3, 4, 5])
+    logits = torch.zeros(3, V)
+    logits[0, 4] = logits[1, 6] = logits[2, 8] = 1.0
     for _ in range(3):
-        s.sample(logits, [3, 5])
+        s.sample(logits, [3, 4, 5])
     assert s.output_token_counts[3, 4] == 3 and s.output_token_counts[5, 8] == 3
-    assert int(s.output_token_counts.sum()) == 6
-    s.add_request(3, sp(), [1], [9, 9])  # re-adding resets the row to the given history
+    assert int(s.output_token_counts[[3, 5]].sum()) == 6
+    s.add_request(3, sp(frequency_penalty=0.5), [1], [9, 9])  # re-adding resets the row's history
     assert s.output_token_counts[3].tolist() == [0] * 9 + [2] + [0] * (V - 10)
 
 
