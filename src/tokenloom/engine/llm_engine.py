@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenloom.engine.dp_client import ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
@@ -65,8 +66,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
-        for core_request in self.output_processor.add_user_request(request, prompt_text):
-            self.engine_core.add_request(core_request)
+        self.engine_core.add_requests(self.output_processor.add_user_request(request, prompt_text))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)
@@ -87,6 +87,11 @@ class LLMEngine:
             raise self._dead_error
         try:
             core_outputs = self.engine_core.get_output(timeout)
+        except ReplicaDeadError as e:  # one data-parallel replica: its requests alone fail
+            failed = self.output_processor.fail_requests(e.request_ids, str(e))
+            if self.ledger is not None:
+                self.ledger.record(EngineCoreOutputs(), failed, self.output_processor.pop_ready())
+            return failed
         except EngineDeadError as e:
             self._dead_error = e
             failed = self.output_processor.fail_all(str(e))
