@@ -161,12 +161,11 @@ def _launcher(config: EngineConfig) -> CoreLauncher | None:
     return None
 
 
-def _start_replicas(config: EngineConfig, client_cls: type[MPClient]) -> list[Any]:
+def _start_replicas(config: EngineConfig, client_cls: type[MPClient], launcher: CoreLauncher | None) -> list[Any]:
     """Starts the M engine cores, then waits for them all (they load their models at once); all
     or none. Started from this thread: a child's parent-death signal (engine_core_proc) fires
     when the thread that started it exits, so never from a short-lived pool thread."""
     size = config.data_parallel_size
-    launcher = _launcher(config)
     clients: list[Any] = []
     try:
         for i in range(size):
@@ -185,7 +184,12 @@ class _DPClientBase:
 
     def _init_replicas(self, config: EngineConfig, client_cls: type[MPClient]) -> None:
         config.validate()
-        self.clients = _start_replicas(config, client_cls)
+        self.launcher = _launcher(config)
+        try:
+            self.clients = _start_replicas(config, client_cls, self.launcher)
+        except BaseException:
+            self._close_launcher()
+            raise
         self.info = self.clients[0].info  # every replica has the same config and model
         self.balancer = LoadBalancer(len(self.clients))
 
@@ -230,6 +234,12 @@ class _DPClientBase:
     def shutdown(self) -> None:
         for c in self.clients:
             c.shutdown()
+        self._close_launcher()
+
+    def _close_launcher(self) -> None:
+        close = getattr(self.launcher, "close", None)
+        if close is not None:
+            close()
 
 
 class DPClient(_DPClientBase, EngineCoreClient):
