@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import TOKENLOOM, ServerProcess  # noqa: E402 - tests/entrypoints/conftest.py
+from conftest import TOKENLOOM, ServerProcess, child_pids  # noqa: E402 - tests/entrypoints/conftest.py
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +48,16 @@ def wait_for(predicate, timeout: float = 60.0) -> bool:
     return True
 
 
-def ray_actor_pids() -> list[int]:
-    """The worker processes of Ray's engine-core actors (their process title names the class)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+def ray_actor_pids(server_pid: int) -> list[int]:
+    """The worker processes of the server's Ray engine-core actors: descendants of its own Ray
+    instance's raylet, whose process title names the actor class."""
+    pids, todo = [], [server_pid]
+    while todo:
+        for child in child_pids(todo.pop()):
+            todo.append(child)
             try:
-                if b"EngineCoreActor" in (d / "cmdline").read_bytes():
-                    pids.append(int(d.name))
+                if b"EngineCoreActor" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    pids.append(child)
             except OSError:
                 pass
     return pids
@@ -112,11 +114,11 @@ def test_dp2_processes_balance_and_survive_a_dead_replica():
 def test_dp2_ray_actors_balance_and_survive_a_dead_replica():
     pytest.importorskip("ray")
     # A Ray instance of its own (RAY_ADDRESS=local), never a cluster someone else started here.
-    srv = ServerProcess([*DP_ARGS, "--distributed-executor-backend", "ray"], None, num_cores=0,
+    srv = ServerProcess([*DP_ARGS, "--distributed-executor-backend", "ray"], None, num_cores=None,
                         env={"RAY_ADDRESS": "local"})
     try:
         check_balanced_run(srv)
-        pids = ray_actor_pids()
+        pids = ray_actor_pids(srv.proc.pid)
         assert len(pids) == 2, pids
         check_kill_one(srv, pids[0])
     finally:
