@@ -48,13 +48,6 @@ class EngineCoreClient(ABC):
 
     @staticmethod
     def make_client(config: EngineConfig, multiprocess: bool = True) -> "EngineCoreClient":
-        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
-            if not multiprocess:
-                raise ValueError("data_parallel_size > 1 and the ray backend need multiprocess=True "
-                                 "(each replica is its own process).")
-            from tokenloom.engine.dp_client import DPClient
-
-            return DPClient(config)
         return MPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod

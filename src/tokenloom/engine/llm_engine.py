@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
-from tokenloom.engine.dp_client import ReplicaDeadError
+from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
@@ -31,7 +31,14 @@ class LLMEngine:
         # (and dequantized) once, in the engine core.
         self.tokenizer = load_tokenizer(config.model)
         self.model_config = load_model_config(config.model)
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self.engine_core: EngineCoreClient
+        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+            if not multiprocess:
+                raise ValueError("data_parallel_size > 1 and the ray backend need multiprocess=True "
+                                 "(each replica is its own process).")
+            self.engine_core = DPClient(config)
+        else:
+            self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self.max_model_len = self.engine_core.info.max_model_len
         info = self.engine_core.info
         self.input_processor = InputProcessor(
