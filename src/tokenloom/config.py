@@ -41,9 +41,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # quantized tensors as shipped and an HF checkpoint in `dtype`; "int8" quantizes any
     # checkpoint's matrices at load; None / "none" is the float path (a GGUF dequantized).
     quantization: str | None = "auto"
+    # Data parallelism (vLLM's data_parallel_size): this many whole engine cores (each with its
+    # own scheduler, KV cache and model runner) behind one front end, which sends each request to
+    # the least loaded one (engine/dp_client.py). Each replica gets its share of the cores.
+    data_parallel_size: int = 1
+    # Where the engine cores (and, with tensor parallelism, their workers) run: None or "uni"/"mp"
+    # are local processes; "ray" places them as Ray actors, so they may span a Ray cluster.
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
 
     def validate(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -63,6 +70,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.quantization not in (None, "auto", "gguf", "int8", "none"):
             raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
                              f"{self.quantization!r}.")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be one of uni, mp, ray (or None), got "
+                             f"{self.distributed_executor_backend!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

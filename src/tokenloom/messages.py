@@ -136,6 +136,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     received_time: float = 0.0
     # Stamped by the engine core's output thread just before it encodes and sends this message.
     sent_time: float = 0.0
+    # Caller-local, never sent: the data-parallel replica this came from (vLLM's engine_index).
+    engine_index: int = 0
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -48,7 +48,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, extra_args: list[str], api_key: str | None) -> None:
+    def __init__(self, extra_args: list[str], api_key: str | None, num_cores: int | None = 1,
+                 env: dict[str, str] | None = None) -> None:
+        """`num_cores`: the engine-core children to expect (data parallelism starts several); None:
+        do not check (with Ray the cores are Ray's workers, and Ray's daemons are our children)."""
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -56,12 +59,13 @@ class ServerProcess:
         if api_key is not None:
             args += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-serve-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "OPENAI_API_KEY")}
+        env = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "OPENAI_API_KEY")} | (env or {})
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
         cores = child_pids(self.proc.pid)
-        assert len(cores) == 1, f"expected one engine-core child, found {cores}"
-        self.core_pid = cores[0]
+        assert num_cores is None or len(cores) == num_cores, f"expected {num_cores} engine-core child(ren), found {cores}"
+        self.core_pids = cores
+        self.core_pid = cores[0] if cores else None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

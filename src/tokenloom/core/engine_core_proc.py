@@ -1,4 +1,5 @@
-"""The engine-core child process: `python -m tokenloom.core.engine_core_proc IN_ADDR OUT_ADDR`.
+"""The engine-core child process: `python -m tokenloom.core.engine_core_proc IN_ADDR OUT_ADDR
+PARENT_PID [DP_RANK/DP_SIZE]`.
 
 Three threads, so that (de)serialization and socket I/O overlap the model's compute:
 - the input thread receives and decodes messages and puts them on `input_queue`;
@@ -211,22 +212,26 @@ class EngineCoreProc:
         self.output_queue.put(_SHUTDOWN)
 
 
-def _set_compute_threads() -> int:
+def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1) -> int:
     """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
     overrides), fewer while other processes use them (ops/cpu_threads, the engine core's
     ThreadGovernor). The caller process does not compete for them during a run: it blocks on the
     output socket between steps, and its per-step work (decode, detokenize) is a few ms of one
-    core per second (`tokenloom bench throughput` reports it as caller CPU)."""
-    from tokenloom.ops.cpu_threads import set_compute_threads
+    core per second (`tokenloom bench throughput` reports it as caller CPU). A data-parallel
+    replica first confines itself to its share of the cores (cores // M)."""
+    from tokenloom.ops.cpu_threads import pin_to_replica_share, set_compute_threads
 
+    pin_to_replica_share(dp_rank, dp_size)
     return set_compute_threads()
 
 
 def main() -> None:
     in_addr, out_addr, parent_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # A data-parallel replica: RANK/SIZE (see engine/dp_client.py).
+    dp_rank, dp_size = (int(x) for x in sys.argv[4].split("/")) if len(sys.argv) > 4 else (0, 1)
     _die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
-    _set_compute_threads()
+    _set_compute_threads(dp_rank, dp_size)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     proc = EngineCoreProc(config, in_addr, out_addr)
     try:

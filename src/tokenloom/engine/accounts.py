@@ -81,10 +81,18 @@ class Accounts:
     def forgive_all(self) -> None:
         """The core died: nothing more will come. What is owed is recorded as it is (its core
         time unattributed)."""
+        self.forgive(list(self._owed))
+
+    def forgive(self, core_ids: list[str]) -> None:
+        """These core requests' engine core died (one data-parallel replica, or the only core):
+        their timing will not come."""
         ready = {id(o) for o in self._ready}
-        for account, _ in list(self._owed.values()):
-            account.owed.clear()
-            if account.output is not None and id(account.output) not in ready:
+        for core_id in core_ids:
+            entry = self._owed.pop(core_id, None)
+            if entry is None:
+                continue
+            account = entry[0]
+            account.owed.discard(core_id)
+            if not account.owed and account.output is not None and id(account.output) not in ready:
                 ready.add(id(account.output))
                 self._ready.append(account.output)
-        self._owed.clear()

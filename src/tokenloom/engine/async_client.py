@@ -40,13 +40,13 @@ def _ignore_send_result(future: asyncio.Future) -> None:
 
 
 class AsyncMPClient(MPClient):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
         # Before the base class's start-up, which may already fail or die (see _mark_dead).
         self._utility_futures: dict[int, asyncio.Future] = {}
         # Created on first use: they bind to the event loop that is running then.
         self._ain: zmq.asyncio.Socket | None = None
         self._aout: zmq.asyncio.Socket | None = None
-        super().__init__(config)
+        super().__init__(config, **kwargs)
         # Apart from the sync client's ids, so a late answer to a timed-out async call is dropped.
         self._async_call_ids = itertools.count(_FIRST_ASYNC_CALL_ID)
 
@@ -66,6 +66,11 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request.sent_time = now()
         await self._send_async(EngineCoreRequestType.ADD, request)
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """The core requests of one user request (its n children): one replica gets them all."""
+        for request in requests:
+            await self.add_request_async(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self._dead_reason is None:

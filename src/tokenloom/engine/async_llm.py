@@ -31,6 +31,7 @@ from typing import Any
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_client import AsyncMPClient
 from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
@@ -75,7 +76,10 @@ class AsyncLLM:
         # Only the tokenizer and the architecture facts live here; the weights load in the core.
         self.tokenizer = load_tokenizer(config.model)
         self.model_config = load_model_config(config.model)
-        self.engine_core = AsyncMPClient(config)
+        self.data_parallel_size = config.data_parallel_size
+        self.engine_core: AsyncMPClient | DPAsyncClient = (
+            DPAsyncClient(config) if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray"
+            else AsyncMPClient(config))
         self.max_model_len = self.engine_core.info.max_model_len
         info = self.engine_core.info
         self.input_processor = InputProcessor(
@@ -83,7 +87,8 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
-            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix) if log_stats else None)
+            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix,
+                              data_parallel_size=config.data_parallel_size) if log_stats else None)
         # The ledger's caller side: returned stamps, and the trace file (`--trace`).
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
@@ -141,8 +146,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._num_unfinished_seqs += n
         try:
-            for child in children:
-                await self.engine_core.add_request_async(child)
+            await self.engine_core.add_requests_async(children)
         except BaseException:
             self.abort_nowait(request_id)
             raise
@@ -225,7 +229,11 @@ class AsyncLLM:
     async def _run_output_handler(self) -> None:
         try:
             while True:
-                outputs = await self.engine_core.get_output_async()
+                try:
+                    outputs = await self.engine_core.get_output_async()
+                except ReplicaDeadError as e:  # one data-parallel replica; the others serve on
+                    self._fail_replica(e)
+                    continue
                 await self._handle_outputs(outputs)
         except asyncio.CancelledError:
             raise
@@ -238,7 +246,7 @@ class AsyncLLM:
 
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None and self.metrics is not None:
-            self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+            self.metrics.record_scheduler_stats(outputs.scheduler_stats, outputs.engine_index)
         if self.ledger is not None:
             self.ledger.record_step(outputs)
         core_outputs = outputs.outputs
@@ -309,6 +317,22 @@ class AsyncLLM:
         self._num_unfinished_seqs = 0
         self._start_reaper()
 
+    def _fail_replica(self, error: ReplicaDeadError) -> None:
+        """A data-parallel replica died: its requests, and only those, end with the engine-death
+        error, exactly as every request does when the only engine core dies."""
+        logger.error("%s (%d request(s) failed; %d replica(s) still serving)", error, len(error.request_ids),
+                     len(self.engine_core.live_indices()) if isinstance(self.engine_core, DPAsyncClient) else 0)
+        for out in self.output_processor.fail_requests(error.request_ids, str(error)):
+            stream = self._streams.pop(out.request_id, None)
+            if stream is None:
+                continue
+            self._num_unfinished_seqs -= stream.num_seqs
+            self._returned(out)
+            stream.collector.put(error)
+        self._record_ready()  # counted as finished_reason="error"
+        if self.metrics is not None:
+            self.metrics.replica_died(error.replica, len(error.request_ids))
+
     def _start_reaper(self) -> asyncio.Task:
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_core(), name="tokenloom-reap-core")
@@ -325,12 +349,7 @@ class AsyncLLM:
         """Waits for the dead core's process (off the loop) so it does not stay a zombie, then
         closes the sockets and removes the IPC directory. Only the process handle and the sockets
         go: `is_dead` and the 503s stay as they are."""
-        proc = self.engine_core.proc
-        try:
-            await asyncio.to_thread(proc.wait, 10)
-        except Exception:  # noqa: BLE001 - a core that lingers after its error message: kill it
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
+        await asyncio.to_thread(self.engine_core.wait_exited)  # kills one that lingers
         self.engine_core.shutdown()
 
     # ---- state ------------------------------------------------------------------------------
@@ -343,7 +362,13 @@ class AsyncLLM:
 
     @property
     def is_dead(self) -> bool:
-        return self._dead_error is not None or self.engine_core.is_dead or self.engine_core.proc.poll() is not None
+        return self._dead_error is not None or self.engine_core.is_dead or self.engine_core.process_exited()
+
+    def replica_health(self) -> list[bool]:
+        """Which data-parallel replicas are alive (one entry without data parallelism)."""
+        if isinstance(self.engine_core, DPAsyncClient):
+            return [r.alive and self.engine_core._usable(i) for i, r in enumerate(self.engine_core.balancer.replicas)]
+        return [not self.is_dead]
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -390,7 +415,14 @@ class AsyncLLM:
         if self.metrics is None or self.is_dead:
             return
         try:
-            self.metrics.record_core_state(await self.get_state(timeout=timeout))
+            if isinstance(self.engine_core, DPAsyncClient):
+                self._check_alive()
+                states = await self.engine_core.call_utility_each_async("get_state", timeout=timeout)
+                replicas = self.engine_core.balancer.replicas
+                self.metrics.record_replica_states(states, [r.num_sent for r in replicas],
+                                                   [r.num_finished for r in replicas])
+            else:
+                self.metrics.record_core_state(await self.get_state(timeout=timeout))
             self._metrics_refreshed_at = time.monotonic()
         except (EngineDeadError, asyncio.TimeoutError, RuntimeError) as e:
             # repr: a TimeoutError's str() is empty, which left the warning without a reason.

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -52,6 +52,11 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """The core requests of one user request (its n children): one replica gets them all."""
+        for request in requests:
+            self.add_request(request)
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -99,7 +104,7 @@ class InprocClient(EngineCoreClient):
         pass
 
 
-def _cleanup(proc: subprocess.Popen, ctx: zmq.Context, tmpdir: str) -> None:
+def _cleanup(proc: "ProcessHandle", ctx: zmq.Context, tmpdir: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -111,27 +116,73 @@ def _cleanup(proc: subprocess.Popen, ctx: zmq.Context, tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+class CoreLauncher(Protocol):
+    """Starts an engine core somewhere other than a local child process (engine/ray_launcher.py).
+    The client binds its two sockets on tcp://`host` and hands `start` their addresses."""
+
+    host: str
+
+    def start(self, config: EngineConfig, in_addr: str, out_addr: str, dp_rank: int, dp_size: int) -> ProcessHandle: ...
+
+
+class ProcessHandle(Protocol):
+    """What the client needs of the core's process: `subprocess.Popen`'s liveness methods."""
+
+    pid: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def _spawn_local(config: EngineConfig, in_addr: str, out_addr: str, dp_rank: int, dp_size: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "tokenloom.core.engine_core_proc", in_addr, out_addr, str(os.getpid())]
+    if dp_size > 1:
+        args.append(f"{dp_rank}/{dp_size}")
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.json.encode(config))
+    proc.stdin.close()
+    return proc
+
+
 class MPClient(EngineCoreClient):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, dp_rank: int = 0, dp_size: int = 1,
+                 launcher: CoreLauncher | None = None, wait_ready: bool = True) -> None:
+        """`dp_rank`/`dp_size`: this core is data-parallel replica `dp_rank` of `dp_size` (its
+        share of the cores; see engine/dp_client.py). `launcher`: start it elsewhere (Ray).
+        `wait_ready=False` returns once the core is started; `wait_ready()` then waits for it
+        (so that M replicas load their models at once)."""
         config.validate()
+        self.dp_rank = dp_rank
         # A private 0700 directory (mkdtemp) recording its owner; stale ones are swept first.
         self._tmpdir = make_ipc_dir()
-        in_addr = f"ipc://{self._tmpdir}/input"
-        out_addr = f"ipc://{self._tmpdir}/output"
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(in_addr)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(out_addr)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenloom.core.engine_core_proc", in_addr, out_addr, str(os.getpid())],
-            stdin=subprocess.PIPE,
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(msgspec.json.encode(config))
-        self.proc.stdin.close()
+        if launcher is None:
+            in_addr = f"ipc://{self._tmpdir}/input"
+            out_addr = f"ipc://{self._tmpdir}/output"
+            self.input_socket.bind(in_addr)
+            self.output_socket.bind(out_addr)
+        else:
+            # Another machine may have to reach us: tcp on the address the launcher names.
+            base = f"tcp://{launcher.host}"
+            in_addr = f"{base}:{self.input_socket.bind_to_random_port(base)}"
+            out_addr = f"{base}:{self.output_socket.bind_to_random_port(base)}"
+        try:
+            self.proc: ProcessHandle = (_spawn_local if launcher is None else launcher.start)(
+                config, in_addr, out_addr, dp_rank, dp_size)
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            raise
         self._finalizer = weakref.finalize(self, _cleanup, self.proc, self.ctx, self._tmpdir)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -139,6 +190,11 @@ class MPClient(EngineCoreClient):
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
         self._call_ids = itertools.count(1)
         self._utility_results: dict[int, Any] = {}
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Blocks until the core has loaded its model and answered the ready handshake."""
         try:
             ready = self._wait_for_utility(READY_CALL_ID, timeout=STARTUP_TIMEOUT_S)
         except BaseException:
@@ -171,6 +227,18 @@ class MPClient(EngineCoreClient):
     def is_dead(self) -> bool:
         return self._dead_reason is not None
 
+    def process_exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def wait_exited(self, timeout: float = 10.0) -> None:
+        """Reaps the dead core's process (blocking; no zombie), killing one that lingers after
+        its error message."""
+        try:
+            self.proc.wait(timeout)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired, or Ray's equivalent
+            self.proc.kill()
+            self.proc.wait()
+
     def _check_alive(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
@@ -192,6 +260,7 @@ class MPClient(EngineCoreClient):
     def _decode(self, buffer: memoryview) -> EngineCoreOutputs:
         outputs = self.decoder.decode(buffer)
         outputs.received_time = now()
+        outputs.engine_index = self.dp_rank
         if outputs.engine_error is not None:
             self._mark_dead(outputs.engine_error)
         return outputs

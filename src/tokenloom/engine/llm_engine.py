@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
@@ -30,7 +31,14 @@ class LLMEngine:
         # (and dequantized) once, in the engine core.
         self.tokenizer = load_tokenizer(config.model)
         self.model_config = load_model_config(config.model)
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self.engine_core: EngineCoreClient
+        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+            if not multiprocess:
+                raise ValueError("data_parallel_size > 1 and the ray backend need multiprocess=True "
+                                 "(each replica is its own process).")
+            self.engine_core = DPClient(config)
+        else:
+            self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self.max_model_len = self.engine_core.info.max_model_len
         info = self.engine_core.info
         self.input_processor = InputProcessor(
@@ -65,8 +73,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
-        for core_request in self.output_processor.add_user_request(request, prompt_text):
-            self.engine_core.add_request(core_request)
+        self.engine_core.add_requests(self.output_processor.add_user_request(request, prompt_text))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)
@@ -87,6 +94,11 @@ class LLMEngine:
             raise self._dead_error
         try:
             core_outputs = self.engine_core.get_output(timeout)
+        except ReplicaDeadError as e:  # one data-parallel replica: its requests alone fail
+            failed = self.output_processor.fail_requests(e.request_ids, str(e))
+            if self.ledger is not None:
+                self.ledger.record(EngineCoreOutputs(), failed, self.output_processor.pop_ready())
+            return failed
         except EngineDeadError as e:
             self._dead_error = e
             failed = self.output_processor.fail_all(str(e))

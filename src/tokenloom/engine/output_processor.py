@@ -391,6 +391,19 @@ class OutputProcessor:
         self.accounts.forgive_all()
         return outputs
 
+    def fail_requests(self, core_ids: list[str], error: str) -> list[RequestOutput]:
+        """One data-parallel replica died: the user requests it was computing (any of whose core
+        requests are in `core_ids`) get one final output with finish_reason "error", as in
+        `fail_all`. A parent whose other children live elsewhere fails whole."""
+        ids: dict[str, None] = {}
+        for core_id in core_ids:
+            state = self.request_states.get(core_id)
+            if state is not None:
+                ids[state.external_id] = None
+        outputs, failed_core_ids = self._finish_requests(list(ids), FinishReason.ERROR, error)
+        self.accounts.forgive(failed_core_ids)
+        return outputs
+
     # ------------------------------------------------------------------------------ internals
 
     def _finish_requests(

@@ -26,6 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy, choices=["fcfs", "priority"])
     g.add_argument("--attention-backend", default=_DEFAULTS.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=_DEFAULTS.data_parallel_size,
+                   help="engine-core replicas behind one front end, each with its share of the cores; requests go to the least loaded")
+    g.add_argument("--distributed-executor-backend", default=_DEFAULTS.distributed_executor_backend, choices=["uni", "mp", "ray"],
+                   help="ray: run the engine cores as Ray actors placed with a placement group (spans a Ray cluster)")
     g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
     g.add_argument("--no-ledger", dest="enable_ledger", action="store_false", help="turn the ledger (per-request timing, metrics) off")
     g.add_argument("--compile", action="store_true", help="torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")

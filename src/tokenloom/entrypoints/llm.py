@@ -28,6 +28,8 @@ class LLM:
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; as llama.cpp does), `"int8"` quantizes any
     model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `multiprocess=True` runs the
     engine core in a child process; `False` runs it in this process (debugging).
+    `data_parallel_size=M` runs M engine cores (each on its share of the cores) and sends each
+    request to the least loaded; `distributed_executor_backend="ray"` runs them as Ray actors.
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class LLM:
         trace_path: str | None = None,
         compile: bool = False,
         quantization: str | None = "auto",
+        data_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -74,6 +78,8 @@ class LLM:
             trace_path=trace_path,
             compile=compile,
             quantization=quantization,
+            data_parallel_size=data_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
         )
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down

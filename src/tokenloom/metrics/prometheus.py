@@ -9,6 +9,12 @@ never collide on metric names. Fed from two places only:
 - `record_finished_request()`: one call per finished request, with the latencies the caller
   measured (and `record_request_output()` with the output itself, for the ledger's metrics:
   wait seconds by reason, latency parts, budget per step, blocks by state; see metrics/stats.py).
+
+With data parallelism (`-dp M`) the metrics above stay the engine's totals (gauges summed over
+the replicas, counters over their steps), and `tokenloom:replica_*` metrics with an `engine`
+label (vLLM's label for a DP replica: `engine="0"`) show each replica: whether it is up, its
+running and waiting requests, KV cache usage, and the core requests sent to it, finished by it
+and failed by its death. They exist only when M > 1.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenloom.messages import SchedulerStats
+from tokenloom.metrics.replica import ReplicaMetrics
 from tokenloom.metrics.stats import LedgerMetrics, metric_name
 
 if TYPE_CHECKING:
@@ -33,9 +40,9 @@ _FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 metrics_prefix: str = "tokenloom") -> None:
+                 metrics_prefix: str = "tokenloom", data_parallel_size: int = 1) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._last_totals: dict[str, int] = {}
+        self._last_totals: dict[tuple[int, str], int] = {}  # (engine, name) -> the core's running total
         labels = ["model_name"]
         r = self.registry
 
@@ -97,11 +104,18 @@ class PrometheusMetrics:
             _TOKEN_LATENCY_BUCKETS,
         )
         self.ledger = LedgerMetrics(r, model_name, metrics_prefix)  # the ledger's metrics, in the same registry
+        self.replicas: ReplicaMetrics | None = (
+            ReplicaMetrics(r, model_name, full, data_parallel_size) if data_parallel_size > 1 else None)
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self._set_blocks(stats.num_free_blocks, stats.num_total_blocks)
+    def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """One step of engine core `engine` (its data-parallel index; 0 without DP)."""
+        if self.replicas is not None:
+            self.replicas.record_stats(engine, stats)
+            self._set_totals()
+        else:
+            self.num_requests_running.set(stats.num_running_reqs)
+            self.num_requests_waiting.set(stats.num_waiting_reqs)
+            self._set_blocks(stats.num_free_blocks, stats.num_total_blocks)
         # The core reports these three as running totals; a counter takes the increase.
         for counter, name in (
             (self.num_preemptions, "num_preemptions"),
@@ -109,12 +123,45 @@ class PrometheusMetrics:
             (self.prefix_cache_hits, "prefix_cache_hits"),
         ):
             total = getattr(stats, name)
-            last = self._last_totals.get(name, 0)
+            last = self._last_totals.get((engine, name), 0)
             increase = total - last if total >= last else total  # a smaller total: it was reset
             if increase:
                 counter.inc(increase)
-            self._last_totals[name] = total
+            self._last_totals[(engine, name)] = total
         self.ledger.record_scheduler_stats(stats)
+        if self.replicas is not None:
+            self.ledger.set_blocks(*self.replicas.blocks())
+
+    def _set_totals(self) -> None:
+        assert self.replicas is not None
+        running, waiting = self.replicas.requests()
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        free, _, total = self.replicas.blocks()
+        self._set_blocks(free, total)
+
+    def record_replica_states(self, states: dict[int, dict], sent: list[int], finished: list[int]) -> None:
+        """Scrape time with data parallelism: each live replica's `get_state()` (by index), and
+        the core requests the front end sent to each and saw finish."""
+        assert self.replicas is not None
+        for engine, state in states.items():
+            self.replicas.record_state(engine, state)
+        self.replicas.record_counts(sent, finished)
+        self._set_totals()
+        self.ledger.set_blocks(*self.replicas.blocks())
+        totals: dict[str, int] = {}
+        for state in states.values():
+            for k in ("num_requests", "num_runner_requests"):
+                totals[k] = totals.get(k, 0) + state.get(k, 0)
+        self.num_requests_in_core.set(totals.get("num_requests", 0))
+        self.num_requests_in_runner.set(totals.get("num_runner_requests", 0))
+
+    def replica_died(self, engine: int, num_failed: int) -> None:
+        """Replica `engine` is gone, failing `num_failed` core requests: it is down, and counts
+        no more in the totals."""
+        if self.replicas is not None:
+            self.replicas.died(engine, num_failed)
+            self._set_totals()
 
     def record_core_state(self, state: dict) -> None:
         """A `get_state()` snapshot of the core (see EngineCore.get_state)."""

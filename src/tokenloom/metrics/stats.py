@@ -155,15 +155,15 @@ class LedgerMetrics:
             self.step_duration["update"].observe(stats.update_time)
         if stats.serialize_time > 0:
             self.serialize_seconds.inc(stats.serialize_time)
-        self._set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)
+        self.set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)
 
     def record_core_state(self, state: dict) -> None:
         """A `get_state()` snapshot of the core: an idle core sends no more steps."""
         if "num_free_blocks" in state and "num_total_blocks" in state:
             cached = state.get("num_cached_free_blocks", 0)
-            self._set_blocks(state["num_free_blocks"], cached, state["num_total_blocks"])
+            self.set_blocks(state["num_free_blocks"], cached, state["num_total_blocks"])
 
-    def _set_blocks(self, num_free: int, num_cached_free: int, num_total: int) -> None:
+    def set_blocks(self, num_free: int, num_cached_free: int, num_total: int) -> None:
         if num_total > 0:
             self.kv_blocks["free"].set(num_free - num_cached_free)
             self.kv_blocks["cached"].set(num_cached_free)

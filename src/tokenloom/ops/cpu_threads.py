@@ -45,6 +45,31 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def replica_cores(cores: list[int], rank: int, size: int) -> list[int]:
+    """The cores data-parallel replica `rank` of `size` runs on: a contiguous share of `cores`
+    (len(cores) // size each; the remainder goes to the first replicas), or one core shared
+    round-robin when there are fewer cores than replicas. Disjoint shares keep M replicas from
+    oversubscribing the machine: each one's OpenMP threads spin on cores nobody else computes
+    on, and each one's ThreadGovernor watches only its own share."""
+    if not 0 <= rank < size:
+        raise ValueError(f"data-parallel rank must be in [0, {size}), got {rank}.")
+    if len(cores) < size:
+        return [cores[rank % len(cores)]]
+    base, extra = divmod(len(cores), size)
+    start = rank * base + min(rank, extra)
+    return cores[start:start + base + (1 if rank < extra else 0)]
+
+
+def pin_to_replica_share(rank: int, size: int) -> list[int]:
+    """Restricts this process to its replica's cores (see replica_cores); a no-op for size 1."""
+    cores = usable_cores()
+    if size <= 1:
+        return cores
+    share = replica_cores(cores, rank, size)
+    os.sched_setaffinity(0, share)
+    return share
+
+
 def fixed_num_threads() -> int | None:
     """TOKENLOOM_NUM_THREADS when set (a fixed count, no governor)."""
     value = os.environ.get("TOKENLOOM_NUM_THREADS", "").strip()

@@ -317,7 +317,17 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)  # a dead engine is answered by EngineDeadMiddleware
+        # A dead engine is answered by EngineDeadMiddleware (503). With data parallelism the
+        # server is healthy while any replica lives: 200, with a body that says which are up
+        # ("degraded" once one died), so a probe keeps routing to it and a person can see why.
+        if engine.data_parallel_size == 1:
+            return Response(status_code=200)
+        alive = engine.replica_health()
+        return json_response({
+            "status": "ok" if all(alive) else "degraded",
+            "data_parallel_size": len(alive),
+            "replicas_alive": [i for i, up in enumerate(alive) if up],
+        })
 
     @app.get("/version")
     async def version() -> Response:
