@@ -113,6 +113,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_time: float = 0.0
     loop_time: float = 0.0
     serialize_time: float = 0.0
+    # Models with several KV cache groups (sliding-window layers; kv_cache_spec.py): per group,
+    # the blocks in use (the totals above are their sum) and, in a step whose queue head was left
+    # waiting for KV blocks, the blocks it asked of each group (what queue_no_kv_blocks waits for).
+    # Empty with one group.
+    kv_cache_group_used_blocks: list[int] = []
+    kv_cache_group_wanted_blocks: list[int] = []
 
 
 # The call id of the engine core's ready handshake: its first message answers it with EngineInfo.
