@@ -21,15 +21,25 @@ it does not use idle (the price of one block size for all).
 
 A model with full attention in every layer keeps exactly one group of all its layers: the same
 block table, block bytes and per-step work as before groups existed.
+
+This is shared vocabulary (layer 0): it reads a model config by its field names and imports
+nothing of the model package. The model reads only `kv_cache_group_of_layer` (from
+`group_of_layer`); the runner, the KV cache manager and the scheduler read the specs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 # Hugging Face's names in `config.layer_types`.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+class _HasLayerTypes(Protocol):
+    num_hidden_layers: int
+    sliding_window: int | None
+    layer_types: tuple[str, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +55,15 @@ class KVCacheGroupSpec:
         return FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
 
 
-def layer_windows(cfg: Any) -> list[int | None]:
+def layer_windows(cfg: _HasLayerTypes) -> list[int | None]:
     """Each layer's window (None: full attention), from `layer_types` and `sliding_window` of a
-    model config (read by name: any object with `num_hidden_layers`, and optionally
-    `layer_types` and `sliding_window`). No `layer_types` with a `sliding_window`: every layer
-    slides (Mistral's convention); neither: every layer is full."""
+    model config. Without `layer_types` (or without a window) every layer is full: a
+    `sliding_window` alone is not trusted (Qwen2's configs carry one they do not use)."""
     n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [window] * n
+    window = cfg.sliding_window
+    types = cfg.layer_types
+    if types is None or window is None:
+        return [None] * n
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
     out: list[int | None] = []
@@ -71,7 +80,7 @@ def layer_windows(cfg: Any) -> list[int | None]:
     return out
 
 
-def kv_cache_groups(cfg: Any) -> list[KVCacheGroupSpec]:
+def kv_cache_groups(cfg: _HasLayerTypes) -> list[KVCacheGroupSpec]:
     """The model's KV cache groups (see the module docstring): groups of `group_size` layers of
     one attention type each, full-attention groups first, layers in model order inside a type."""
     windows = layer_windows(cfg)
@@ -95,7 +104,7 @@ def group_size(groups: list[KVCacheGroupSpec]) -> int:
     return max(len(g.layer_ids) for g in groups)
 
 
-def kv_cache_group_of_layer(groups: list[KVCacheGroupSpec], num_layers: int) -> list[int]:
+def group_of_layer(groups: list[KVCacheGroupSpec], num_layers: int) -> list[int]:
     """Layer index -> its group's index."""
     out = [-1] * num_layers
     for g, spec in enumerate(groups):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from tokenloom.attention import get_attn_backend
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.config import EngineConfig, default_kv_cache_bytes
+from tokenloom.kv_cache_spec import kv_cache_groups
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import prepare_cpu_weights
@@ -85,7 +86,7 @@ class _StepInputs:
     do_sample: np.ndarray  # bool: the request's last scheduled token is sampled
     input_ids: torch.Tensor
     positions: torch.Tensor
-    plan: Any
+    plans: list[Any]  # one attention plan per KV cache group
 
 
 class ModelRunner:
@@ -105,6 +106,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        # One attention metadata per KV cache group; the groups differ only in their window, and
+        # all read the same block table (no block leaves a sliding window's group yet).
+        self.kv_cache_groups = kv_cache_groups(loaded.config)
 
         self.num_kv_blocks = self._num_kv_blocks(loaded, config)
         cfg = self.model_config
@@ -227,7 +231,7 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         step = self._prepare_inputs(so)
         t1 = time.perf_counter()
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plan)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
         if self._failed:  # failed in this step: computed with the rest, never sampled
             step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
@@ -303,8 +307,18 @@ class ModelRunner:
             query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,
             input_ids=self._input_ids.to_device(num_tokens),
             positions=self._positions.to_device(num_tokens),
-            plan=self.attn_backend.prepare(meta),
+            plans=self._attn_plans(meta),
         )
+
+    def _attn_plans(self, meta: AttentionMetadata) -> list[Any]:
+        """One plan per KV cache group, prepared once per distinct window."""
+        if len(self.kv_cache_groups) == 1 and self.kv_cache_groups[0].sliding_window is None:
+            return [self.attn_backend.prepare(meta)]
+        by_window: dict[int | None, Any] = {}
+        for g in self.kv_cache_groups:
+            if g.sliding_window not in by_window:
+                by_window[g.sliding_window] = self.attn_backend.prepare(replace(meta, sliding_window=g.sliding_window))
+        return [by_window[g.sliding_window] for g in self.kv_cache_groups]
 
     def _build_output(self, step: _StepInputs, sample_pos: list[int], sampler_out: SamplerOutput
                       ) -> ModelRunnerOutput:
