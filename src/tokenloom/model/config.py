@@ -30,3 +30,9 @@ class ModelArchConfig:
     # "full_attention"). None: every layer attends to the whole context.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding layers' RoPE base (their RoPE is unscaled; `rope_theta` and
+    # `rope_scaling` are the full-attention layers'), the attention scale's denominator
+    # (scale = query_pre_attn_scalar ** -0.5; None: head_dim), and tanh capping of the logits.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None

@@ -122,7 +122,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -156,12 +156,16 @@ _FUSED_PARTS = {
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 decoder over a flat batch (see the module docstring)."""
 
+    # A decoder of another family (gemma3.py) brings its own layer, RoPE tables and forward, and
+    # keeps the rest: the embedding, final norm, LM head, and loading weights into fused rows.
+    decoder_layer_cls: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         check_rope_scaling(config.rope_scaling, f"{config.architecture} model")
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.kv_cache_group_of_layer = group_of_layer(kv_cache_groups(config), config.num_hidden_layers)
