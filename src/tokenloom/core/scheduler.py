@@ -80,6 +80,9 @@ class Scheduler:
         # Sliding-window groups give blocks back as requests advance; without them the update
         # pays nothing for it.
         self._frees_windows = bool(kv._sliding_managers)
+        # Per group, the blocks the head of the queue asked for in this step's refused admission
+        # (empty: it was not refused for blocks); the step stats' "wanted" breakdown.
+        self._head_wanted_blocks: tuple[int, ...] = ()
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -181,6 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step += 1
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._head_wanted_blocks = ()
         if self.waiting_for_grammar:
             self._check_grammars(plan)
         self._schedule_running(plan)
@@ -313,6 +317,7 @@ class Scheduler:
             if num_new_tokens == 0:
                 return WaitReason.TOKEN_BUDGET
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                self._head_wanted_blocks = kv.last_refused_need
                 return WaitReason.NO_KV_BLOCKS
             # Publish the prompt blocks this step will fill now, not after the step: a request
             # admitted right behind it with the same prefix (the n children of one prompt, a
@@ -491,16 +496,15 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            **self._group_stats(so),
+            **self._group_stats(),
         )
 
-    def _group_stats(self, so: SchedulerOutput | None) -> dict:
+    def _group_stats(self) -> dict:
         """The per-group breakdown of the KV gauges (models with several KV cache groups only):
         blocks in use per group and, when the head of the queue was left waiting for KV blocks,
         how many it asked of each group."""
         kv = self.kv_cache_manager
         if kv.num_groups == 1:
             return {}
-        blocked = so is not None and so.blocked_reason == WaitReason.NO_KV_BLOCKS
         return {"kv_cache_group_used_blocks": kv.num_used_blocks_per_group,
-                "kv_cache_group_wanted_blocks": list(kv.last_refused_need) if blocked else []}
+                "kv_cache_group_wanted_blocks": list(self._head_wanted_blocks)}
