@@ -337,3 +337,24 @@ def test_hybrid_admission_counts_every_group_and_stats_break_down_by_group():
     assert sum(stats.kv_cache_group_used_blocks) == stats.num_used_blocks
     assert stats.kv_cache_group_used_blocks[0] == 5 and stats.num_total_blocks == 20
     assert stats.num_free_blocks + stats.num_used_blocks == stats.num_total_blocks
+
+
+def test_window_blocks_are_freed_tail_first_and_stay_cached():
+    """A 40-token prefill with window 8 and blocks of 4: the sliding groups keep the window (two
+    blocks), one block of slack and the open block, and give back blocks 0-6 tail first, still
+    cached: eviction takes block 6 first, block 0 last, as a full group's freed blocks go."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS, enable_prefix_caching=True, max_model_len=256,
+                        kv_cache_groups=hybrid_groups(8, 1))
+    a = hashed(make_request("a", list(range(700, 741))))
+    admit(kv, a, num_new_tokens=40)
+    blocks = list(kv.get_blocks("a")[1])
+    kv.remove_skipped_blocks(a)
+    null = kv.block_pool.null_block
+    # The next query (position 40) reads keys 33..40: blocks 8-10 (block 8 from 32), slack block 7.
+    assert kv.get_blocks("a")[1][:7] == [null] * 7 and null not in kv.get_blocks("a")[1][7:]
+    freed = kv.block_pool.free_block_queue.get_all_free_blocks()[-7:]
+    assert freed == blocks[6::-1] and all(b.block_hash is not None for b in freed)
+    # A short hit (shorter than the window) needs every block from the start, and finds them.
+    b = hashed(make_request("b", list(range(700, 706))))
+    got, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 4 and got[1] == blocks[:1]
