@@ -173,6 +173,10 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # the thread policy, one line (ops/cpu_features.engine_cpu_line).
     cpu: str = ""
     cpu_kernels_isa: str = ""  # "avx512" | "avx2" | "scalar" | "off"
+    # Models with sliding-window layers (several KV cache groups): the longest request the KV
+    # cache holds on its own, in tokens, which is less than num_kv_blocks x block_size (every
+    # group takes blocks). 0: num_kv_blocks x block_size.
+    kv_cache_capacity_tokens: int = 0
 
 
 class LedgerBucket(enum.IntEnum):

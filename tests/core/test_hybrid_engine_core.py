@@ -76,6 +76,8 @@ def test_tiny_gemma3_long_generation_holds_a_window_per_sliding_group(tiny_gemma
     caches = core.model_runner.kv_caches
     assert caches[2] is caches[0] is caches[3] and caches[5] is caches[1] is caches[4]
     assert caches[0] is not caches[1]
+    # The caller learns how long one request can be (every group takes blocks).
+    assert 0 < core.info.kv_cache_capacity_tokens == core.scheduler.max_request_len < 512 * BS
     bound = WINDOW // BS + 2
     seen: list[list[int]] = []
 

@@ -86,6 +86,8 @@ class EngineCore:
             kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
             quantization=loaded.quantization,
             weight_bytes_per_token=weight_bytes_per_token(loaded.model),
+            kv_cache_capacity_tokens=(self.scheduler.max_request_len
+                                      if self.scheduler.kv_cache_manager.num_groups > 1 else 0),
         )
         # Threads follow what other processes leave of our cores (CPU only).
         self.thread_governor: ThreadGovernor | None = None
