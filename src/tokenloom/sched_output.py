@@ -33,7 +33,9 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One list per KV cache group (kv_cache_spec.py), in token order; a sliding-window group's
+    # blocks the request's first query does not read are the null block (id 0).
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int  # > 0 on a prefix-cache hit
     # Non-empty when the request resumes after preemption: its tokens so far are recomputed.
     output_token_ids: list[int] = field(default_factory=list)
@@ -44,7 +46,10 @@ class CachedRequestData:
     """Requests the runner already holds, in the order they were scheduled."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    # Per request, per KV cache group: the blocks appended this step. Blocks a sliding window
+    # gave back are not announced: the runner's table keeps their stale ids, which no query
+    # reads (they are wholly outside every window).
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 

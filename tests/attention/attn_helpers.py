@@ -37,6 +37,7 @@ def make_batch(
     num_padding_rows: int = 0,
     extra_blocks: int = 3,
     shuffle_blocks: bool = True,
+    sliding_window: int | None = None,
 ) -> AttentionBatch:
     """Request i computes `query_lens[i]` new tokens and has `seq_lens[i]` tokens of context after
     this step. `num_padding_rows` extra rows are appended to query/key/value with slot -1 (beyond
@@ -87,6 +88,7 @@ def make_batch(
         block_size=block_size,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens_t,
+        sliding_window=sliding_window,
     )
     return AttentionBatch(
         query=query,
@@ -127,7 +129,9 @@ def reference_attention(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tens
     for i in range(meta.num_reqs):
         start, end, s_len = qsl[i], qsl[i + 1], seq_lens[i]
         q_len = end - start
-        pos = torch.arange(s_len)
+        # Under a window only positions some query sees are read (those behind may be NaN).
+        W = meta.sliding_window
+        pos = torch.arange(0 if W is None else max(0, s_len - q_len - W + 1), s_len)
         blk = bt[i, pos // bs].long()
         k = cache[0, blk, pos % bs].double()  # [S, Hkv, D]
         v = cache[1, blk, pos % bs].double()
@@ -138,6 +142,9 @@ def reference_attention(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tens
             scores = (q[:, h] @ kh.T) * batch.scale  # [q_len, S]
             q_pos = (s_len - q_len + torch.arange(q_len)).unsqueeze(1)
             scores = scores.masked_fill(pos.unsqueeze(0) > q_pos, float("-inf"))
+            if meta.sliding_window is not None:
+                scores = scores.masked_fill(pos.unsqueeze(0) <= q_pos - meta.sliding_window,
+                                            float("-inf"))
             out[start:end, h] = torch.softmax(scores, dim=-1) @ vh
     return out, cache
 
@@ -166,3 +173,26 @@ def as_fused_qkv_views(batch: AttentionBatch) -> None:
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
     batch.query, batch.key, batch.value = q.view(rows, hq, d), k.view(rows, hkv, d), v.view(
         rows, hkv, d)
+
+
+def poison_outside_window(batch: AttentionBatch, value: float = float("nan")) -> int:
+    """Fill every block that lies wholly before the window of all of its request's queries with
+    `value` (in place), as a freed block behind the window would be (the null block): a kernel
+    that reads such a block gives NaN. Block 0 is left alone: the torch backend points padding
+    entries of its gather at block 0, which the KV cache manager reserves as the null block (of
+    zeros). Returns how many blocks were poisoned."""
+    meta = batch.meta
+    W = meta.sliding_window
+    assert W is not None
+    bs = meta.block_size
+    qsl = meta.query_start_loc.cpu().tolist()
+    bt = meta.block_table.cpu().long()
+    count = 0
+    for i, s_len in enumerate(meta.seq_lens.cpu().tolist()):
+        first_query = s_len - (qsl[i + 1] - qsl[i])
+        first_visible = max(0, first_query - W + 1)
+        for b in range(first_visible // bs):  # blocks ending before the first visible position
+            if int(bt[i, b]) != 0:
+                batch.kv_cache[:, int(bt[i, b])] = value
+                count += 1
+    return count

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenloom.ops import cpu_kernels
-from attn_helpers import (as_fused_qkv_views, make_batch, poison_unused_slots,
-                                         reference_attention)
+from attn_helpers import (as_fused_qkv_views, make_batch, poison_outside_window,
+                          poison_unused_slots, reference_attention)
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")
@@ -128,6 +128,22 @@ def test_bfloat16_cache_under_float32_queries(head_dim, monkeypatch):
     assert (fast - slow).abs().max().item() < FP32_TOL
     assert (fast[decode_rows].double() - ref[decode_rows]).abs().max().item() < FP32_TOL
     assert (fast.double() - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("window,block_size", [(512, 16), (10, 4), (16, 16), (17, 16)])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(4, 1, 256), (9, 3, 64), (4, 4, 36)])
+def test_decode_sliding_window(window, block_size, hq, hkv, head_dim):
+    """The kernel reads only the window: the blocks behind it hold NaN (as a freed block would be
+    the null block), and the result is the windowed reference. Gemma 3's shape (4/1 heads,
+    head_dim 256, window 512) and windows that start mid-block and on a block boundary."""
+    seq_lens = [1, window - 1, window, window + 1, window + block_size, 3 * window + 5, 600]
+    batch = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, head_dim, block_size,
+                       seed=window, sliding_window=window)
+    poison_unused_slots(batch)
+    poison_outside_window(batch)
+    ref, _ = reference_attention(batch)
+    for out in run_backend(batch):
+        assert (out.double() - ref).abs().max().item() < FP32_TOL
 
 
 def test_half_dtypes_keep_the_pytorch_path():

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.attention import get_attn_backend
-from attn_helpers import as_fused_qkv_views, make_batch, reference_attention
+from attn_helpers import as_fused_qkv_views, make_batch, poison_outside_window, reference_attention
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}
@@ -126,3 +126,49 @@ def batches(draw):
 @given(batches())
 def test_random_batches(kw):
     check(d=16, layers=1, **kw)
+
+
+# ------------------------------------------------------------------------- sliding window
+# A batch of every kind around a window of 10 with blocks of 4: decodes whose context is shorter
+# than, equal to and longer than the window, a fresh prefill longer than the window, and chunks
+# whose context reaches back past it.
+WINDOW_Q_LENS = [1, 1, 1, 1, 23, 6, 12, 1]
+WINDOW_SEQ_LENS = [7, 10, 11, 45, 23, 30, 40, 2]
+
+
+def check_window(mode, use_cpu_kernel, dtype=torch.float32, block_size=4, window=10,
+                 poison=float("nan"), **kw):
+    batch = make_batch(WINDOW_Q_LENS, WINDOW_SEQ_LENS, 6, 2, 32, block_size, dtype=dtype,
+                       sliding_window=window, **kw)
+    # The blocks wholly behind every window hold NaN where they are never read.
+    assert poison_outside_window(batch, poison) > 0
+    ref, _ = reference_attention(batch)
+    backend = TorchAttentionBackend(prefill_mode=mode, use_cpu_kernel=use_cpu_kernel)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(),
+                          backend.prepare(batch.meta), batch.scale)
+    err = (out[:batch.meta.num_actual_tokens].double() - ref).abs().max().item()
+    assert err < TOL[dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False])
+def test_sliding_window_never_reads_behind_the_window(use_cpu_kernel):
+    """Decodes and per-request prefills read only their window's blocks (a freed block behind it
+    may be the null block)."""
+    check_window("per_request", use_cpu_kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_padded_prefill_masks(dtype):
+    """The padded prefill reads the whole context and masks what lies behind each window (the
+    null block's content is zeros; any finite value must not matter)."""
+    check_window("padded", True, dtype=dtype, poison=1e4)
+
+
+def test_window_longer_than_every_context_is_full_attention():
+    batch = make_batch([1, 5], [9, 12], 4, 2, 32, 4, sliding_window=64)
+    ref, _ = reference_attention(batch)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(batch.meta)
+    assert plan.decode.sliding_window is None  # planned as full attention: nothing to pay
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), plan, batch.scale)
+    assert (out[:6].double() - ref).abs().max() < TOL[torch.float32]

@@ -38,6 +38,7 @@ from tokenloom.attention import get_attn_backend  # noqa: E402
 from attn_helpers import (  # noqa: E402
     as_fused_qkv_views,
     make_batch,
+    poison_outside_window,
     poison_unused_slots,
     reference_attention,
 )
@@ -58,11 +59,17 @@ def _report_errors():
 
 
 def run(query_lens, seq_lens, mode, hq=4, hkv=2, d=32, block_size=16, dtype=torch.float32,
-        seed=0, num_padding_rows=0, fused_qkv=False, **backend_kw):
+        seed=0, num_padding_rows=0, fused_qkv=False, sliding_window=None, **backend_kw):
     batch = make_batch(query_lens, seq_lens, hq, hkv, d, block_size, dtype=dtype, seed=seed,
-                       device=DEVICE, num_padding_rows=num_padding_rows)
+                       device=DEVICE, num_padding_rows=num_padding_rows,
+                       sliding_window=sliding_window)
     if fused_qkv:
         as_fused_qkv_views(batch)
+    if sliding_window is not None:
+        # Blocks behind every window hold NaN: the kernels must skip them. (The torch backend's
+        # padded prefill, compared below, reads and masks them: it gets zeros, as the null
+        # block holds, in its own copy.)
+        poison_outside_window(batch)
     ref, ref_cache = reference_attention(batch)
     T = batch.meta.num_actual_tokens
     backend_kw = {"tile_n": 16, "flash_block_m": 16, "split_partition_len": 16, **backend_kw}
@@ -71,7 +78,8 @@ def run(query_lens, seq_lens, mode, hq=4, hkv=2, d=32, block_size=16, dtype=torc
     cache = batch.kv_cache.clone()
     out = backend.forward(batch.query, batch.key, batch.value, cache, plan, batch.scale)
     assert out.shape == batch.query.shape and out.dtype == dtype
-    assert torch.equal(cache.cpu(), ref_cache.to(dtype)), "KV cache write differs"
+    assert torch.equal(cache.cpu(), ref_cache.to(dtype), ) or sliding_window is not None and \
+        torch.equal(cache.cpu().nan_to_num(), ref_cache.to(dtype).nan_to_num()), "KV cache write differs"
     if num_padding_rows:
         assert not out[T:].any()
     out = out[:T].cpu().double()
@@ -83,7 +91,10 @@ def run(query_lens, seq_lens, mode, hq=4, hkv=2, d=32, block_size=16, dtype=torc
 
     # Same inputs through the torch backend: the two backends agree within both tolerances.
     torch_backend = TorchAttentionBackend()
-    torch_out = torch_backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(),
+    torch_cache = batch.kv_cache.clone()
+    if sliding_window is not None:
+        torch_cache = torch.nan_to_num(torch_cache, nan=0.0)
+    torch_out = torch_backend.forward(batch.query, batch.key, batch.value, torch_cache,
                                       torch_backend.prepare(batch.meta), batch.scale)
     diff = (out - torch_out[:T].cpu().double()).abs().max().item()
     assert diff < 2 * TOL[dtype], f"triton vs torch backend: {diff}"
@@ -189,6 +200,20 @@ def test_never_reads_outside_context(mode):
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache,
                           backend.prepare(batch.meta), batch.scale)
     assert torch.isfinite(out).all()
+
+
+# Sliding window of 20 with blocks of 8 and tiles of 16: windows that start mid-tile and
+# mid-block, contexts shorter and longer than the window.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,q_lens,seq_lens", [
+    ("unified", [1, 1, 9, 30, 5, 1], [12, 60, 9, 30, 47, 21]),
+    ("split_kv", [1, 1, 1, 1], [5, 20, 21, 90]),
+    ("varlen", [45, 7, 33], [45, 7, 33]),
+])
+def test_sliding_window(mode, q_lens, seq_lens, dtype):
+    plan = run(q_lens, seq_lens, mode, dtype=dtype, block_size=8, sliding_window=20,
+               split_min_seq_len=16)
+    assert plan.sliding_window == 20
 
 
 def test_selector_triton():

@@ -48,11 +48,11 @@ def main(arch: int, dt: str, head_dim: int = 128, group: int = 4, block_size: in
          dict(paged, out_ptr=P, prog_req_ptr="*i32", prog_qoff_ptr="*i32"),
          dict(HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=g_pad,
               BLOCK_Q=max(1, 16 // g_pad), BLOCK_SIZE=block_size, TILE_N=32, PRECISION=prec,
-              UPCAST=False)),
+              UPCAST=False, WINDOW=0)),
         ("split_kv_decode", tk._split_kv_decode_kernel,
          dict(paged, part_out_ptr="*fp32", part_lse_ptr="*fp32"),
          dict(HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, M_PAD=max(16, g_pad),
-              BLOCK_SIZE=block_size, TILE_N=32, PRECISION=prec, UPCAST=False)),
+              BLOCK_SIZE=block_size, TILE_N=32, PRECISION=prec, UPCAST=False, WINDOW=0)),
         ("split_kv_reduce", tk._split_kv_reduce_kernel,
          dict(out_ptr=P, part_out_ptr="*fp32", part_lse_ptr="*fp32", query_start_loc_ptr="*i32"),
          dict(HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=8)),
@@ -60,8 +60,11 @@ def main(arch: int, dt: str, head_dim: int = 128, group: int = 4, block_size: in
          dict(out_ptr=P, q_ptr=P, k_ptr=P, v_ptr=P, cu_seqlens_ptr="*i32", prog_req_ptr="*i32",
               prog_qoff_ptr="*i32", scale_log2e="fp32"),
          dict(HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_M=64, BLOCK_N=64,
-              PRECISION=prec, UPCAST=False)),
+              PRECISION=prec, UPCAST=False, WINDOW=0)),
     ]
+    # The sliding-window variants (Gemma 3's window) of the three attention kernels.
+    cases += [(f"{name} window", fn, types, {**consts, "WINDOW": 512})
+              for name, fn, types, consts in cases if "WINDOW" in consts]
     for name, fn, types, consts in cases:
         secs = compile_kernel(fn, types, consts, arch)
         print(f"sm_{arch} {dt} D={head_dim} group={group} {name}: compiled in {secs:.1f}s",

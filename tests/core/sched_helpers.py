@@ -9,6 +9,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request
 from tokenloom.sched_output import SchedulerOutput
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.kv_cache_spec import KVCacheGroupSpec
 from tokenloom.messages import EngineCoreOutputs
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.runner_output import ModelRunnerOutput
@@ -54,6 +55,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     scheduling_policy: str = "fcfs",
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None,
 ) -> Scheduler:
     config = EngineConfig(
         block_size=block_size,
@@ -63,7 +65,14 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
     )
-    return Scheduler(config, num_kv_blocks=num_blocks, max_model_len=max_model_len)
+    return Scheduler(config, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                     kv_cache_groups=kv_cache_groups)
+
+
+def hybrid_groups(window: int, num_sliding_groups: int = 2) -> list[KVCacheGroupSpec]:
+    """A Gemma-3-like grouping without a model: one full-attention group and sliding groups of
+    the same size (layer ids only name the groups here)."""
+    return [KVCacheGroupSpec((0,))] + [KVCacheGroupSpec((g + 1,), window) for g in range(num_sliding_groups)]
 
 
 def fake_runner_output(
@@ -92,27 +101,44 @@ def run_step(
 
 
 def check_block_invariants(scheduler: Scheduler) -> None:
-    """free + used == total; ref_cnt == number of owning live requests; a block owned by more
-    than one request is a cached (read-only) prefix block; finished requests own nothing."""
+    """free + used == usable; ref_cnt == number of owning live requests; a block id belongs to one
+    KV cache group at a time; a block owned by more than one request is a cached (read-only)
+    prefix block; the null block is never handed out; finished requests own nothing."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
+    null = pool.null_block
     free = pool.free_block_queue.get_all_free_blocks()
     assert len(free) == pool.num_free_blocks
-    assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in free)
+    assert pool.num_free_blocks + pool.num_used_blocks == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in free) and null not in free
     assert pool.num_cached_free_blocks == sum(b.block_hash is not None for b in free)
     owners: Counter[int] = Counter()
-    for req_id, blocks in kv.req_to_blocks.items():
-        assert req_id in scheduler.requests, f"{req_id} is not live but holds blocks"
-        assert len({b.block_id for b in blocks}) == len(blocks)
-        owners.update(b.block_id for b in blocks)
+    group_of: dict[int, int] = {}
+    for g, manager in enumerate(kv.managers):
+        for req_id, blocks in manager.req_to_blocks.items():
+            assert req_id in scheduler.requests, f"{req_id} is not live but holds blocks"
+            real = [b for b in blocks if b is not null]
+            assert len({b.block_id for b in real}) == len(real)
+            # Null entries (blocks out of a sliding window) are a prefix of the list.
+            assert all(b is null for b in blocks[: len(blocks) - len(real)])
+            owners.update(b.block_id for b in real)
+            for b in real:
+                assert group_of.setdefault(b.block_id, g) == g, f"{b} in groups {group_of[b.block_id]} and {g}"
+                assert b.group_id == g
     for block in pool.blocks:
+        if block is null:
+            assert block.ref_cnt == 0 and block.block_hash is None
+            continue
         assert block.ref_cnt == owners[block.block_id], block
         if block.ref_cnt > 1:
             assert block.block_hash is not None, f"{block} shared but not a cached prefix block"
+    if kv.num_groups > 1:
+        per_group = Counter(b.group_id for b in pool.blocks if b.ref_cnt > 0)
+        assert kv.num_used_blocks_per_group == [per_group[g] for g in range(kv.num_groups)]
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
     for request in scheduler.running:
-        assert len(kv.get_blocks(request.request_id)) * kv.block_size >= request.num_computed_tokens
+        for blocks in kv.get_blocks(request.request_id):
+            assert len(blocks) * kv.block_size >= request.num_computed_tokens
     for request in scheduler.waiting:
-        assert not kv.get_blocks(request.request_id)
+        assert not any(kv.get_blocks(request.request_id))

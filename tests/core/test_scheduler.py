@@ -120,7 +120,7 @@ def test_preemption_and_resume_in_full():
     assert "b" in so.finished_req_ids  # the runner drops it
     assert so.num_scheduled_tokens == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert s.kv_cache_manager.get_block_ids("b") == []
+    assert s.kv_cache_manager.get_block_ids("b") == ([],)
     assert list(s.waiting) == [b] and b.num_preemptions == 1
     check_block_invariants(s)
     # b resumes once a finishes, in full, with its outputs so far, recomputing 6 + 3 tokens.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_helpers import EOS, check_block_invariants, make_scheduler
+from sched_helpers import EOS, check_block_invariants, hybrid_groups, make_scheduler
 
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
@@ -91,19 +91,23 @@ def check_schedule(s: Scheduler, so) -> None:
         assert new.block_ids == kv.get_block_ids(new.req_id)
     # Every block written this step has exactly one writer. It may already be shared read-only
     # (a request admitted behind its writer in the same step hit it in the prefix cache), but
-    # then it is full and cached, and the sharer does not write it.
+    # then it is full and cached, and the sharer does not write it. In a sliding-window group,
+    # every block the step's queries read (the window before its first query on) is real.
     writers: dict[int, str] = {}
+    null = kv.block_pool.null_block
     for req_id, n in so.num_scheduled_tokens.items():
         request = s.requests[req_id]
-        blocks = kv.get_blocks(req_id)
         start = request.num_computed_tokens - n  # already advanced by schedule()
         assert request.num_computed_tokens <= request.num_tokens
-        assert len(blocks) * kv.block_size >= request.num_computed_tokens
-        for i in range(start // kv.block_size, (request.num_computed_tokens - 1) // kv.block_size + 1):
-            block = blocks[i]
-            assert writers.setdefault(block.block_id, req_id) == req_id, (req_id, writers[block.block_id], block)
-            if block.ref_cnt > 1:
-                assert block.block_hash is not None and (i + 1) * kv.block_size <= request.num_computed_tokens, (req_id, block)
+        for spec, blocks in zip(kv.kv_cache_groups, kv.get_blocks(req_id)):
+            assert len(blocks) * kv.block_size >= request.num_computed_tokens
+            first_read = 0 if spec.sliding_window is None else max(0, start - spec.sliding_window + 1)
+            assert all(b is not null for b in blocks[first_read // kv.block_size:]), (req_id, spec)
+            for i in range(start // kv.block_size, (request.num_computed_tokens - 1) // kv.block_size + 1):
+                block = blocks[i]
+                assert writers.setdefault(block.block_id, req_id) == req_id, (req_id, writers[block.block_id], block)
+                if block.ref_cnt > 1:
+                    assert block.block_hash is not None and (i + 1) * kv.block_size <= request.num_computed_tokens, (req_id, block)
     check_block_invariants(s)
 
 
@@ -144,7 +148,7 @@ def run_workload(s: Scheduler, specs: list[Spec], aborts: list[tuple[int, int]])
                 assert o.finish_reason != FinishReason.ABORT
                 final[o.request_id] = o.finish_reason
                 assert o.request_id not in s.requests
-                assert not s.kv_cache_manager.get_blocks(o.request_id)
+                assert not any(s.kv_cache_manager.get_blocks(o.request_id))
         check_block_invariants(s)
         stats = out.scheduler_stats
         assert stats.num_free_blocks + stats.num_used_blocks == stats.num_total_blocks
@@ -153,7 +157,7 @@ def run_workload(s: Scheduler, specs: list[Spec], aborts: list[tuple[int, int]])
     # Everyone finished exactly once, and every block is back.
     assert set(final) == set(tokens)
     pool = s.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.num_free_blocks == pool.num_usable_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
     assert not s.running and not s.waiting and not s.requests
     return {req_id: (tokens[req_id], final[req_id]) for req_id in tokens}
 
@@ -184,6 +188,45 @@ def test_outputs_do_not_depend_on_scheduling(config, specs):
         ref_toks, ref_reason = reference[req_id]
         if reason == FinishReason.ERROR:
             continue  # rejected by this configuration (prompt larger than its cache or budget)
+        assert toks == ref_toks[: len(toks)]
+        if len(toks) == len(ref_toks):
+            assert reason == ref_reason
+        else:
+            assert reason == FinishReason.LENGTH
+
+
+hybrid_config_strategy = config_strategy.map(dict).flatmap(
+    lambda c: st.builds(lambda w, n: {**c, "num_blocks": c["num_blocks"] + 8,
+                                      "kv_cache_groups": hybrid_groups(w, n)},
+                        st.integers(1, 12), st.integers(1, 3)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=hybrid_config_strategy,
+    specs=specs_strategy,
+    aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=4),
+)
+def test_hybrid_random_workloads_keep_invariants(config, specs, aborts):
+    """The same invariants with a full-attention group and sliding-window groups sharing the
+    pool: per step, every block a query reads is real (not the null block), each block id in one
+    group; at the end every block is back."""
+    run_workload(make_scheduler(**config), specs, aborts)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=hybrid_config_strategy, specs=specs_strategy)
+def test_hybrid_outputs_do_not_depend_on_scheduling(config, specs):
+    reference = run_workload(
+        make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=512, enable_prefix_caching=False),
+        specs,
+        [],
+    )
+    cramped = run_workload(make_scheduler(**config), specs, [])
+    for req_id, (toks, reason) in cramped.items():
+        ref_toks, ref_reason = reference[req_id]
+        if reason == FinishReason.ERROR:
+            continue
         assert toks == ref_toks[: len(toks)]
         if len(toks) == len(ref_toks):
             assert reason == ref_reason

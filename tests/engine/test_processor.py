@@ -173,3 +173,14 @@ def test_no_second_bos_when_the_prompt_already_has_one():
     with_bos, _ = processor.process("a", "^hi", SamplingParams(), 0.0)
     plain, _ = processor.process("b", "hi", SamplingParams(), 0.0)
     assert with_bos.prompt_token_ids == plain.prompt_token_ids == [1, 10 + ord("h") % 100, 10 + ord("i") % 100]
+
+
+def test_hybrid_kv_cache_capacity_is_the_engines_not_blocks_times_size(tokenizer):
+    """With sliding-window layers every KV cache group takes blocks: the engine reports how many
+    tokens one request can hold, and a longer prompt is refused at once, naming it."""
+    processor = InputProcessor(tokenizer, smollm2_config(), 4096, num_kv_blocks=100, block_size=16,
+                               kv_cache_capacity_tokens=500)
+    assert processor.max_prompt_tokens == 500
+    processor.process("fits", list(range(100, 600)), SamplingParams(), 0.0)
+    with pytest.raises(ValueError, match="holds at most 500 tokens of one request"):
+        processor.process("too-long", list(range(100, 601)), SamplingParams(), 0.0)

@@ -115,7 +115,8 @@ def test_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("module", ["tokenloom.messages", "tokenloom.outputs",
-                                    "tokenloom.sampling_params", "tokenloom.config"])
+                                    "tokenloom.sampling_params", "tokenloom.config",
+                                    "tokenloom.kv_cache_spec"])
 def test_vocabulary_exists_and_is_at_the_bottom(module: str) -> None:
     graph = package_imports()
     assert module in graph

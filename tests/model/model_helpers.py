@@ -3,6 +3,7 @@ attention backend, compute transformers' reference logits, and write small check
 directories and GGUF files) from transformers models built from configs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.attention.torch_backend import TorchAttentionBackend
+from tokenloom.kv_cache_spec import kv_cache_groups
 
 
 @torch.inference_mode()
@@ -75,8 +77,9 @@ def run_flat_batch(loaded, prompts: Sequence[Sequence[int]], chunk_sizes: int | 
             query_start_loc=qsl_t.to(dev), seq_lens=seq_t.to(dev),
             block_table=block_table[reqs].to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
             block_size=block_size, query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t)
-        plan = backend.prepare(meta)
-        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv_caches, backend, plan)
+        plans = [backend.prepare(dataclasses.replace(meta, sliding_window=g.sliding_window))
+                 for g in kv_cache_groups(cfg)]
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), kv_caches, backend, plans)
         for row, i in enumerate(reqs):
             if computed[i] == lens[i]:
                 last_hidden[i] = hidden[qsl[row + 1] - 1]

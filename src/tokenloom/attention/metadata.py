@@ -3,7 +3,11 @@
 One `AttentionMetadata` describes a whole flat batch of B requests and T tokens (no padding tokens
 are computed). Request i owns query tokens `query_start_loc[i]:query_start_loc[i+1]`; after this
 step its context holds `seq_lens[i]` tokens, so its queries sit at positions
-`seq_lens[i] - query_len_i ... seq_lens[i] - 1` and attend causally to every earlier position.
+`seq_lens[i] - query_len_i ... seq_lens[i] - 1` and attend causally to every earlier position,
+or, with `sliding_window` W, a query at position p attends to the keys j with p - W < j <= p
+(exactly W keys including itself, as transformers' Gemma 3). Block-table entries of blocks that
+lie wholly before every query's window may point at a null block whose content is undefined:
+a backend must not let them reach the output (kernels skip them, the torch path masks them).
 Context token j of request i lives in block `block_table[i, j // block_size]` at offset
 `j % block_size`. The new tokens' K/V are written to `slot_mapping[t] = block_id * block_size +
 offset` before attention reads them (a negative slot is skipped: padding).
@@ -32,6 +36,7 @@ class AttentionMetadata:
     # CPU copies: backends that plan on the host (the torch backend) read these without a sync.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    sliding_window: int | None = None  # None: full causal attention (see the module docstring)
 
     def host_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`query_start_loc[:B + 1]` and `seq_lens[:B]` on the host, for planning a step: the CPU

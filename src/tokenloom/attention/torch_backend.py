@@ -21,6 +21,14 @@ the cache must hold finite values everywhere a block table can point: allocate i
 Prefill chunks are attended with `scaled_dot_product_attention`, either batched in one padded call
 or one call per request; `prepare` picks the cheaper by the padding it would waste (see
 `_PADDED_PREFILL_MAX_WASTE`).
+
+With a sliding window W (`AttentionMetadata.sliding_window`) a decode reads only the blocks its
+window touches: each request's block-table row is shifted to start at the window's first block
+(its length shifted by as many whole blocks), so the gather, the bias and the C kernel all see a
+context of at most W + block_size positions, and the bias (the kernel: its own skip) hides the
+positions of that first block before the window. A request prefill reads keys from its first
+query's window on; a padded prefill reads the whole context and masks. Blocks before every
+query's window may be a null block: they are never read, or read and masked.
 """
 from __future__ import annotations
 
@@ -49,9 +57,11 @@ class _DecodePlan:
     block_ids: torch.Tensor  # int64 [Bd * num_blocks], padded with block 0
     num_blocks: int  # per request, enough for the longest decode context
     bias: torch.Tensor  # float32 [Bd, 1, 1, num_blocks * block_size]: 0 or -inf
-    # For the C kernel (float32 on the CPU): int32 [Bd, num_blocks] block table and [Bd] lengths.
+    # For the C kernel (float32 on the CPU): int32 [Bd, num_blocks] block table and [Bd] lengths
+    # (both shifted to the window's first block under a sliding window, see the module docstring).
     block_table_i32: torch.Tensor | None = None
     seq_lens_i32: torch.Tensor | None = None
+    sliding_window: int | None = None
     # Built by the first layer and reused: K and V block ids in the [2 * num_blocks] view, and
     # the bias in the query dtype.
     kv_block_ids: torch.Tensor | None = None
@@ -161,6 +171,8 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         qsl, seq_lens = qsl.to(torch.int64), seq_lens.to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
+        # A window no shorter than every context changes nothing: plan as full attention.
+        W = meta.sliding_window if meta.sliding_window is not None and meta.max_seq_len > meta.sliding_window else None
 
         # Every scheduled token is written: the runner computes no padding tokens.
         write_slots = meta.slot_mapping[:T].to(torch.int64)
@@ -181,8 +193,16 @@ class TorchAttentionBackend(AttentionBackend):
         if decode_reqs.numel():
             Bd = decode_reqs.numel()
             d_seq = seq_lens[decode_reqs]
-            nblk = int((int(d_seq.max()) + bs - 1) // bs)
-            blocks = bt_cpu()[decode_reqs, :nblk]
+            if W is None:
+                nblk = int((int(d_seq.max()) + bs - 1) // bs)
+                blocks = bt_cpu()[decode_reqs, :nblk]
+            else:  # each row starts at its window's first block (see the module docstring)
+                first_blk = (d_seq - W).clamp(min=0) // bs
+                d_seq = d_seq - first_blk * bs
+                nblk = int((int(d_seq.max()) + bs - 1) // bs)
+                table = bt_cpu()[decode_reqs]
+                cols = (first_blk.unsqueeze(1) + torch.arange(nblk)).clamp(max=table.shape[1] - 1)
+                blocks = torch.gather(table, 1, cols)
             # Blocks past a request's context may hold stale ids (or -1): point them at block 0,
             # the bias hides whatever they contain.
             used = torch.arange(nblk).unsqueeze(0) * bs < d_seq.unsqueeze(1)
@@ -190,6 +210,8 @@ class TorchAttentionBackend(AttentionBackend):
             L = nblk * bs
             bias = torch.zeros(Bd, L, dtype=torch.float32)
             bias.masked_fill_(torch.arange(L).unsqueeze(0) >= d_seq.unsqueeze(1), float("-inf"))
+            if W is not None:
+                bias.masked_fill_(torch.arange(L).unsqueeze(0) < (d_seq - W).unsqueeze(1), float("-inf"))
             tok_slice, tok_index = _index_or_slice(qsl[decode_reqs])
             kernel = device.type == "cpu" and self._cpu_kernel is not None
             decode = _DecodePlan(
@@ -201,6 +223,7 @@ class TorchAttentionBackend(AttentionBackend):
                 bias=bias.view(Bd, 1, 1, L).to(device),
                 block_table_i32=blocks.to(torch.int32) if kernel else None,
                 seq_lens_i32=d_seq.to(torch.int32) if kernel else None,
+                sliding_window=W,
             )
 
         padded_prefill = None
@@ -219,20 +242,27 @@ class TorchAttentionBackend(AttentionBackend):
                 padded = P > 1 and P * Lq * Lk <= _PADDED_PREFILL_MAX_WASTE * exact
             if padded:
                 padded_prefill = self._plan_padded_prefill(
-                    qsl, prefill_reqs, p_qlen, p_seq, Lq, Lk, bt_cpu(), bs, device)
+                    qsl, prefill_reqs, p_qlen, p_seq, Lq, Lk, bt_cpu(), bs, device, W)
             else:
                 for r in prefill_reqs.tolist():
                     start, end = int(qsl[r]), int(qsl[r + 1])
                     q_len, s_len = end - start, int(seq_lens[r])
                     ctx = s_len - q_len
                     slots = mask = None
+                    # Keys from the first query's window on (all of them without a window).
+                    k0 = 0 if W is None else max(0, ctx + 1 - W)
                     if ctx > 0:
-                        pos = torch.arange(s_len).unsqueeze(0)
+                        pos = torch.arange(k0, s_len).unsqueeze(0)
                         slots = _slots_for_positions(bt_cpu()[r:r + 1], pos, bs,
                                                      torch.ones_like(pos, dtype=torch.bool))
                         slots = slots.squeeze(0).to(device)
-                        mask = (torch.arange(s_len).unsqueeze(0)
-                                <= ctx + torch.arange(q_len).unsqueeze(1)).to(device)
+                    if ctx > 0 or (W is not None and q_len > W):
+                        kp = torch.arange(k0, s_len).unsqueeze(0)
+                        qp = ctx + torch.arange(q_len).unsqueeze(1)
+                        m = kp <= qp
+                        if W is not None:
+                            m &= kp > qp - W
+                        mask = m.to(device)
                     request_prefills.append(_RequestPrefill(start, end, ctx, slots, mask))
 
         return TorchAttentionPlan(
@@ -245,7 +275,8 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     @staticmethod
-    def _plan_padded_prefill(qsl, reqs, q_lens, seq_lens, Lq, Lk, block_table_cpu, bs, device):
+    def _plan_padded_prefill(qsl, reqs, q_lens, seq_lens, Lq, Lk, block_table_cpu, bs, device,
+                             window: int | None):
         P = reqs.numel()
         starts = qsl[reqs]
         ctx = seq_lens - q_lens
@@ -256,12 +287,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_valid = kj < seq_lens.unsqueeze(1)
         context_slots = _slots_for_positions(block_table_cpu[reqs], kj.expand(P, Lk), bs, k_valid)
 
-        uniform = bool((q_lens == Lq).all()) and bool((ctx == 0).all())
+        uniform = bool((q_lens == Lq).all()) and bool((ctx == 0).all()) and (window is None or Lk <= window)
         mask = None
         if not uniform:
-            # query i of request p sits at position ctx[p] + i and sees keys j <= that position.
-            # Padded query rows get key 0 only so that their softmax stays finite.
-            m = kj.unsqueeze(0) <= (ctx.view(P, 1, 1) + qi.unsqueeze(2))
+            # query i of request p sits at position ctx[p] + i and sees keys j <= that position
+            # (and j > that position - W under a window). Padded query rows get key 0 only so
+            # that their softmax stays finite.
+            qpos = ctx.view(P, 1, 1) + qi.unsqueeze(2)
+            m = kj.unsqueeze(0) <= qpos
+            if window is not None:
+                m &= kj.unsqueeze(0) > qpos - window
             m &= k_valid.unsqueeze(1)
             m &= q_valid.unsqueeze(2)
             m[:, :, 0] |= ~q_valid
@@ -325,11 +360,12 @@ class TorchAttentionBackend(AttentionBackend):
                        out: torch.Tensor) -> None:
         if dp.token_slice is not None:
             cpu_kernels.paged_decode(self._cpu_kernel, query[dp.token_slice], kv_cache,
-                                     dp.block_table_i32, dp.seq_lens_i32, out[dp.token_slice], scale)
+                                     dp.block_table_i32, dp.seq_lens_i32, out[dp.token_slice], scale,
+                                     dp.sliding_window)
             return
         o = torch.empty(dp.num_decodes, *query.shape[1:], dtype=query.dtype)
         cpu_kernels.paged_decode(self._cpu_kernel, query[dp.token_index], kv_cache,
-                                 dp.block_table_i32, dp.seq_lens_i32, o, scale)
+                                 dp.block_table_i32, dp.seq_lens_i32, o, scale, dp.sliding_window)
         out[dp.token_index] = o
 
     @staticmethod

@@ -39,6 +39,7 @@ class TritonAttentionPlan:
     slot_mapping: torch.Tensor
     decode_only: bool
     prefill_only_no_context: bool
+    sliding_window: int | None  # None also when no context is longer than the window
     # Filled by the first layer: the chosen path per (Hq, Hkv), program tables per tile height,
     # and the split-KV partial-result buffers.
     paths: dict = field(default_factory=dict)
@@ -90,6 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
             slot_mapping=meta.slot_mapping,
             decode_only=bool((q_lens == 1).all()),
             prefill_only_no_context=bool((seq_lens == q_lens).all()),
+            # A window no context exceeds changes nothing: the plain kernels run.
+            sliding_window=meta.sliding_window if B and meta.sliding_window is not None
+            and int(seq_lens.max()) > meta.sliding_window else None,
         )
 
     def _path(self, plan: TritonAttentionPlan, hq: int, hkv: int, device: torch.device):
@@ -102,15 +106,15 @@ class TritonAttentionBackend(AttentionBackend):
             mode = "unified"
             if plan.prefill_only_no_context:
                 mode = "varlen"
-            elif plan.decode_only and plan.max_seq_len >= self.split_min_seq_len:
-                splits = tk.split_kv_num_splits(plan.max_seq_len, plan.num_reqs, hkv,
+            elif plan.decode_only and self._decode_len(plan) >= self.split_min_seq_len:
+                splits = tk.split_kv_num_splits(self._decode_len(plan), plan.num_reqs, hkv,
                                                 self._sms(device), self.split_partition_len)
                 if splits > 1:
                     mode = "split_kv"
         elif mode == "split_kv":
             if not plan.decode_only:
                 raise ValueError("split_kv mode needs a decode-only batch")
-            splits = tk.split_kv_num_splits(plan.max_seq_len, plan.num_reqs, hkv,
+            splits = tk.split_kv_num_splits(self._decode_len(plan), plan.num_reqs, hkv,
                                             self._sms(device), self.split_partition_len)
         elif mode == "varlen" and not plan.prefill_only_no_context:
             raise ValueError("varlen mode needs a prefill-only batch without context")
@@ -126,6 +130,12 @@ class TritonAttentionBackend(AttentionBackend):
             path = ("split_kv", splits, None)
         plan.paths[key] = path
         return path
+
+    @staticmethod
+    def _decode_len(plan: TritonAttentionPlan) -> int:
+        """The most keys one decode reads: its context, or its window."""
+        w = plan.sliding_window
+        return plan.max_seq_len if w is None else min(plan.max_seq_len, w)
 
     @staticmethod
     def _table(plan: TritonAttentionPlan, rows: int, device: torch.device):
@@ -155,14 +165,15 @@ class TritonAttentionBackend(AttentionBackend):
         kind, param, table = self._path(plan, hq, hkv, query.device)
         if kind == "varlen":
             tk.varlen_flash_attention(out, query, key, value, plan.query_start_loc,
-                                      table[0], table[1], param, scale)
+                                      table[0], table[1], param, scale,
+                                      sliding_window=plan.sliding_window)
         elif kind == "split_kv":
             plan.workspace = tk.split_kv_decode(
                 out, query, kv_cache, plan.block_table, plan.query_start_loc, plan.seq_lens,
                 plan.num_reqs, plan.max_seq_len, param, scale, tile_n=self.tile_n,
-                workspace=plan.workspace)
+                workspace=plan.workspace, sliding_window=plan.sliding_window)
         else:
             tk.unified_attention(out, query, kv_cache, plan.block_table, plan.query_start_loc,
                                  plan.seq_lens, table[0], table[1], param, scale,
-                                 tile_n=self.tile_n)
+                                 tile_n=self.tile_n, sliding_window=plan.sliding_window)
         return out

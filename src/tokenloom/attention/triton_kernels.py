@@ -17,6 +17,12 @@ All softmax arithmetic is float32 in the log2 domain (`exp2`, scores pre-multipl
 `scale * log2(e)`); the running maximum starts at a large finite negative number instead of
 `-inf` so that rows with nothing to attend to (padding rows of a tile) never produce NaN.
 
+A sliding window W (`WINDOW`, a compile-time constant: 0 = full attention, so a batch without a
+window runs exactly the kernels it ran before) restricts a query at position p to keys
+p - W < j <= p. Every kernel starts its key loop at the first position some query of the program
+can see, so blocks wholly before the window (possibly the null block) are never read, and masks
+the rest per query.
+
 The env var TRITON_INTERPRET is read when `@triton.jit` runs, i.e. when this module is first
 imported; set it before importing (the tests do).
 """
@@ -109,7 +115,7 @@ def _attend_tile(
     kv_head_off, pos, pos_valid, q_pos, d, d_valid,
     stride_blk, stride_tok, scale_log2e,
     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """One online-softmax step over the KV positions `pos` (a tile of TILE_N), read through the
     block table. q: [M, D_PAD]; q_pos: [M] absolute position of each query row."""
@@ -123,6 +129,8 @@ def _attend_tile(
         keep = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
     else:
         keep = pos_valid[None, :] & (q_pos[:, None] >= 0)
+    if WINDOW > 0:
+        keep = keep & (pos[None, :] > q_pos[:, None] - WINDOW)
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
@@ -142,7 +150,7 @@ def _unified_attention_kernel(
     stride_blk, stride_tok, stride_kvh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,13 +181,18 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # The last query of this tile sits at ctx + qoff + BLOCK_Q - 1: no key past it is needed.
     kv_end = tl.minimum(seq_len, ctx + qoff + BLOCK_Q)
+    # The first query of this tile sits at ctx + qoff: under a window no key before its window
+    # is needed by any row.
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(ctx + qoff - WINDOW + 1, 0)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, TILE_N):
+    for start in range(kv_start, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, cache_ptr, v_offset, bt_row, kvh * stride_kvh,
             pos, pos < kv_end, q_pos, d, d_valid, stride_blk, stride_tok, scale_log2e,
-            BLOCK_SIZE, True, PRECISION, UPCAST)
+            BLOCK_SIZE, True, PRECISION, UPCAST, WINDOW)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -204,7 +217,8 @@ def unified_program_table(query_start_loc_cpu: torch.Tensor, block_q: int
 
 
 def unified_attention(out, query, kv_cache, block_table, query_start_loc, seq_lens,
-                      prog_req, prog_qoff, block_q: int, scale: float, tile_n: int = 32) -> None:
+                      prog_req, prog_qoff, block_q: int, scale: float, tile_n: int = 32,
+                      sliding_window: int | None = None) -> None:
     """Mixed batch in one launch. prog_req/prog_qoff from `unified_program_table(.., block_q)`."""
     _, _, block_size, hkv, d = kv_cache.shape
     hq = query.shape[1]
@@ -220,6 +234,7 @@ def unified_attention(out, query, kv_cache, block_table, query_start_loc, seq_le
         HEAD_DIM=d, D_PAD=max(16, _pow2(d)), GROUP=group, G_PAD=_pow2(group),
         BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n,
         PRECISION=_dot_precision(query.dtype), UPCAST=_dot_upcast(query.dtype),
+        WINDOW=sliding_window or 0,
     )
 
 
@@ -234,14 +249,18 @@ def _split_kv_decode_kernel(
     stride_lr, stride_lh,  # part_lse [B, Hq, S], last stride 1
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     t = tl.load(query_start_loc_ptr + req).to(tl.int64)  # the request's one query token
     seq_len = tl.load(seq_lens_ptr + req)
-    part_start = split * partition_len
+    # The partitions cover the query's window: [seq_len - W, seq_len), or the whole context.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    part_start = first + split * partition_len
     part_end = tl.minimum(seq_len, part_start + partition_len)
 
     g = tl.arange(0, M_PAD)
@@ -262,7 +281,7 @@ def _split_kv_decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, cache_ptr, v_offset, bt_row, kvh * stride_kvh,
             pos, pos < part_end, q_pos, d, d_valid, stride_blk, stride_tok, scale_log2e,
-            BLOCK_SIZE, False, PRECISION, UPCAST)
+            BLOCK_SIZE, False, PRECISION, UPCAST, 0)
     # Normalised partial output and its log2-sum-exp; an empty partition has lse = -inf.
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -305,10 +324,12 @@ def split_kv_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int,
 
 def split_kv_decode(out, query, kv_cache, block_table, query_start_loc, seq_lens,
                     num_seqs: int, max_seq_len: int, num_splits: int, scale: float,
-                    tile_n: int = 32, workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile_n: int = 32, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-only batch (every query length 1). Returns the (reusable) partial-result buffers."""
     _, _, block_size, hkv, d = kv_cache.shape
+    if sliding_window:  # the partitions split the window, not the whole context
+        max_seq_len = min(max_seq_len, sliding_window)
     hq = query.shape[1]
     group = hq // hkv
     d_pad = max(16, _pow2(d))
@@ -331,7 +352,7 @@ def split_kv_decode(out, query, kv_cache, block_table, query_start_loc, seq_lens
         part_lse.stride(0), part_lse.stride(1),
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, M_PAD=max(16, _pow2(group)),
         BLOCK_SIZE=block_size, TILE_N=tile_n, PRECISION=prec,
-        UPCAST=_dot_upcast(query.dtype),
+        UPCAST=_dot_upcast(query.dtype), WINDOW=sliding_window or 0,
     )
     _split_kv_reduce_kernel[(num_seqs, hq)](
         out, part_out, part_lse, query_start_loc, num_splits,
@@ -347,7 +368,7 @@ def split_kv_decode(out, query, kv_cache, block_table, query_start_loc, seq_lens
 def _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n_valid, q_idx, d, d_valid,
                 stride_kt, stride_vt, kv_head_off_k, kv_head_off_v, scale_log2e,
                 MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, WINDOW: tl.constexpr):
     rows = (q_start + n).to(tl.int64)
     kv_mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(k_ptr + rows[:, None] * stride_kt + kv_head_off_k + d[None, :], mask=kv_mask,
@@ -356,7 +377,10 @@ def _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n_valid, q_idx, d, d
                 other=0.0)
     s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2e
     if MASKED:
-        s = tl.where((n[None, :] <= q_idx[:, None]) & n_valid[None, :], s, float("-inf"))
+        keep = (n[None, :] <= q_idx[:, None]) & n_valid[None, :]
+        if WINDOW > 0:
+            keep = keep & (n[None, :] > q_idx[:, None] - WINDOW)
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -371,7 +395,7 @@ def _varlen_flash_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -391,26 +415,36 @@ def _varlen_flash_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    # Keys before start_m are visible to every row of the tile: no mask (BLOCK_N | BLOCK_M, so
-    # these tiles are whole). Only the tiles on the diagonal need the causal mask.
-    for start_n in range(0, start_m, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n < q_len,
-                                    q_idx, d, d_valid, stride_kt, stride_vt, kvh * stride_kh,
-                                    kvh * stride_vh, scale_log2e, False, PRECISION, UPCAST)
     diag_end = tl.minimum(start_m + BLOCK_M, q_len)
-    for start_n in range(start_m, diag_end, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n < q_len,
-                                    q_idx, d, d_valid, stride_kt, stride_vt, kvh * stride_kh,
-                                    kvh * stride_vh, scale_log2e, True, PRECISION, UPCAST)
+    if WINDOW > 0:
+        # From the first row's window on, every tile masked (rows see different key ranges).
+        for start_n in range(tl.maximum(start_m - WINDOW + 1, 0), diag_end, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n < q_len,
+                                        q_idx, d, d_valid, stride_kt, stride_vt, kvh * stride_kh,
+                                        kvh * stride_vh, scale_log2e, True, PRECISION, UPCAST,
+                                        WINDOW)
+    else:
+        # Keys before start_m are visible to every row of the tile: no mask (BLOCK_N | BLOCK_M,
+        # so these tiles are whole). Only the tiles on the diagonal need the causal mask.
+        for start_n in range(0, start_m, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n < q_len,
+                                        q_idx, d, d_valid, stride_kt, stride_vt, kvh * stride_kh,
+                                        kvh * stride_vh, scale_log2e, False, PRECISION, UPCAST, 0)
+        for start_n in range(start_m, diag_end, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _flash_step(q, m_i, l_i, acc, k_ptr, v_ptr, q_start, n, n < q_len,
+                                        q_idx, d, d_valid, stride_kt, stride_vt, kvh * stride_kh,
+                                        kvh * stride_vh, scale_log2e, True, PRECISION, UPCAST, 0)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & d_valid[None, :])
 
 
 def varlen_flash_attention(out, query, key, value, cu_seqlens, prog_req, prog_qoff,
-                           block_m: int, scale: float, block_n: int | None = None) -> None:
+                           block_m: int, scale: float, block_n: int | None = None,
+                           sliding_window: int | None = None) -> None:
     """Causal attention of packed sequences (no earlier context): query [T, Hq, D], key/value
     [T, Hkv, D], cu_seqlens int32 [B+1]. prog_req/prog_qoff from
     `unified_program_table(cu_seqlens_cpu, block_m)`."""
@@ -426,5 +460,5 @@ def varlen_flash_attention(out, query, key, value, cu_seqlens, prog_req, prog_qo
         value.stride(0), value.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=d, D_PAD=max(16, _pow2(d)), GROUP=hq // hkv,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(query.dtype),
-        UPCAST=_dot_upcast(query.dtype),
+        UPCAST=_dot_upcast(query.dtype), WINDOW=sliding_window or 0,
     )

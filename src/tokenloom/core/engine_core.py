@@ -74,7 +74,7 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             loaded.tokenizer, loaded.config.vocab_size, stop_ids, config.max_num_seqs)
         self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, self.model_runner.kv_cache_groups)
         self.info = EngineInfo(
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
@@ -86,6 +86,8 @@ class EngineCore:
             kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
             quantization=loaded.quantization,
             weight_bytes_per_token=weight_bytes_per_token(loaded.model),
+            kv_cache_capacity_tokens=(self.scheduler.max_request_len
+                                      if self.scheduler.kv_cache_manager.num_groups > 1 else 0),
         )
         # Threads follow what other processes leave of our cores (CPU only).
         self.thread_governor: ThreadGovernor | None = None
@@ -219,9 +221,11 @@ class EngineCore:
             "num_requests": len(s.requests),
             "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,
-            "num_total_blocks": self.model_runner.num_kv_blocks,
+            "num_total_blocks": pool.num_usable_blocks,  # the null block (if any) is no one's
             "num_runner_requests": len(self.model_runner.input_batch),
             "prefix_cache_queries": s.kv_cache_manager.prefix_cache_queries,
             "prefix_cache_hits": s.kv_cache_manager.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,
+            **({"kv_cache_group_used_blocks": s.kv_cache_manager.num_used_blocks_per_group}
+               if s.kv_cache_manager.num_groups > 1 else {}),
         }

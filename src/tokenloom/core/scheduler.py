@@ -13,8 +13,12 @@ Conventions:
     priority), so the request to preempt is always the last one, and it is never a request that
     was already scheduled in this step.
   * A request never holds more tokens than the whole KV cache: `max_request_len` is the smaller of
-    max_model_len and the cache's capacity, and reaching it finishes the request with LENGTH
-    (otherwise a request that outgrew the cache would preempt itself forever).
+    max_model_len and the cache's capacity for one request (with sliding-window groups, what the
+    full-attention groups can hold next to the windows), and reaching it finishes the request
+    with LENGTH (otherwise a request that outgrew the cache would preempt itself forever).
+  * KV cache groups (kv_cache_spec.py) are the KV cache manager's business: the scheduler passes
+    their block ids through (one list per group) and, after each step, lets the manager give back
+    what fell out of the sliding windows.
   * Rejected at `add_request` (finished with ERROR, reported by the next `update_from_output`): an
     empty prompt, a prompt longer than max_model_len, a prompt needing more blocks than the cache
     has, and, with chunked prefill off, a prompt longer than max_num_batched_tokens.
@@ -27,9 +31,9 @@ from dataclasses import dataclass, field
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.kv_cache_utils import cdiv
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.kv_cache_spec import KVCacheGroupSpec
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
 from tokenloom.runner_output import ModelRunnerOutput
 from tokenloom.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
@@ -59,7 +63,8 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 kv_cache_groups: list[KVCacheGroupSpec] | None = None) -> None:
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -67,10 +72,17 @@ class Scheduler:
         self.policy = config.scheduling_policy
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
-        self.max_request_len = min(max_model_len, num_kv_blocks * config.block_size)
-        self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, self.max_request_len
+        kv = self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, max_model_len, kv_cache_groups
         )
+        self.max_request_len = kv.max_tokens_per_request(self.max_num_batched_tokens)
+        kv.max_model_len = self.max_request_len
+        # Sliding-window groups give blocks back as requests advance; without them the update
+        # pays nothing for it.
+        self._frees_windows = bool(kv._sliding_managers)
+        # Per group, the blocks the head of the queue asked for in this step's refused admission
+        # (empty: it was not refused for blocks); the step stats' "wanted" breakdown.
+        self._head_wanted_blocks: tuple[int, ...] = ()
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -124,10 +136,12 @@ class Scheduler:
             return "the prompt is empty"
         if n > self.max_model_len:
             return f"the prompt ({n} tokens) is longer than max_model_len ({self.max_model_len})"
-        if cdiv(n, self.block_size) > self.num_kv_blocks:
+        kv = self.kv_cache_manager
+        need = kv.max_blocks_held(n, self.max_num_batched_tokens)
+        if need > kv.num_usable_blocks:
             return (
-                f"the prompt ({n} tokens) needs {cdiv(n, self.block_size)} KV cache blocks of "
-                f"{self.block_size} tokens but the cache has only {self.num_kv_blocks}"
+                f"the prompt ({n} tokens) needs {need} KV cache blocks of "
+                f"{self.block_size} tokens but the cache has only {kv.num_usable_blocks}"
             )
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (
@@ -170,6 +184,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step += 1
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._head_wanted_blocks = ()
         if self.waiting_for_grammar:
             self._check_grammars(plan)
         self._schedule_running(plan)
@@ -260,7 +275,8 @@ class Scheduler:
             plan.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
             plan.take(request, num_new_tokens)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan
+                             ) -> tuple[list[int], ...] | None:
         """Blocks for a running request; while there are none, preempt the last running request
         (latest admitted, or lowest priority), possibly this one. None if it was."""
         while True:
@@ -301,6 +317,7 @@ class Scheduler:
             if num_new_tokens == 0:
                 return WaitReason.TOKEN_BUDGET
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                self._head_wanted_blocks = kv.last_refused_need
                 return WaitReason.NO_KV_BLOCKS
             # Publish the prompt blocks this step will fill now, not after the step: a request
             # admitted right behind it with the same prefix (the n children of one prompt, a
@@ -368,6 +385,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             # num_computed_tokens already includes this step, whose K/V are now written.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if self._frees_windows:  # after caching: the blocks leave the windows still cached
+                self.kv_cache_manager.remove_skipped_blocks(request)
             if req_id in failed:  # the runner failed this request alone (see ModelRunner._fail_request)
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = failed[req_id]
@@ -472,9 +491,20 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_used_blocks=kv.num_used_blocks,
             num_cached_free_blocks=kv.num_cached_free_blocks,
-            num_total_blocks=self.num_kv_blocks,
+            num_total_blocks=kv.num_usable_blocks,  # the null block (if any) is no one's
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            **self._group_stats(),
         )
+
+    def _group_stats(self) -> dict:
+        """The per-group breakdown of the KV gauges (models with several KV cache groups only):
+        blocks in use per group and, when the head of the queue was left waiting for KV blocks,
+        how many it asked of each group."""
+        kv = self.kv_cache_manager
+        if kv.num_groups == 1:
+            return {}
+        return {"kv_cache_group_used_blocks": kv.num_used_blocks_per_group,
+                "kv_cache_group_wanted_blocks": list(self._head_wanted_blocks)}

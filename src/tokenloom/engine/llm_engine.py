@@ -42,7 +42,8 @@ class LLMEngine:
         self.max_model_len = self.engine_core.info.max_model_len
         info = self.engine_core.info
         self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size
+            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None

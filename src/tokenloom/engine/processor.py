@@ -26,6 +26,7 @@ class InputProcessor:
         *,
         num_kv_blocks: int | None = None,
         block_size: int | None = None,
+        kv_cache_capacity_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -34,6 +35,9 @@ class InputProcessor:
         # longer prompt too, but only once it is queued; here the caller gets a ValueError.
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        # With sliding-window layers every KV cache group takes blocks, so one request holds
+        # fewer tokens than num_kv_blocks x block_size: the engine says how many (EngineInfo).
+        self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.vocab_size = model_config.vocab_size
         # The primary EOS is the tokenizer's (the one chat templates end a turn with); a model may
         # list more (Llama 3: end_of_text, eom, eot) and must stop at any of them.
@@ -48,7 +52,9 @@ class InputProcessor:
     def max_prompt_tokens(self) -> int:
         """The longest prompt accepted: shorter than max_model_len, within the whole KV cache."""
         limit = self.max_model_len - 1
-        if self.num_kv_blocks is not None and self.block_size is not None:
+        if self.kv_cache_capacity_tokens is not None:
+            limit = min(limit, self.kv_cache_capacity_tokens)
+        elif self.num_kv_blocks is not None and self.block_size is not None:
             limit = min(limit, self.num_kv_blocks * self.block_size)
         return limit
 
@@ -90,6 +96,13 @@ class InputProcessor:
                 f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
                 f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
                 "to leave room for at least one generated token."
+            )
+        if self.kv_cache_capacity_tokens is not None and prompt_len > self.kv_cache_capacity_tokens:
+            raise ValueError(
+                f"The prompt is {prompt_len} tokens long but the KV cache holds at most "
+                f"{self.kv_cache_capacity_tokens} tokens of one request (num_kv_blocks={self.num_kv_blocks} "
+                f"x block_size={self.block_size}, shared by the model's KV cache groups): it could never be "
+                "scheduled. Shorten the prompt or give the KV cache more memory."
             )
         if self.num_kv_blocks is not None and self.block_size is not None:
             capacity = self.num_kv_blocks * self.block_size

@@ -22,6 +22,10 @@ vLLM's names where the meaning is the same (`request_queue_time_seconds`,
   they never waited);
 - `step_budget_tokens{kind=prefill|decode|unused}`: per step, the token budget spent and left;
 - `kv_blocks{state=free|cached|used}`: blocks empty, free but holding a cached prefix, held;
+- `kv_cache_group_blocks{kv_cache_group, state=used|wanted}` (models with sliding-window layers,
+  whose KV cache groups share the pool): per group, the blocks held, and the blocks the head of
+  the queue asked of it in the last step it was left waiting for KV blocks (0 otherwise): what
+  `queue_no_kv_blocks` waits for, group by group. The totals stay in `kv_blocks`;
 - `step_duration_seconds{phase=schedule|execute|update}` and `engine_steps_total`;
 - `serialize_seconds_total`: what the core's output thread spent encoding and sending.
 """
@@ -128,6 +132,11 @@ class LedgerMetrics:
                    "KV cache blocks by state: free (empty), cached (free, holding a cached prefix), used.",
                    ["model_name", "state"], registry=registry)
         self.kv_blocks = {state: kv.labels(model_name, state) for state in ("free", "cached", "used")}
+        self.kv_cache_group_blocks = Gauge(
+            PREFIX + "kv_cache_group_blocks",
+            "KV cache blocks per KV cache group (models with sliding-window layers): used, and wanted "
+            "by the head of the queue when it waits for KV blocks.",
+            ["model_name", "kv_cache_group", "state"], registry=registry)
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
         h = Histogram(metric_name(name, self._prefix), doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -156,12 +165,24 @@ class LedgerMetrics:
         if stats.serialize_time > 0:
             self.serialize_seconds.inc(stats.serialize_time)
         self.set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)
+        if stats.kv_cache_group_used_blocks:
+            self._set_group_blocks(stats.kv_cache_group_used_blocks, stats.kv_cache_group_wanted_blocks)
+
+    def _set_group_blocks(self, used: list[int], wanted: list[int] | None) -> None:
+        """`wanted` None: leave the last value (a scrape-time snapshot knows nothing of it)."""
+        g = self.kv_cache_group_blocks
+        for group, n in enumerate(used):
+            g.labels(self._model_name, str(group), "used").set(n)
+            if wanted is not None:
+                g.labels(self._model_name, str(group), "wanted").set(wanted[group] if wanted else 0)
 
     def record_core_state(self, state: dict) -> None:
         """A `get_state()` snapshot of the core: an idle core sends no more steps."""
         if "num_free_blocks" in state and "num_total_blocks" in state:
             cached = state.get("num_cached_free_blocks", 0)
             self.set_blocks(state["num_free_blocks"], cached, state["num_total_blocks"])
+        if state.get("kv_cache_group_used_blocks"):
+            self._set_group_blocks(state["kv_cache_group_used_blocks"], None)
 
     def set_blocks(self, num_free: int, num_cached_free: int, num_total: int) -> None:
         if num_total > 0:

@@ -13,6 +13,7 @@ _EXPORTS = {
     "ModelNotFoundError": "tokenloom.model.errors",
     "LoadedModel": "tokenloom.model.loader",
     "default_model_path": "tokenloom.model.loader",
+    "gemma3_270m_path": "tokenloom.model.loader",
     "load_model": "tokenloom.model.loader",
     "load_model_config": "tokenloom.model.loader",
     "load_tokenizer": "tokenloom.model.loader",

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class ModelArchConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
     num_hidden_layers: int
     hidden_size: int
     intermediate_size: int
@@ -25,3 +25,14 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention (Gemma 3): a query at position p sees keys p - W < j <= p in the
+    # layers whose `layer_types` entry is "sliding_attention" (HF's names; the others are
+    # "full_attention"). None: every layer attends to the whole context.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding layers' RoPE base (their RoPE is unscaled; `rope_theta` and
+    # `rope_scaling` are the full-attention layers'), the attention scale's denominator
+    # (scale = query_pre_attn_scalar ** -0.5; None: head_dim), and tanh capping of the logits.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None

@@ -48,26 +48,42 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_HF_TO_GGUF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+# Gemma 3 norms around both blocks: llama.cpp's `ffn_norm` is its pre-feedforward norm.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
 _HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
+# GGUF files of these architectures store each RMSNorm weight as 1 + w (llama.cpp's converter
+# folds Gemma's (1 + w) scaling into the weight; transformers' GGUF loader subtracts the 1 again).
+_NORM_PLUS_ONE = frozenset({"gemma3"})
 
-def gguf_to_hf_name(name: str) -> str | None:
+
+def _layer_names(arch: str) -> dict[str, str]:
+    return _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        suffix = _LAYER_NAMES.get(rest)
+        suffix = _layer_names(arch).get(rest)
         if suffix is not None and layer.isdigit():
             return f"model.layers.{layer}.{suffix}"
     return None  # e.g. rope_freqs.weight (read into the config), or tensors we do not use
 
 
-def hf_to_gguf_name(name: str) -> str:
+def hf_to_gguf_name(name: str, arch: str = "llama") -> str:
     if name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[name]
     _, _, layer, rest = name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[rest]}"
+    to_gguf = {v: k for k, v in _layer_names(arch).items()}
+    return f"blk.{layer}.{to_gguf[rest]}"
 
 
 # ------------------------------------------------------------------------------------ config
@@ -108,9 +124,10 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
             eos_ids.append(int(tid))
     bos = md.get("tokenizer.ggml.bos_token_id")
 
+    n_layers = int(get("block_count", required=True))
     return ModelArchConfig(
         architecture=arch,
-        num_hidden_layers=int(get("block_count", required=True)),
+        num_hidden_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", required=True)),
         num_attention_heads=heads,
@@ -126,6 +143,29 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        **(_gemma3_fields(get, n_layers, head_dim) if arch == "gemma3" else {}),
+    )
+
+
+def _gemma3_fields(get, n_layers: int, head_dim: int) -> dict:
+    """What llama.cpp's Gemma 3 GGUF leaves to the architecture: one full-attention layer in six
+    (unless the file says otherwise), local RoPE base 10,000, the attention scale by head_dim
+    (llama.cpp's rule for all but the 27B: transformers' default query_pre_attn_scalar, 256, is
+    head_dim for the 270M to 12B)."""
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer converters: one flag per layer, true = sliding
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if pattern is not None else 6
+        sliding = [bool((i + 1) % period) for i in range(n_layers)]
+    window = get("attention.sliding_window")
+    softcap = get("final_logit_softcapping")
+    return dict(
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        rope_local_theta=float(get("rope.freq_base_swa", 10_000.0)),
+        query_pre_attn_scalar=float(head_dim),
+        final_logit_softcapping=None if softcap is None else float(softcap),
     )
 
 
@@ -179,14 +219,15 @@ def check_gguf_tensors(g: GGUFFile, expected: dict[str, tuple[int, ...]]) -> dic
     """HF name -> tensor info, for every tensor the model expects; raises on the first missing,
     unsupported or wrong-shaped one."""
     found: dict[str, GGUFTensorInfo] = {}
+    arch = GGUF_ARCHITECTURES.get(g.architecture, "llama")
     for info in g.tensors.values():
-        hf = gguf_to_hf_name(info.name)
+        hf = gguf_to_hf_name(info.name, arch)
         if hf in expected:
             found[hf] = info
     for hf, shape in expected.items():
         info = found.get(hf)
         if info is None:
-            raise ModelLoadError(f"{hf_to_gguf_name(hf)}: missing tensor (expected shape {shape}) in {g.path}")
+            raise ModelLoadError(f"{hf_to_gguf_name(hf, arch)}: missing tensor (expected shape {shape}) in {g.path}")
         if info.ggml_type not in _SUPPORTED_IDS:
             raise ModelLoadError(
                 f"{info.name}: unsupported tensor type {info.type_name} in {g.path} "
@@ -205,6 +246,7 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
     window of dequantized tensors alive at a time."""
     found = check_gguf_tensors(g, expected)
     permuted = config.architecture == "llama"
+    norm_plus_one = config.architecture in _NORM_PLUS_ONE
 
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
         hf, info = item
@@ -212,6 +254,8 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
         if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in info.name else config.num_key_value_heads
             t = _undo_llama_permute(t, heads)
+        if norm_plus_one and hf.endswith("norm.weight"):
+            t = t.float() - 1.0
         return hf, t.to(dtype)
 
     items = sorted(found.items(), key=lambda kv: kv[1].offset)

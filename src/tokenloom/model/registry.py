@@ -4,13 +4,16 @@ from __future__ import annotations
 from torch import nn
 
 from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.gemma3 import Gemma3ForCausalLM
 from tokenloom.model.llama import LlamaForCausalLM
 
-# Our architecture name -> model class. All three share one decoder (see llama.py).
+# Our architecture name -> model class. Llama, Qwen2 and Qwen3 share one decoder (see llama.py);
+# Gemma 3 changes its layers (gemma3.py).
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 # config.json `architectures[0]` -> our architecture name.
@@ -18,10 +21,11 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 # GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 
 def build_model(config: ModelArchConfig) -> nn.Module:

@@ -6,7 +6,10 @@ chat template under llama.cpp's keys. For byte-level BPE vocabularies (`tokenize
 with and wrap it in `PreTrainedTokenizerFast`. The result encodes, decodes and renders chat
 templates exactly like transformers' own `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
 (tests/model/test_tokenizer.py compares the two), without its cost of parsing the whole file.
-Other kinds (sentencepiece "llama", e.g. TinyLlama) are handed to that transformers conversion.
+Gemma's sentencepiece vocabularies (`"llama"` in a gemma/gemma2/gemma3 file) are rebuilt here too:
+transformers' conversion of a 262k-token vocabulary parses the whole file with gguf-py and takes
+minutes, ours a few seconds. Other kinds (sentencepiece "llama", e.g. TinyLlama) are handed to
+that transformers conversion.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
@@ -56,12 +59,15 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
     kind = md.get("tokenizer.ggml.model")
     if kind is None:
         raise ModelLoadError(f"{g.path}: the GGUF has no tokenizer (no tokenizer.ggml.model key)")
-    if kind != "gpt2":
+    gemma = kind == "llama" and g.architecture in _GEMMA_ARCHITECTURES
+    if kind != "gpt2" and not gemma:
         return _transformers_gguf_tokenizer(g.path, kind)
     tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{g.path}: the GGUF tokenizer has no vocabulary (tokenizer.ggml.tokens)")
     token_types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if gemma:
+        return _gemma_tokenizer(g, tokens, token_types)
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
 
     # Every ordinary token is spelled in the byte alphabet. A few files carry control tokens with
@@ -96,6 +102,13 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
         backend.add_special_tokens(control)
     if user:
         backend.add_tokens(user)
+    return _wrap(g, backend, tokens, add_bos_default=False)
+
+
+def _wrap(g: GGUFFile, backend: Tokenizer, tokens: list[str], add_bos_default: bool) -> PreTrainedTokenizerFast:
+    """The `tokenizers` pipeline as a transformers tokenizer, with the file's special tokens, BOS /
+    EOS flags and chat template."""
+    md = g.metadata
 
     def token_of(key: str) -> str | None:
         tid = md.get(f"tokenizer.ggml.{key}")
@@ -106,15 +119,69 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
         "eos_token": token_of("eos_token_id"),
         "unk_token": token_of("unknown_token_id"),
         "pad_token": token_of("padding_token_id"),
-        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default)),
         "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
     }
     if "tokenizer.chat_template" in md:
         kwargs["chat_template"] = md["tokenizer.chat_template"]
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    tok = _BuiltTokenizerFast(backend, **kwargs)
     tok.name_or_path = g.path
     return tok
+
+
+class _BuiltTokenizerFast(PreTrainedTokenizerFast):
+    """A transformers tokenizer over a `tokenizers.Tokenizer` built here, taken as it is: given as
+    `tokenizer_object`, transformers deep-copies it, which for a 262k-token vocabulary costs
+    seconds (a pickle round trip). transformers uses a backend already set on the instance."""
+
+    def __init__(self, backend: Tokenizer, **kwargs: Any) -> None:
+        self._tokenizer = backend
+        super().__init__(**kwargs)
+
+
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _gemma_tokenizer(g: GGUFFile, tokens: list[str], token_types: list[int]) -> PreTrainedTokenizerFast:
+    """Gemma's sentencepiece BPE, as transformers' GemmaTokenizer builds it from a GGUF: spaces
+    become U+2581, no prefix space, byte fallback for what the vocabulary cannot spell.
+
+    The file has no merges; they are recovered from the vocabulary. Every token that splits into
+    two tokens gives one merge per split point, and a merge ranks by the position of the token it
+    builds (Gemma's scores do not follow the merge order, the file's order does), ties broken by
+    the longer left, then the longer right piece. Tokens of two or more spaces are stored as real
+    spaces while the model sees U+2581s: they are renamed first so their merges match."""
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    ranked: list[tuple[int, int, int, str, str]] = []
+    known = vocab.__contains__
+    for token, index in vocab.items():
+        n = len(token)
+        for cut in range(1, n):
+            left = token[:cut]
+            if known(left) and known(right := token[cut:]):
+                ranked.append((index, -cut, cut - n, left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    unk = tokens[int(g.metadata.get("tokenizer.ggml.unknown_token_id", 3))]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True, dropout=None))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Added tokens under the file's own spelling (a user-defined token of spaces would not be in
+    # the renamed vocabulary, and is left out, as transformers does).
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_CONTROL]
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_USER_DEFINED and t in vocab]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+    return _wrap(g, backend, tokens, add_bos_default=True)
 
 
 def _transformers_gguf_tokenizer(path: str, kind: str) -> PreTrainedTokenizerFast:

@@ -18,6 +18,7 @@ import torch
 from tokenloom.attention import get_attn_backend
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.config import EngineConfig, default_kv_cache_bytes
+from tokenloom.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_groups, kv_tensor_of_layer
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import prepare_cpu_weights
@@ -49,9 +50,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 
 def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int,
                              kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one block id: K and V of `block_size` tokens in each layer of one KV cache group
+    (every layer, for a model with full attention only; see kv_cache_spec.py)."""
     cfg = loaded.config
     elem = torch.tensor([], dtype=kv_dtype or loaded.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    layers = group_size(kv_cache_groups(cfg))
+    return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 class _StagedInput:
@@ -85,7 +89,7 @@ class _StepInputs:
     do_sample: np.ndarray  # bool: the request's last scheduled token is sampled
     input_ids: torch.Tensor
     positions: torch.Tensor
-    plan: Any
+    plans: list[Any]  # one attention plan per KV cache group
 
 
 class ModelRunner:
@@ -105,25 +109,34 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        # KV cache groups (kv_cache_spec.py): one block table, slot mapping and attention plan
+        # per group each step. A model with full attention only has one group of every layer.
+        self.kv_cache_groups: list[KVCacheGroupSpec] = kv_cache_groups(loaded.config)
+        num_groups = len(self.kv_cache_groups)
 
         self.num_kv_blocks = self._num_kv_blocks(loaded, config)
         cfg = self.model_config
         shape = (2, self.num_kv_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # On the CPU, pages are committed as blocks are first written (ops/cpu_memory).
-        self.kv_caches = [cpu_memory.zeros(shape, self.kv_cache_dtype, self.device)
-                          for _ in range(cfg.num_hidden_layers)]
+        # One tensor per layer of a group; layer k of every group shares tensor k, each block id
+        # belonging to one group at a time (with one group: one tensor per layer, as ever). On
+        # the CPU, pages are committed as blocks are first written (ops/cpu_memory); the null
+        # block (id 0 with sliding groups) is never written and stays zero.
+        tensors = [cpu_memory.zeros(shape, self.kv_cache_dtype, self.device)
+                   for _ in range(group_size(self.kv_cache_groups))]
+        self.kv_caches = [tensors[k] for k in kv_tensor_of_layer(self.kv_cache_groups, cfg.num_hidden_layers)]
         max_blocks_per_req = -(-max_model_len // self.block_size)
         # +1 column: the token sampled at max_model_len is written before the scheduler stops it.
-        self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, max_blocks_per_req)
+        self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, max_blocks_per_req, num_groups)
         self.sampler = Sampler(self.max_num_reqs, cfg.vocab_size, device=self.device, seed=config.seed)
         # The flat batch's buffers, sized for the largest step (the token budget, max_num_seqs).
         max_tokens, dev = config.max_num_batched_tokens, self.device
         self._input_ids = _StagedInput((max_tokens,), torch.int64, dev)
         self._positions = _StagedInput((max_tokens,), torch.int64, dev)
-        self._slot_mapping = _StagedInput((max_tokens,), torch.int64, dev)
+        self._slot_mapping = [_StagedInput((max_tokens,), torch.int64, dev) for _ in range(num_groups)]
         self._query_start_loc = _StagedInput((self.max_num_reqs + 1,), torch.int32, dev)
         self._seq_lens = _StagedInput((self.max_num_reqs,), torch.int32, dev)
-        self._block_table = _StagedInput((self.max_num_reqs, max_blocks_per_req), torch.int32, dev)
+        self._block_table = [_StagedInput((self.max_num_reqs, max_blocks_per_req), torch.int32, dev)
+                             for _ in range(num_groups)]
         self._arange = np.arange(max(max_tokens, self.max_num_reqs) + 1, dtype=np.int64)
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -138,8 +151,11 @@ class ModelRunner:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(loaded, config.block_size, self.kv_cache_dtype)
+        # The default budget sizes for full-length sequences in every layer (with sliding groups:
+        # every group's block per block_size tokens, an upper bound on what a token needs).
+        per_token = -(-per_block * len(self.kv_cache_groups) // config.block_size)
         budget = config.kv_cache_memory_bytes or default_kv_cache_bytes(
-            -(-per_block // config.block_size), config.max_num_seqs, self.max_model_len)
+            per_token, config.max_num_seqs, self.max_model_len)
         num = budget // per_block
         if num < 1:
             raise ValueError(
@@ -227,7 +243,7 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         step = self._prepare_inputs(so)
         t1 = time.perf_counter()
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plan)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
         if self._failed:  # failed in this step: computed with the rest, never sampled
             step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
@@ -273,28 +289,36 @@ class ModelRunner:
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         max_blocks = -(-max_seq_len // self.block_size)
-        block_table = self._block_table.np[:num_reqs, :max_blocks]
-        np.take(batch.block_table[:, :max_blocks], rows, axis=0, out=block_table)
-        slot_mapping = self._slot_mapping.np[:num_tokens]
-        slot_mapping[:] = block_table[req_indices, positions // self.block_size]
-        slot_mapping *= self.block_size
-        slot_mapping += positions % self.block_size
         self._query_start_loc.np[: num_reqs + 1] = query_start_loc
         self._seq_lens.np[:num_reqs] = seq_lens
+        query_start_loc_dev = self._query_start_loc.to_device(num_reqs + 1)
+        seq_lens_dev = self._seq_lens.to_device(num_reqs)
+        block_in_req, offset = positions // self.block_size, positions % self.block_size
 
-        meta = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=num_reqs,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc=self._query_start_loc.to_device(num_reqs + 1),
-            seq_lens=self._seq_lens.to_device(num_reqs),
-            block_table=self._block_table.to_device(num_reqs)[:, :max_blocks],
-            slot_mapping=self._slot_mapping.to_device(num_tokens),
-            block_size=self.block_size,
-            query_start_loc_cpu=self._query_start_loc.cpu[: num_reqs + 1],
-            seq_lens_cpu=self._seq_lens.cpu[:num_reqs],
-        )
+        # One metadata per KV cache group: the lengths are shared, the page table and the slots
+        # are the group's, and so is the window. The backend plans each group once per step.
+        plans = []
+        for g, spec in enumerate(self.kv_cache_groups):
+            block_table = self._block_table[g].np[:num_reqs, :max_blocks]
+            np.take(batch.block_table[g, :, :max_blocks], rows, axis=0, out=block_table)
+            slot_mapping = self._slot_mapping[g].np[:num_tokens]
+            slot_mapping[:] = block_table[req_indices, block_in_req]
+            slot_mapping *= self.block_size
+            slot_mapping += offset
+            plans.append(self.attn_backend.prepare(AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                num_reqs=num_reqs,
+                max_query_len=int(num_sched.max()),
+                max_seq_len=max_seq_len,
+                query_start_loc=query_start_loc_dev,
+                seq_lens=seq_lens_dev,
+                block_table=self._block_table[g].to_device(num_reqs)[:, :max_blocks],
+                slot_mapping=self._slot_mapping[g].to_device(num_tokens),
+                block_size=self.block_size,
+                query_start_loc_cpu=self._query_start_loc.cpu[: num_reqs + 1],
+                seq_lens_cpu=self._seq_lens.cpu[:num_reqs],
+                sliding_window=spec.sliding_window,
+            )))
         # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
         # short of it are not.
         do_sample = seq_lens >= batch.num_tokens[rows]
@@ -303,7 +327,7 @@ class ModelRunner:
             query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,
             input_ids=self._input_ids.to_device(num_tokens),
             positions=self._positions.to_device(num_tokens),
-            plan=self.attn_backend.prepare(meta),
+            plans=plans,
         )
 
     def _build_output(self, step: _StepInputs, sample_pos: list[int], sampler_out: SamplerOutput

@@ -3,7 +3,9 @@
  *
  * Layout (the torch backend's): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
  * contiguous; q and out [num_seqs, num_heads, head_dim] with a row stride per sequence;
- * block_table [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32 (>= 1).
+ * block_table [num_seqs, bt_stride] int32; seq_lens [num_seqs] int32 (>= 1); window: 0 for
+ * full attention, else the sliding window W (the query sees its last W positions, itself
+ * included; blocks wholly before that are not read).
  *
  * Work items are (sequence, up to 16 query heads): a block's rows are read from memory once for
  * all the heads of the item, the heads of one KV head share each row from L1 (GQA), and the next
@@ -139,9 +141,9 @@ static inline float block_softmax8(item_state *st, int g, int n) {
 #define TL_DECODE_ARGS const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, \
     const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out, \
     int64_t out_stride, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, \
-    int32_t head_dim, int32_t block_size, float scale
+    int32_t head_dim, int32_t block_size, float scale, int32_t window
 #define TL_DECODE_PASS q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out, \
-    out_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale
+    out_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window
 int tl_paged_decode_f32(TL_DECODE_ARGS) { return decode_f32(TL_DECODE_PASS, 0); }
 int tl_paged_decode_f32_bf16kv(TL_DECODE_ARGS) { return decode_bf16kv(TL_DECODE_PASS, 0); }
 int tl_paged_decode_bf16(TL_DECODE_ARGS) { return decode_bf16kv(TL_DECODE_PASS, 1); }

@@ -215,17 +215,27 @@ static inline void TL_NAME(head_block_scalar)(item_state *st, int g, const KV_T 
     }
 }
 
-/* One work item: query heads hq0 .. hq0 + nh - 1 of one sequence, block by block. */
+/* One work item: query heads hq0 .. hq0 + nh - 1 of one sequence, block by block. With a
+ * sliding window W (> 0) the query at position L - 1 sees only positions L - W .. L - 1: the
+ * loop starts at the window's first block, never reads a block before it (those may be the null
+ * block once freed), and in that first block skips the rows before the window. */
 static void TL_NAME(run_item)(int vec, const void *q0, int io_bf16, int hq0, int nh, int G,
                      const KV_T *k_cache, const KV_T *v_cache, const int32_t *bt, int L,
-                     int64_t tok_stride, int64_t blk_stride, int block_size, int D, float scale,
-                     void *o0) {
+                     int window, int64_t tok_stride, int64_t blk_stride, int block_size, int D,
+                     float scale, void *o0) {
     item_state st;
     item_begin(&st, q0, io_bf16, hq0, nh, G, D, scale);
-    for (int blk = 0; blk * block_size < L; blk++) {
+    const int first = window > 0 && L > window ? L - window : 0;
+    for (int blk = first / block_size; blk * block_size < L; blk++) {
         const KV_T *kb, *vb;
-        const int n = TL_NAME(item_block)(&st, nh, D, bt, blk, L, k_cache, v_cache, block_size,
-                                          tok_stride, blk_stride, &kb, &vb);
+        int n = TL_NAME(item_block)(&st, nh, D, bt, blk, L, k_cache, v_cache, block_size,
+                                    tok_stride, blk_stride, &kb, &vb);
+        const int skip = first > blk * block_size ? first - blk * block_size : 0;
+        if (skip) {
+            kb += skip * tok_stride;
+            vb += skip * tok_stride;
+            n -= skip;
+        }
         for (int g = 0; g < nh; g++) {
 #if TL_HAVE_AVX512
             if (vec == 2) {
@@ -251,7 +261,8 @@ static int TL_NAME(decode)(const void *q, int64_t q_stride, const void *k_cache_
                            const void *v_cache_v, const int32_t *block_table, int64_t bt_stride,
                            const int32_t *seq_lens, void *out, int64_t out_stride,
                            int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
-                           int32_t head_dim, int32_t block_size, float scale, int io_bf16) {
+                           int32_t head_dim, int32_t block_size, float scale,
+                           int32_t window, int io_bf16) {
     const KV_T *k_cache = (const KV_T *)k_cache_v, *v_cache = (const KV_T *)v_cache_v;
     const int64_t esz = io_bf16 ? 2 : 4;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
@@ -279,7 +290,7 @@ static int TL_NAME(decode)(const void *q, int64_t q_stride, const void *k_cache_
         const char *q0 = (const char *)q + (b * q_stride + (int64_t)hq0 * D) * esz;
         char *o0 = (char *)out + (b * out_stride + (int64_t)hq0 * D) * esz;
         const int32_t *bt = block_table + b * bt_stride;
-        TL_NAME(run_item)(vec, q0, io_bf16, hq0, nh, G, k_cache, v_cache, bt, seq_lens[b],
+        TL_NAME(run_item)(vec, q0, io_bf16, hq0, nh, G, k_cache, v_cache, bt, seq_lens[b], window,
                           tok_stride, blk_stride, block_size, D, scale, o0);
     }
     return 0;
