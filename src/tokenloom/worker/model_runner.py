@@ -317,7 +317,8 @@ class ModelRunner:
         by_window: dict[int | None, Any] = {}
         for g in self.kv_cache_groups:
             if g.sliding_window not in by_window:
-                by_window[g.sliding_window] = self.attn_backend.prepare(replace(meta, sliding_window=g.sliding_window))
+                windowed = replace(meta, sliding_window=g.sliding_window)
+                by_window[g.sliding_window] = self.attn_backend.prepare(windowed)
         return [by_window[g.sliding_window] for g in self.kv_cache_groups]
 
     def _build_output(self, step: _StepInputs, sample_pos: list[int], sampler_out: SamplerOutput
