@@ -119,7 +119,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                lib.tl_paged_decode_bf16):
         fn.restype = _c_i32
         fn.argtypes = [_c_p, _c_i64, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_i64,
-                       _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f]
+                       _c_i32, _c_i32, _c_i32, _c_i32, _c_i32, _c_f, _c_i32]
     for sfx in ("f32", "bf16"):
         fn = getattr(lib, f"tl_add_rms_norm_{sfx}")
         fn.restype = None
@@ -178,7 +178,7 @@ def _fn(lib: ctypes.CDLL, name: str, x: torch.Tensor):  # noqa: ANN202 - a ctype
 
 def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                 scale: float) -> None:
+                 scale: float, window: int | None = None) -> None:
     """Decode attention of `query` [B, Hq, D] (rows may be strided) over the paged cache
     `kv_cache` [2, num_blocks, block_size, Hkv, D] into `out` [B, Hq, D].
 
@@ -186,7 +186,11 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
     and out are float32 over a float32 or bfloat16 cache, or all three bfloat16, on the CPU, with
     the head/row layout
     inside a row contiguous. The caller checks these once per step (the torch backend's plan),
-    not here."""
+    not here.
+
+    `window` (a sliding-window layer's size, None or <= 0 for none): the query at position
+    p = seq_len - 1 attends keys p - window < j <= p; blocks wholly before the window are not
+    read, so their table entries may name any block."""
     B, Hq, D = query.shape
     _, _, bs, Hkv, _ = kv_cache.shape
     k_ptr = kv_cache.data_ptr()
@@ -198,7 +202,7 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
     rc = fn(
         query.data_ptr(), query.stride(0), k_ptr, v_ptr,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-        out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale)
+        out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale, window or 0)
     if rc != 0:
         raise ValueError(f"CPU decode kernel rejected the shapes (code {rc}): heads {Hq}/{Hkv}, "
                          f"head_dim {D}, block_size {bs}")
