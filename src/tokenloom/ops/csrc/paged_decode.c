@@ -48,7 +48,7 @@ typedef struct {
     float qs[TL_GC][256] __attribute__((aligned(64)));
     float acc[TL_GC][256] __attribute__((aligned(64)));
     float s[TL_GC][TL_MAX_BLOCK_SIZE + 16] __attribute__((aligned(64)));
-    float m[TL_GC], l[TL_GC];
+    float m[TL_GC], l[TL_GC][16] __attribute__((aligned(64)));  /* l: the sum of lane i in l[g][i] */
 } item_state;
 
 #include "vec_math.h"
@@ -56,40 +56,68 @@ typedef struct {
 #define TL_CAT3_(a, b, c) a##_##b##_##c
 #define TL_CAT3(a, b, c) TL_CAT3_(a, b, c)
 
-/* The column whose value sits at position `pos` of a query or accumulator row: with `pair_w`
- * lanes (a bfloat16 cache on a vector path), each full chunk of 2 x pair_w columns holds its even
- * columns first, then its odd ones; everything else is in order. */
-static inline int col_of(int pos, int D, int pair_w) {
-    if (!pair_w) return pos;
-    const int base = pos - pos % (2 * pair_w), j = pos - base;
-    if (base + 2 * pair_w > D) return pos;
-    return j < pair_w ? base + 2 * j : base + 2 * (j - pair_w) + 1;
+/* A query or accumulator row in the kernel's column order: with `pw` lanes (a bfloat16 cache on
+ * a vector path), each full chunk of 2 x pw columns holds its even columns first, then its odd
+ * ones; everything else is in order. Written as stride-2 loops with a constant pw so that the
+ * compiler vectorizes them. */
+static inline __attribute__((always_inline)) void order_pw(float *dst, const float *src, int D,
+                                                           const int pw, float scale, int back) {
+    int c = 0;
+    for (; pw && c + 2 * pw <= D; c += 2 * pw)
+        for (int j = 0; j < pw; j++) {
+            if (back) {
+                dst[c + 2 * j] = src[c + j] * scale;
+                dst[c + 2 * j + 1] = src[c + pw + j] * scale;
+            } else {
+                dst[c + j] = src[c + 2 * j] * scale;
+                dst[c + pw + j] = src[c + 2 * j + 1] * scale;
+            }
+        }
+    for (; c < D; c++) dst[c] = src[c] * scale;
+}
+
+/* dst = src * scale into the kernel's order (back = 0) or out of it (back = 1). */
+static void reorder(float *dst, const float *src, int D, int pw, float scale, int back) {
+    if (pw == 16) order_pw(dst, src, D, 16, scale, back);
+    else if (pw == 8) order_pw(dst, src, D, 8, scale, back);
+    else order_pw(dst, src, D, 0, scale, back);
 }
 
 /* q0 and o0 are float32, or bfloat16 when io_bf16 (a bfloat16 model's queries and outputs; the
  * arithmetic stays float32). */
 static void item_begin(item_state *st, const void *q0, int io_bf16, int nh, int D, float scale,
-                       int pair_w) {
+                       int pw) {
+    float row[256];
     for (int g = 0; g < nh; g++) {
-        st->m[g] = -FLT_MAX; st->l[g] = 0.0f;
-        for (int i = 0; i < D; i++) {
-            const int c = g * D + col_of(i, D, pair_w);
-            const float qv = io_bf16 ? tl_bf16_to_f32(((const uint16_t *)q0)[c])
-                                     : ((const float *)q0)[c];
-            st->qs[g][i] = qv * scale;
-            st->acc[g][i] = 0.0f;
+        st->m[g] = -FLT_MAX;
+        for (int i = 0; i < 16; i++) st->l[g][i] = 0.0f;
+        const float *q = (const float *)q0 + g * D;
+        if (io_bf16) {
+            for (int i = 0; i < D; i++) row[i] = tl_bf16_to_f32(((const uint16_t *)q0)[g * D + i]);
+            q = row;
         }
+        reorder(st->qs[g], q, D, pw, scale, 0);
+        for (int i = 0; i < D; i++) st->acc[g][i] = 0.0f;
     }
 }
 
-static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16, int pair_w) {
+/* The running sum of head g (kept per lane by the vector loops). */
+static inline float item_sum(const item_state *st, int g) {
+    float l = 0.0f;
+    for (int i = 0; i < 16; i++) l += st->l[g][i];
+    return l;
+}
+
+static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16, int pw) {
+    float row[256];
     for (int g = 0; g < nh; g++) {
-        const float inv = st->l[g] > 0.0f ? 1.0f / st->l[g] : 0.0f;
-        for (int i = 0; i < D; i++) {
-            const int c = g * D + col_of(i, D, pair_w);
-            if (io_bf16) ((uint16_t *)o0)[c] = tl_f32_to_bf16(st->acc[g][i] * inv);
-            else ((float *)o0)[c] = st->acc[g][i] * inv;
+        const float l = item_sum(st, g), inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (!io_bf16) {
+            reorder((float *)o0 + g * D, st->acc[g], D, pw, inv, 1);
+            continue;
         }
+        reorder(row, st->acc[g], D, pw, inv, 1);
+        for (int i = 0; i < D; i++) ((uint16_t *)o0)[g * D + i] = tl_f32_to_bf16(row[i]);
     }
 }
 
@@ -128,7 +156,6 @@ static inline float hmax_256(VEC v) {
     return _mm_cvtss_f32(m);
 }
 #define VHMAX(x) hmax_256(x)
-#define VHSUM(x) tl_hsum8(x)
 /* s[0:4] = the lane sums of a[0:4]. */
 static inline void reduce_rows_256(const VEC *a, float *s) {
     const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -177,7 +204,6 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
 #undef PV_NV
 #undef VEXP_NONPOS
 #undef VHMAX
-#undef VHSUM
 #undef REDUCE_ROWS
 #endif
 
@@ -205,7 +231,6 @@ static inline VEC exp_nonpos_512(VEC x) {
 }
 #define VEXP_NONPOS(x) exp_nonpos_512(x)
 #define VHMAX(x) _mm512_reduce_max_ps(x)
-#define VHSUM(x) _mm512_reduce_add_ps(x)
 /* s[0:8] = the lane sums of a[0:8]: pairs interleaved and added, then quadruples, then the four
  * 128-bit lanes folded (24 instructions for 8 rows). */
 static inline void reduce_rows_512(const VEC *a, float *s) {
@@ -269,7 +294,7 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
         float sum = 0.0f;                                                                      \
         for (int t = 0; t < n; t++) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }                \
         const float alpha = expf(st->m[g] - mx);                                               \
-        st->l[g] = st->l[g] * alpha + sum;                                                     \
+        st->l[g][0] = st->l[g][0] * alpha + sum;                                                  \
         st->m[g] = mx;                                                                         \
         for (int i = 0; i < D; i++) acc[i] *= alpha;                                           \
         for (int t = 0; t < n; t++) {                                                          \
@@ -301,7 +326,8 @@ typedef struct {
     const int32_t *block_table; int64_t bt_stride;
     const int32_t *seq_lens;
     char *out; int64_t out_stride;
-    int num_heads, G, D, block_size, window, io_bf16, pair_w, parts;
+    int num_heads, G, D, block_size, window, io_bf16, parts;
+    int pair_w;  /* see reorder() */
     int64_t esz_kv, tok_stride, blk_stride;
     float scale;
     kv_block_fn fn;
@@ -355,7 +381,7 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
         float *p = partial + (int64_t)g * (D + 2);
         for (int i = 0; i < D; i++) p[i] = st.acc[g][i];
         p[D] = st.m[g];
-        p[D + 1] = st.l[g];
+        p[D + 1] = item_sum(&st, g);
     }
 }
 
@@ -377,12 +403,16 @@ static void merge_parts(const decode_args *a, int b, int hq, const float *partia
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int64_t qesz = a->io_bf16 ? 2 : 4;
     char *o = a->out + (b * a->out_stride + (int64_t)hq * D) * qesz;
+    float sum[256], row[256];
     for (int i = 0; i < D; i++) {
         float v = 0.0f;
         for (int k = 0; k < a->parts; k++) v += partials[k * step + i] * w[k];
-        const int c = col_of(i, D, a->pair_w);
-        if (a->io_bf16) ((uint16_t *)o)[c] = tl_f32_to_bf16(v * inv);
-        else ((float *)o)[c] = v * inv;
+        sum[i] = v;
+    }
+    reorder(row, sum, D, a->pair_w, inv, 1);
+    for (int i = 0; i < D; i++) {
+        if (a->io_bf16) ((uint16_t *)o)[i] = tl_f32_to_bf16(row[i]);
+        else ((float *)o)[i] = row[i];
     }
 }
 

@@ -93,16 +93,16 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
         VSTORE(sg + j, p);
         sum = VADD(sum, p);
     }
-    const float alpha = VFIRST(VEXP_NONPOS(VSET1(st->m[g] - m)));
-    st->l[g] = st->l[g] * alpha + VHSUM(sum);
+    const VEC alpha = VEXP_NONPOS(VSET1(st->m[g] - m));
+    /* The running sum stays per lane (summed at the item's end): no reduction here. */
+    VSTORE(st->l[g], VFMA(VLOAD(st->l[g]), alpha, sum));
     st->m[g] = m;
-    return alpha;
+    return VFIRST(alpha);
 }
 
 TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const KV_T *kb,
                                     const KV_T *vb, int n, int64_t ts, int D) {
-    int t = 0;
-    for (; t < n; t += QK_ROWS) TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D);
+    for (int t = 0; t < n; t += QK_ROWS) TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D);
     const int npad = (n + VW - 1) / VW * VW;
     float alpha[TL_GS];
 #pragma GCC unroll 8
