@@ -203,6 +203,9 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
         query.data_ptr(), query.stride(0), k_ptr, v_ptr,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale, window or 0)
+    if rc == -3:
+        raise MemoryError("CPU decode kernel: no memory for the partial results of a split "
+                          "context")
     if rc != 0:
         raise ValueError(f"CPU decode kernel rejected the shapes (code {rc}): heads {Hq}/{Hkv}, "
                          f"head_dim {D}, block_size {bs}")
