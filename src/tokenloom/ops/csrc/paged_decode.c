@@ -451,13 +451,14 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
 #endif
     /* Items: (sequence, run of whole KV-head groups of up to TL_GC query heads). A batch with
      * fewer than four items per thread takes one KV head's group per item, then splits each
-     * context into parts until every thread has as many items as the others and at least two. */
+     * context into parts until every thread has as many items as the others and at least two
+     * (one thread never splits: the parts would only add their merge). */
     const int nth = omp_get_max_threads();
     int hpc = a.G <= TL_GC ? (TL_GC / a.G) * a.G : TL_GC;
     if (hpc > num_heads) hpc = num_heads;
     if ((int64_t)num_seqs * ((num_heads + hpc - 1) / hpc) < 4 * nth && a.G <= TL_GC) hpc = a.G;
     const int nchunk = (num_heads + hpc - 1) / hpc;
-    while (a.parts < TL_MAX_PARTS) {
+    while (nth > 1 && a.parts < TL_MAX_PARTS) {
         const int64_t n = (int64_t)num_seqs * nchunk * a.parts;
         if (n >= 2 * nth && n % nth == 0) break;
         if (n >= 4 * nth) break;
