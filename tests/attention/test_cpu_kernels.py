@@ -185,3 +185,56 @@ def test_loading_does_not_flush_denormals():
     code = ("import torch; from tokenloom.ops import cpu_kernels; assert cpu_kernels.load(); "
             "x = torch.tensor([1e-39], dtype=torch.float32); print(float((x * 1.5)[0]) > 0)")
     assert _python(code) == "True"
+
+
+def _windowed_reference(batch, window: int) -> torch.Tensor:
+    """float64 decode attention of each sequence's last position p = seq_len - 1 over the keys
+    p - window < j <= p, read through the block table."""
+    cache = batch.kv_cache.double()
+    _, _, bs, hkv, _ = cache.shape
+    q = batch.query.double()
+    G = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    bt = batch.meta.block_table.long()
+    for i, L in enumerate(batch.meta.seq_lens.tolist()):
+        pos = torch.arange(max(0, L - window), L)
+        k = cache[0, bt[i, pos // bs], pos % bs]  # [S, Hkv, D]
+        v = cache[1, bt[i, pos // bs], pos % bs]
+        for h in range(q.shape[1]):
+            p = torch.softmax(k[:, h // G] @ q[i, h] * batch.scale, dim=0)
+            out[i, h] = p @ v[:, h // G]
+    return out
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (4, 1, 256), (8, 2, 36)])
+def test_sliding_window(dtype, kv_dtype, hq, hkv, head_dim):
+    """A sliding-window layer (Gemma 3): keys before p - window + 1 are left out, and blocks
+    wholly before the window are never read (here their table entries name a block of NaN).
+    One sequence alone (its context split between the threads) and a batch."""
+    lib = cpu_kernels.load()
+    seq_lens = [1, 15, 16, 17, 40, 100, 257]
+    for lens in ([257], seq_lens):
+        batch = make_batch([1] * len(lens), lens, hq, hkv, head_dim, 16, seed=head_dim,
+                           extra_blocks=1)
+        batch.query = batch.query.to(dtype)
+        batch.kv_cache = batch.kv_cache.to(kv_dtype)
+        poison_unused_slots(batch)  # the spare block is all NaN
+        nan_block = int((batch.kv_cache[0].view(batch.kv_cache.shape[1], -1).isnan().all(1))
+                        .nonzero()[0])
+        table = batch.meta.block_table
+        for window in (1, 5, 16, 17, 40, 1000, 0):
+            bt = table.clone()
+            for i, L in enumerate(lens):
+                if window > 0:
+                    bt[i, :max(0, L - window) // 16] = nan_block
+            batch.meta.block_table = bt
+            out = torch.empty_like(batch.query)
+            cpu_kernels.paged_decode(lib, batch.query, batch.kv_cache, bt, batch.meta.seq_lens,
+                                     out, batch.scale, sliding_window=window)
+            ref = _windowed_reference(batch, window if window > 0 else 10 ** 9)
+            tol = FP32_TOL if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item() + 1e-3
+            err = (out.double() - ref).abs().max().item()
+            assert err < tol, (lens, window, err)

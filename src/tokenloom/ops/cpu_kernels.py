@@ -187,7 +187,11 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
     and out are float32 over a float32 or bfloat16 cache, or all three bfloat16, on the CPU, with
     the head/row layout
     inside a row contiguous. The caller checks these once per step (the torch backend's plan),
-    not here."""
+    not here.
+
+    `sliding_window` (a sliding-window layer's size, None or <= 0 for none): the query at position
+    p = seq_len - 1 attends keys p - window < j <= p; blocks wholly before the window are not
+    read, so their table entries may name any block."""
     B, Hq, D = query.shape
     _, _, bs, Hkv, _ = kv_cache.shape
     k_ptr = kv_cache.data_ptr()
@@ -200,6 +204,9 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
         query.data_ptr(), query.stride(0), k_ptr, v_ptr,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), B, Hq, Hkv, D, bs, scale, sliding_window or 0)
+    if rc == -3:
+        raise MemoryError("CPU decode kernel: no memory for the partial results of a split "
+                          "context")
     if rc != 0:
         raise ValueError(f"CPU decode kernel rejected the shapes (code {rc}): heads {Hq}/{Hkv}, "
                          f"head_dim {D}, block_size {bs}")
