@@ -96,7 +96,7 @@ class InprocClient(EngineCoreClient):
         return msgspec.msgpack.decode(msgspec.msgpack.encode(result))
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 def _cleanup(proc: subprocess.Popen, ctx: zmq.Context, tmpdir: str) -> None:
