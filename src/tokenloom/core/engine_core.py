@@ -14,7 +14,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
-from tokenloom.executor import Executor
+from tokenloom.executor import executor_class
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputManager
@@ -35,7 +35,7 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         # The model's rank(s): in this process, in worker processes or in Ray actors.
-        self.executor = Executor.get_class(config)(config)
+        self.executor = executor_class(config)(config)
         info = self.executor.info
         self.max_model_len = info.max_model_len
         num_kv_blocks = self.executor.determine_num_kv_blocks()

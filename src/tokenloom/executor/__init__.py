@@ -4,6 +4,7 @@
 `MultiprocExecutor` runs one worker process per tensor-parallel rank; `RayExecutor` runs the
 same workers as Ray actors, on one machine or a Ray cluster.
 """
-from tokenloom.executor.abstract import Executor
+from tokenloom.executor.abstract import Executor, WorkerDiedError
+from tokenloom.executor.selector import executor_class
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "WorkerDiedError", "executor_class"]

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from tokenloom.sched_output import SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank raised or exited; the engine core cannot go on without it."""
+
+
 class Executor(ABC):
     """Runs each step's `SchedulerOutput` on every rank and returns rank 0's `ModelRunnerOutput`.
     The scheduler, the KV cache manager and the ledger stay single, in the engine core; an
@@ -25,21 +29,6 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        backend = config.executor_backend
-        if backend == "uni":
-            from tokenloom.executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from tokenloom.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        from tokenloom.executor.ray_executor import RayExecutor
-
-        return RayExecutor
 
     @staticmethod
     def check_model(config: EngineConfig) -> ModelArchConfig:

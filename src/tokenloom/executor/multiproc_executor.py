@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import EngineConfig
-from tokenloom.executor.abstract import Executor
+from tokenloom.executor.abstract import Executor, WorkerDiedError
 from tokenloom.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -41,10 +41,6 @@ def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank raised or exited; the engine core cannot go on without it."""
 
 
 class MultiprocExecutor(Executor):

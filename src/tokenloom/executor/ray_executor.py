@@ -17,8 +17,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import EngineConfig
-from tokenloom.executor.abstract import Executor
-from tokenloom.executor.multiproc_executor import WorkerDiedError
+from tokenloom.executor.abstract import Executor, WorkerDiedError
 from tokenloom.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
