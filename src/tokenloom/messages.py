@@ -167,6 +167,9 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # the thread policy, one line (ops/cpu_features.engine_cpu_line).
     cpu: str = ""
     cpu_kernels_isa: str = ""  # "avx512" | "avx2" | "scalar" | "off"
+    # How the model is split: its tensor-parallel ranks and who runs them ("uni", "mp", "ray").
+    tensor_parallel_size: int = 1
+    executor_backend: str = "uni"
 
 
 class LedgerBucket(enum.IntEnum):

@@ -58,6 +58,8 @@ class EngineCore:
             kv_cache_dtype=info.kv_cache_dtype,
             quantization=info.quantization,
             weight_bytes_per_token=info.weight_bytes_per_token,
+            tensor_parallel_size=config.tensor_parallel_size,
+            executor_backend=config.executor_backend,
         )
         if info.cpu:
             self.info.cpu, self.info.cpu_kernels_isa = info.cpu, info.cpu_kernels_isa
