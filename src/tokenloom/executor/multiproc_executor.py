@@ -82,6 +82,7 @@ class MultiprocExecutor(Executor):
             for obj in ready:
                 if obj in self._sentinels:
                     r = self._sentinels[obj]
+                    self.procs[r].join(1.0)  # reap it, for its exit code
                     raise WorkerDiedError(f"tensor-parallel worker rank {r} (pid {self.procs[r].pid}) "
                                           f"exited with code {self.procs[r].exitcode}")
             for obj in ready:
