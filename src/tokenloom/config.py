@@ -45,9 +45,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # own scheduler, KV cache and model runner) behind one front end, which sends each request to
     # the least loaded one (engine/dp_client.py). Each replica gets its share of the cores.
     data_parallel_size: int = 1
-    # Where the engine cores (and, with tensor parallelism, their workers) run: None or "uni"/"mp"
-    # are local processes; "ray" places them as Ray actors, so they may span a Ray cluster.
+    # Tensor parallelism: the model's attention heads, MLP and vocabulary split across this many
+    # ranks (one process each), joined by torch.distributed (executor/, ops/distributed.py).
+    tensor_parallel_size: int = 1
+    # Who runs the ranks and the replicas: "uni" (in the engine core's process; one rank only),
+    # "mp" (local processes) or "ray" (Ray actors, also across the machines of a Ray cluster).
+    # None: "uni" for one rank, "mp" for more; data-parallel replicas are local processes.
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend with None resolved (the executor inside one engine core;
+        "ray" also places data-parallel replicas as Ray actors)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     def validate(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "data_parallel_size"):
@@ -70,9 +82,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.quantization not in (None, "auto", "gguf", "int8", "none"):
             raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
                              f"{self.quantization!r}.")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError("distributed_executor_backend must be one of uni, mp, ray (or None), got "
                              f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and tp > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine core's "
+                             f"process, but tensor_parallel_size={tp}; use 'mp' or 'ray'.")
+        if tp > 1 and self.compile:
+            raise ValueError(f"compile=True is not supported with tensor_parallel_size={tp} "
+                             "(the collectives break the graph); leave compile off.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

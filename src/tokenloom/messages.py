@@ -179,6 +179,9 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # cache holds on its own, in tokens, which is less than num_kv_blocks x block_size (every
     # group takes blocks). 0: num_kv_blocks x block_size.
     kv_cache_capacity_tokens: int = 0
+    # How the model is split: its tensor-parallel ranks and who runs them ("uni", "mp", "ray").
+    tensor_parallel_size: int = 1
+    executor_backend: str = "uni"
 
 
 class LedgerBucket(enum.IntEnum):

@@ -84,8 +84,8 @@ def test_a_fault_in_the_batched_sampler_fails_only_the_offending_row(core):
     for r in (_request("good-lp", _good(logprobs=2)), _request("bad-k", SamplingParams(temperature=0.8, top_k=5, max_tokens=4, seed=3)), _request("good2", _good())):
         core.add_request(r)
     first = core.step()  # the prefill: one token each
-    sampler = core.model_runner.sampler
-    row = core.model_runner.input_batch.req_id_to_row["bad-k"]
+    sampler = core.executor.driver_worker.model_runner.sampler
+    row = core.executor.driver_worker.model_runner.input_batch.req_id_to_row["bad-k"]
     sampler._top_k[row] = sampler.top_k[row] = sampler.vocab_size + 10
     finals, tokens = _run(core)
     for out in first.outputs:

@@ -14,14 +14,14 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
+from tokenloom.executor import executor_class
+from tokenloom.kv_cache_spec import kv_cache_groups
 from tokenloom.metrics.core_ledger import CoreLedger
-from tokenloom.model.loader import LoadedModel, load_model
-from tokenloom.model.quant_linear import weight_bytes_per_token
-from tokenloom.ops import cpu_features, cpu_kernels, elementwise
-from tokenloom.ops.cpu_threads import ThreadGovernor
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputManager
-from tokenloom.worker.model_runner import ModelRunner
+from tokenloom.worker.worker import resolve_max_model_len
+
+__all__ = ["EngineCore", "resolve_max_model_len"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,71 +30,41 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_SECONDS = 0.005
 
 
-def resolve_max_model_len(requested: int | None, model_max: int) -> int:
-    if requested is None:
-        return model_max
-    if requested > model_max:
-        raise ValueError(
-            f"max_model_len={requested} is larger than the model's context length ({model_max})."
-        )
-    return requested
-
-
-def _cpu_choice(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
-    """(the start-up line of what runs on this CPU, the C kernels' ISA level or "off")."""
-    import torch
-
-    features = cpu_features.detect()
-    # ops.elementwise decides per tensor; a probe of the model's dtype says what its norms get.
-    probe = torch.empty(0, dtype=loaded.dtype)
-    kernels = cpu_kernels.isa() if elementwise.c_kernels_active(probe) else None
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    if loaded.quantization not in ("", "none"):
-        matmul = loaded.quantization
-    elif getattr(loaded.model, "packed_lm_head", None) is not None:
-        matmul = f"oneDNN packed {dtype}"
-    else:
-        matmul = f"F.linear {dtype}"
-    threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
-    return (cpu_features.engine_cpu_line(features, dtype, kernels, matmul, threads),
-            kernels or "off")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                            quantization=config.quantization)
-        self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
-        self.model_runner = ModelRunner(loaded, config, self.max_model_len)
-        tokenizer_eos = getattr(loaded.tokenizer, "eos_token_id", None)
-        stop_ids = [t for t in [tokenizer_eos, *loaded.config.eos_token_ids] if t is not None]
+        # The model's rank(s): in this process, in worker processes or in Ray actors.
+        self.executor = executor_class(config)(config)
+        info = self.executor.info
+        self.max_model_len = info.max_model_len
+        num_kv_blocks = self.executor.determine_num_kv_blocks()
+        model_config, tokenizer = self.executor.model_config(), self.executor.tokenizer()
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        stop_ids = [t for t in [tokenizer_eos, *model_config.eos_token_ids] if t is not None]
         self.structured_output_manager = StructuredOutputManager(
-            loaded.tokenizer, loaded.config.vocab_size, stop_ids, config.max_num_seqs)
-        self.scheduler = Scheduler(config, self.model_runner.num_kv_blocks, self.max_model_len,
-                                   self.structured_output_manager, self.model_runner.kv_cache_groups)
+            tokenizer, model_config.vocab_size, stop_ids, config.max_num_seqs)
+        self.scheduler = Scheduler(config, num_kv_blocks, self.max_model_len,
+                                   self.structured_output_manager, kv_cache_groups(model_config))
         self.info = EngineInfo(
             max_model_len=self.max_model_len,
-            vocab_size=loaded.config.vocab_size,
-            num_kv_blocks=self.model_runner.num_kv_blocks,
+            vocab_size=model_config.vocab_size,
+            num_kv_blocks=num_kv_blocks,
             block_size=config.block_size,
-            dtype=str(loaded.dtype).removeprefix("torch."),
-            attention_backend=self.model_runner.attn_backend.name,
+            dtype=info.dtype,
+            attention_backend=info.attention_backend,
             pid=os.getpid(),
-            kv_cache_dtype=str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
-            quantization=loaded.quantization,
-            weight_bytes_per_token=weight_bytes_per_token(loaded.model),
+            kv_cache_dtype=info.kv_cache_dtype,
+            quantization=info.quantization,
+            weight_bytes_per_token=info.weight_bytes_per_token,
             kv_cache_capacity_tokens=(self.scheduler.max_request_len
                                       if self.scheduler.kv_cache_manager.num_groups > 1 else 0),
+            tensor_parallel_size=config.tensor_parallel_size,
+            executor_backend=config.executor_backend,
         )
-        # Threads follow what other processes leave of our cores (CPU only).
-        self.thread_governor: ThreadGovernor | None = None
-        if self.model_runner.device.type == "cpu":
-            self.thread_governor = ThreadGovernor()
-            self.info.cpu, self.info.cpu_kernels_isa = _cpu_choice(
-                loaded, self.thread_governor.describe())
+        if info.cpu:
+            self.info.cpu, self.info.cpu_kernels_isa = info.cpu, info.cpu_kernels_isa
             logger.info("CPU: %s", self.info.cpu)
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
@@ -151,7 +121,7 @@ class EngineCore:
         """The runner learns of finished requests with the next schedule(); when no next step is
         coming (the core goes idle), hand them over now so no request state outlives its request."""
         if self.scheduler.finished_req_ids and not self.scheduler.has_unfinished_requests():
-            self.model_runner.remove_requests(self.scheduler.finished_req_ids)
+            self.executor.remove_requests(self.scheduler.finished_req_ids)
             self.scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
@@ -163,15 +133,13 @@ class EngineCore:
         aborted, self._aborted_outputs = self._aborted_outputs, []
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=aborted, timestamp=now())
-        if self.thread_governor is not None:
-            self.thread_governor.step()
         step_start = now()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.ledger is not None:
             self.ledger.on_schedule(scheduler_output, step_start)
         t1 = time.perf_counter()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
@@ -198,6 +166,10 @@ class EngineCore:
             stats.step_time = t3 - t0
         return outputs
 
+    def shutdown(self) -> None:
+        """Stops the executor's workers (worker processes or Ray actors)."""
+        self.executor.shutdown()
+
     # ---- utility calls (msgpack-able results) -----------------------------------------------
 
     def get_info(self) -> EngineInfo:
@@ -222,7 +194,7 @@ class EngineCore:
             "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,
             "num_total_blocks": pool.num_usable_blocks,  # the null block (if any) is no one's
-            "num_runner_requests": len(self.model_runner.input_batch),
+            "num_runner_requests": self.executor.num_runner_requests(),
             "prefix_cache_queries": s.kv_cache_manager.prefix_cache_queries,
             "prefix_cache_hits": s.kv_cache_manager.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,

@@ -209,6 +209,7 @@ class EngineCoreProc:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        self.engine.shutdown()
         self.output_queue.put(_SHUTDOWN)
 
 

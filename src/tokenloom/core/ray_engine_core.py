@@ -26,6 +26,10 @@ class EngineCoreActor:
 
         _set_compute_threads()
         config = msgspec.json.decode(config_json, type=EngineConfig)
+        # "ray" placed this replica; its own tensor-parallel ranks (if any) run as local processes
+        # inside the replica's bundle, not as Ray actors nested in it.
+        config = msgspec.structs.replace(
+            config, distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp")
         # On failure it has told the front end (engine_error) before raising.
         self.proc = EngineCoreProc(config, in_addr, out_addr)
 

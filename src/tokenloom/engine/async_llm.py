@@ -78,7 +78,7 @@ class AsyncLLM:
         self.model_config = load_model_config(config.model)
         self.data_parallel_size = config.data_parallel_size
         self.engine_core: AsyncMPClient | DPAsyncClient = (
-            DPAsyncClient(config) if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray"
+            DPAsyncClient(config) if config.data_parallel_size > 1
             else AsyncMPClient(config))
         self.max_model_len = self.engine_core.info.max_model_len
         info = self.engine_core.info

@@ -101,7 +101,7 @@ class InprocClient(EngineCoreClient):
         return msgspec.msgpack.decode(msgspec.msgpack.encode(result))
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 def _cleanup(proc: "ProcessHandle", ctx: zmq.Context, tmpdir: str) -> None:

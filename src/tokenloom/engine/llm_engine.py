@@ -32,9 +32,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.model_config = load_model_config(config.model)
         self.engine_core: EngineCoreClient
-        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+        # Replicas behind a load balancer only for data parallelism; at data_parallel_size=1 the
+        # backend ("mp", "ray") says only who runs the tensor-parallel ranks (as vLLM).
+        if config.data_parallel_size > 1:
             if not multiprocess:
-                raise ValueError("data_parallel_size > 1 and the ray backend need multiprocess=True "
+                raise ValueError("data_parallel_size > 1 needs multiprocess=True "
                                  "(each replica is its own process).")
             self.engine_core = DPClient(config)
         else:

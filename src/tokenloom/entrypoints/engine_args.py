@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=_DEFAULTS.quantization, choices=["auto", "gguf", "int8", "none"],
                    help="auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model in float; "
                         "int8: int8 weights and activations for any model; none: dequantized float path")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS.tensor_parallel_size,
+                   help="split the model across this many ranks (one process each; torch.distributed, gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="who runs the ranks: uni (this engine core, one rank), mp (worker processes), ray (Ray actors, "
+                        "also across machines: `ray start --head` first); default uni for one rank, mp for more")
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 

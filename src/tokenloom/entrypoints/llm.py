@@ -26,7 +26,9 @@ class LLM:
     keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
     K/V rounded to bfloat16). `quantization="auto"` computes a GGUF with its quantized weights
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; as llama.cpp does), `"int8"` quantizes any
-    model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `multiprocess=True` runs the
+    model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `tensor_parallel_size=N` splits the model across N ranks
+    (`distributed_executor_backend`: "mp" worker processes, the default for N > 1, or "ray"
+    actors). `multiprocess=True` runs the
     engine core in a child process; `False` runs it in this process (debugging).
     `data_parallel_size=M` runs M engine cores (each on its share of the cores) and sends each
     request to the least loaded; `distributed_executor_backend="ray"` runs them as Ray actors.
@@ -56,6 +58,7 @@ class LLM:
         compile: bool = False,
         quantization: str | None = "auto",
         data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
     ) -> None:
         config = EngineConfig(
@@ -79,6 +82,7 @@ class LLM:
             compile=compile,
             quantization=quantization,
             data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
         )
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)

@@ -19,7 +19,7 @@ and SiLU-and-mul are `ops.elementwise`'s, which picks the C kernels or the PyTor
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -177,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None
         # A quantized LM head (model/quant_linear), installed by the loader in place of the above.
         self.quant_lm_head: nn.Module | None = None
+        # Under tensor parallelism (model/tensor_parallel) the LM head computes this rank's slice
+        # of the vocabulary; this joins the slices. None with one rank.
+        self.vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         c = self.config
@@ -206,8 +209,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
         if self.quant_lm_head is not None:
-            return self.quant_lm_head(hidden)
-        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
+            logits = self.quant_lm_head(hidden)
+        else:
+            logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
+        return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

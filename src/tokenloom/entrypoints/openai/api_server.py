@@ -421,7 +421,9 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
         await task
         # Exit status 1 tells a supervisor to restart; kept up by hand, a later stop is a clean exit.
-        engine_died = not keep_alive and watchdog.done() and not watchdog.cancelled() and watchdog.result()
+        # The engine's own flag, not the watchdog's result: the watchdog may still be reaping a
+        # core that is exiting on its own (a fatal error it reported) when the server stops.
+        engine_died = not keep_alive and engine.is_dead
         watchdog.cancel()
 
     try:
