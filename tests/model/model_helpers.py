@@ -224,7 +224,8 @@ def byte_vocab() -> list[str]:
 def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_count: int, hidden: int,
                ffn: int, heads: int, kv_heads: int, context: int = 1024, head_dim: int | None = None,
                qtypes: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None,
-               rope_theta: float = 10000.0, eps: float = 1e-5, tokenizer: str | None = "gpt2") -> str:
+               rope_theta: float = 10000.0, eps: float = 1e-5, tokenizer: str | None = "gpt2",
+               sliding_window: int | None = None) -> str:
     """Write a GGUF. `qtypes` quantizes named tensors (default F32); `raw` adds tensors as
     (uint8 bytes shaped [*rows, bytes_per_row], ggml type), e.g. of a type we do not support."""
     import gguf
@@ -241,6 +242,8 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
         w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(eps)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     if tokenizer == "gpt2":
         w.add_tokenizer_model("gpt2")
         w.add_token_list(byte_vocab())

@@ -172,7 +172,9 @@ class TorchAttentionBackend(AttentionBackend):
         qsl, seq_lens = qsl.to(torch.int64), seq_lens.to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
         # A window no shorter than every context changes nothing: plan as full attention.
-        W = meta.sliding_window if meta.sliding_window is not None and meta.max_seq_len > meta.sliding_window else None
+        W = meta.sliding_window
+        if W is not None and meta.max_seq_len <= W:
+            W = None
 
         # Every scheduled token is written: the runner computes no padding tokens.
         write_slots = meta.slot_mapping[:T].to(torch.int64)

