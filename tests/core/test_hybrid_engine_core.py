@@ -73,7 +73,7 @@ def test_tiny_gemma3_long_generation_holds_a_window_per_sliding_group(tiny_gemma
     kv = core.scheduler.kv_cache_manager
     assert [g.sliding_window for g in kv.kv_cache_groups] == [None, WINDOW, WINDOW]
     # Groups of two layers share two KV tensors: full (2, 5), sliding (0, 1) and (3, 4).
-    caches = core.model_runner.kv_caches
+    caches = core.executor.driver_worker.model_runner.kv_caches
     assert caches[2] is caches[0] is caches[3] and caches[5] is caches[1] is caches[4]
     assert caches[0] is not caches[1]
     # The caller learns how long one request can be (every group takes blocks).

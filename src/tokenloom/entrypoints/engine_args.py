@@ -28,8 +28,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_DEFAULTS.attention_backend, choices=["auto", "torch", "triton"])
     g.add_argument("--data-parallel-size", "-dp", type=int, default=_DEFAULTS.data_parallel_size,
                    help="engine-core replicas behind one front end, each with its share of the cores; requests go to the least loaded")
-    g.add_argument("--distributed-executor-backend", default=_DEFAULTS.distributed_executor_backend, choices=["uni", "mp", "ray"],
-                   help="ray: run the engine cores as Ray actors placed with a placement group (spans a Ray cluster)")
     g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
     g.add_argument("--no-ledger", dest="enable_ledger", action="store_false", help="turn the ledger (per-request timing, metrics) off")
     g.add_argument("--compile", action="store_true", help="torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
@@ -40,7 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model across this many ranks (one process each; torch.distributed, gloo on CPU, NCCL on CUDA)")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="who runs the ranks: uni (this engine core, one rank), mp (worker processes), ray (Ray actors, "
-                        "also across machines: `ray start --head` first); default uni for one rank, mp for more")
+                        "also across machines: `ray start --head` first); default uni for one rank, mp for more. "
+                        "With --data-parallel-size > 1, ray also runs each replica's engine core as a Ray actor "
+                        "placed with a placement group")
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 
