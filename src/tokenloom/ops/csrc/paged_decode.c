@@ -310,7 +310,7 @@ TL_SCALAR_BLOCK(uint16_t, tl_bf16_to_f32, kv_block_scalar_bf16kv)
 
 /* The next block's rows (the item's columns of each) are prefetched while this one is
  * computed: blocks are scattered in memory, and without it the kernel stalls at every block
- * (~1.3x slower at batch 64 on a Zen 3; neutral on a Xeon with a large L3). */
+ * (~1.3x slower at batch 64 on a Zen 3, 1.4-1.6x on the Xeon with AMX, benchmarks/README.md). */
 static inline void prefetch_block(const char *kb, const char *vb, int n, int64_t row_bytes,
                                   int64_t len) {
     for (int t = 0; t < n; t++)
