@@ -235,6 +235,9 @@ def main() -> None:
     _set_compute_threads(dp_rank, dp_size)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     proc = EngineCoreProc(config, in_addr, out_addr)
+    # SIGINT raises KeyboardInterrupt in the busy loop, so the core reports its own death (below)
+    # whatever a library imported while loading the model did with the handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc.run_busy_loop()
     except BaseException as e:  # noqa: BLE001 - every in-flight request must hear about it
