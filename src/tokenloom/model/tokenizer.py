@@ -94,15 +94,22 @@ def gguf_tokenizer(g: GGUFFile) -> PreTrainedTokenizerFast:
         ])
     backend.decoder = decoders.ByteLevel()
 
+    _add_file_tokens(backend, tokens, token_types, vocab, spelled)
+    return _wrap(g, backend, tokens, add_bos_default=False)
+
+
+def _add_file_tokens(backend: Tokenizer, tokens: list[str], token_types: list[int], vocab: dict,
+                     keep_control) -> None:
+    """The GGUF's control tokens (those `keep_control` accepts) as special added tokens and its
+    user-defined tokens that are in the vocabulary as plain added tokens."""
     control = [AddedToken(t, normalized=False, special=True)
-               for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_CONTROL and spelled(t)]
+               for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_CONTROL and keep_control(t)]
     user = [AddedToken(t, normalized=False, special=False)
             for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_USER_DEFINED and t in vocab]
     if control:
         backend.add_special_tokens(control)
     if user:
         backend.add_tokens(user)
-    return _wrap(g, backend, tokens, add_bos_default=False)
 
 
 def _wrap(g: GGUFFile, backend: Tokenizer, tokens: list[str], add_bos_default: bool) -> PreTrainedTokenizerFast:
@@ -173,14 +180,7 @@ def _gemma_tokenizer(g: GGUFFile, tokens: list[str], token_types: list[int]) -> 
                                          decoders.Fuse()])
     # Added tokens under the file's own spelling (a user-defined token of spaces would not be in
     # the renamed vocabulary, and is left out, as transformers does).
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_CONTROL]
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, kind_ in zip(tokens, token_types) if kind_ == _TOKEN_USER_DEFINED and t in vocab]
-    if control:
-        backend.add_special_tokens(control)
-    if user:
-        backend.add_tokens(user)
+    _add_file_tokens(backend, tokens, token_types, vocab, lambda t: True)
     # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
     return _wrap(g, backend, tokens, add_bos_default=True)
 
