@@ -72,6 +72,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text decoder over a flat batch (see the module docstring)."""
 
     decoder_layer_cls = Gemma3DecoderLayer
+    fused_decode_ok = False  # its own forward and layers
 
     def __init__(self, config: ModelArchConfig) -> None:
         if not config.tie_word_embeddings:

@@ -159,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
     # A decoder of another family (gemma3.py) brings its own layer, RoPE tables and forward, and
     # keeps the rest: the embedding, final norm, LM head, and loading weights into fused rows.
     decoder_layer_cls: type[nn.Module] = DecoderLayer
+    # Whether `forward` is this class's (model/fused_decode replaces exactly that for decodes).
+    fused_decode_ok = True
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
@@ -180,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism (model/tensor_parallel) the LM head computes this rank's slice
         # of the vocabulary; this joins the slices. None with one rank.
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Decode steps as one C call (model/fused_decode.FusedQuantDecode), set by the CPU model
+        # runner once quantization and tensor parallelism have shaped the layers.
+        self.fused_decode: Callable[..., torch.Tensor | None] | None = None
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         c = self.config
@@ -201,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= cos_sin.shape[0]:
             raise IndexError(f"position {int(positions.max())} is past the model's "
                              f"{cos_sin.shape[0]} RoPE positions")
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            out = self.fused_decode(h, positions, kv_caches, attn_plans)
+            if out is not None:
+                return out
         residual = None
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.kv_cache_group_of_layer, strict=True):
             h, residual = layer(h, residual, positions, cos_sin, kv_cache, attn_backend, attn_plans[g])

@@ -21,6 +21,7 @@ from tokenloom.config import EngineConfig, default_kv_cache_bytes
 from tokenloom.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_groups, kv_tensor_of_layer
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
+from tokenloom.model.fused_decode import FusedQuantDecode
 from tokenloom.model.packed_linear import prepare_cpu_weights
 from tokenloom.ops import cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -101,6 +102,9 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
             prepare_cpu_weights(self.model)
+            # A quantized Llama-family model's decode steps as one C call (the eager layers
+            # for every other step); None where the layers are not what that call computes.
+            self.model.fused_decode = FusedQuantDecode.build(self.model)
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).

@@ -1,0 +1,100 @@
+"""When a decode step of a quantized Llama-family model runs as one C call (ops/decode_step.py).
+
+`FusedQuantDecode.build(model)` checks once, after loading, that every layer is what the C step
+computes: the Llama decoder layer, one tiled quantized weight per linear (q|k|v fused, gate|up
+fused), no q/k norm, no sliding window, no tensor parallelism (a `RowParallel` o_proj or
+down_proj is not a `QuantLinear`), float32 norms. Each step it then checks that the step is a
+plain decode step -- one attention plan, every token a decode with its own request in order, the
+C decode kernel's block table built, float32 caches -- and otherwise returns None, so the eager
+layers run (prefills, mixed steps, the PyTorch fallbacks).
+
+`TOKENLOOM_FUSED_DECODE=0` keeps the eager layers for every step (for A/B measurements).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.attention.torch_backend import TorchAttentionPlan
+from tokenloom.model.quant_linear import QuantLinear
+from tokenloom.ops import cpu_kernels
+from tokenloom.ops.decode_step import QuantDecodeLayer, QuantDecodeStep
+from tokenloom.ops.quant import TiledQuantWeight
+
+logger = logging.getLogger(__name__)
+
+
+def _tiled(module: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | None:
+    if type(module) is not QuantLinear or len(module.parts) != 1:
+        return None
+    part = module.parts[0]
+    if not isinstance(part, TiledQuantWeight) or (module.bias is not None and not bias_ok):
+        return None
+    return part
+
+
+class FusedQuantDecode:
+    """The C decode step of a loaded model, with the per-step applicability check."""
+
+    def __init__(self, step: QuantDecodeStep) -> None:
+        self.step = step
+        self.steps = 0  # decode steps run fused (tests and benchmarks read it)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FusedQuantDecode | None:
+        """The fused step for `model`, or None when any part of it is not what the C step
+        computes (then every step runs the eager layers, as before)."""
+        if os.environ.get("TOKENLOOM_FUSED_DECODE", "1") == "0" or cpu_kernels.load() is None:
+            return None
+        cfg = model.config
+        if (not getattr(model, "fused_decode_ok", False) or cfg.sliding_window is not None
+                or cfg.qk_norm or model.vocab_gather is not None):
+            return None
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mats = (_tiled(attn.qkv_proj, bias_ok=True), _tiled(attn.o_proj),
+                    _tiled(mlp.gate_up_proj), _tiled(mlp.down_proj))
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(m is None for m in mats) or any(n.dtype != torch.float32 for n in norms):
+                return None
+            bias = attn.qkv_proj.bias
+            layers.append(QuantDecodeLayer(
+                input_norm=norms[0].detach(), post_norm=norms[1].detach(), qkv=mats[0], o=mats[1],
+                gate_up=mats[2], down=mats[3],
+                qkv_bias=None if bias is None else bias.detach().float().contiguous()))
+        if not layers or model.norm.weight.dtype != torch.float32:
+            return None
+        step = QuantDecodeStep(layers, model.norm.weight.detach(), model.cos_sin,
+                               num_heads=cfg.num_attention_heads,
+                               num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                               eps=cfg.rms_norm_eps)
+        logger.info("decode steps of this quantized model run as one C call per step")
+        return cls(step)
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 attn_plans: list[Any]) -> torch.Tensor | None:
+        """The final hidden states of a plain decode step, or None for any other step."""
+        if len(attn_plans) != 1 or not isinstance(attn_plans[0], TorchAttentionPlan):
+            return None
+        plan = attn_plans[0]
+        T = h.shape[0]
+        dp = plan.decode
+        if (dp is None or plan.padded_prefill is not None or plan.request_prefills
+                or dp.block_table_i32 is None or dp.sliding_window is not None
+                or dp.token_slice is None or dp.token_slice.start not in (0, None)
+                or dp.num_decodes != T or plan.num_actual_tokens != T
+                or h.dtype != torch.float32 or h.device.type != "cpu"
+                or positions.dtype != torch.int64 or not positions.is_contiguous()):
+            return None
+        cache = kv_caches[0]
+        if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
+            return None
+        out = self.step(h.contiguous(), positions, plan.write_slots.contiguous(),
+                        dp.block_table_i32, dp.seq_lens_i32, kv_caches)
+        self.steps += 1
+        return out

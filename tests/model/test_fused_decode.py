@@ -1,0 +1,89 @@
+"""A decode step of a quantized Llama-family model as one C call (model/fused_decode.py) gives
+the eager layers' results bit for bit: the same greedy tokens and the same logprobs, for the
+embedded SmolLM2 GGUF and for tiny GGUFs with a q/k/v bias (Qwen2), across prefills, decodes,
+requests of different lengths joining and leaving, and preemption."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from model_helpers import byte_vocab, gguf_tensors_from_hf, tiny_hf_model, write_gguf
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
+Q = gguf.GGMLQuantizationType
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
+
+
+def _run(llm: LLM, prompts: list[list[int]], fused: bool) -> list[tuple]:
+    model = _model(llm)
+    if not hasattr(llm, "_fused_step"):
+        llm._fused_step = model.fused_decode  # built by the model runner
+    model.fused_decode = llm._fused_step if fused else None
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+              for n in (12, 5, 9, 16)[:len(prompts)]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(tuple(o.outputs[0].token_ids), [sorted(d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _compare(llm: LLM, prompts: list[list[int]]) -> None:
+    """(Prefix caching is off: a hit would chunk the second run's prefills differently.)"""
+    eager = _run(llm, prompts, fused=False)
+    fused = _run(llm, prompts, fused=True)
+    step = llm._fused_step
+    assert step is not None and step.steps > 0, "the fused step never ran"
+    assert fused == eager
+
+
+def test_smollm2_gguf_fused_decode_is_the_eager_path(smollm2_path):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
+    with LLM(smollm2_path, multiprocess=False, num_kv_blocks=64, max_num_batched_tokens=96,
+             enable_prefix_caching=False) as llm:
+        _compare(llm, prompts)
+
+
+@pytest.mark.parametrize("kind,qtype", [("llama", Q.Q4_0), ("qwen2", Q.Q8_0)])
+def test_tiny_gguf_fused_decode_is_the_eager_path(tmp_path, kind, qtype):
+    """Qwen2 brings the q/k/v bias; 8 KV blocks of 16 for four requests of up to ~90 tokens
+    force preemption and recomputation in the middle of decoding."""
+    vocab = byte_vocab()
+    ref = tiny_hf_model(kind, vocab_size=len(vocab), seed=11)
+    tensors = gguf_tensors_from_hf(ref, kind)
+    c = ref.config
+    path = write_gguf(str(tmp_path / f"{kind}.gguf"), kind, tensors, block_count=c.num_hidden_layers,
+                      hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                      kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
+                      head_dim=getattr(c, "head_dim", None), rope_theta=c.rope_parameters["rope_theta"],
+                      eps=c.rms_norm_eps, qtypes={n: qtype for n, t in tensors.items() if t.ndim == 2})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, len(vocab), (n,), generator=g).tolist() for n in (3, 70, 25, 50)]
+    with LLM(path, multiprocess=False, num_kv_blocks=8, max_num_batched_tokens=64,
+             enable_prefix_caching=False) as llm:
+        _compare(llm, prompts)
+
+
+def test_float_path_and_qk_norm_stay_eager(tmp_path, smollm2_path):
+    """What the C step does not compute keeps the eager layers: the float path, and Qwen3's
+    q/k norms."""
+    with LLM(smollm2_path, multiprocess=False, quantization=None, num_kv_blocks=16) as llm:
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert _model(llm).fused_decode is None
+    vocab = byte_vocab()
+    ref = tiny_hf_model("qwen3", vocab_size=len(vocab), seed=2, head_dim=32)
+    tensors = gguf_tensors_from_hf(ref, "qwen3")
+    c = ref.config
+    path = write_gguf(str(tmp_path / "qwen3.gguf"), "qwen3", tensors, block_count=c.num_hidden_layers,
+                      hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                      kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
+                      head_dim=c.head_dim, rope_theta=c.rope_parameters["rope_theta"],
+                      eps=c.rms_norm_eps, qtypes={n: Q.Q8_0 for n, t in tensors.items() if t.ndim == 2})
+    with LLM(path, multiprocess=False, num_kv_blocks=16) as llm:
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert _model(llm).fused_decode is None
