@@ -5,7 +5,7 @@ computes: the Llama decoder layer, one tiled quantized weight per linear (q|k|v 
 fused), no q/k norm, no sliding window, no tensor parallelism (a `RowParallel` o_proj or
 down_proj is not a `QuantLinear`), float32 norms. Each step it then checks that the step is a
 plain decode step -- one attention plan, every token a decode with its own request in order, the
-C decode kernel's block table built, float32 caches -- and otherwise returns None, so the eager
+C decode kernel's block table built, float32 or bfloat16 caches -- and otherwise returns None, so the eager
 layers run (prefills, mixed steps, the PyTorch fallbacks).
 
 `TOKENLOOM_FUSED_DECODE=0` keeps the eager layers for every step (for A/B measurements).
@@ -92,7 +92,7 @@ class FusedQuantDecode:
                 or positions.dtype != torch.int64 or not positions.is_contiguous()):
             return None
         cache = kv_caches[0]
-        if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
+        if cache.dtype not in (torch.float32, torch.bfloat16) or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
             return None
         out = self.step(h.contiguous(), positions, plan.write_slots.contiguous(),
                         dp.block_table_i32, dp.seq_lens_i32, kv_caches)

@@ -34,7 +34,7 @@ class _QModel(ctypes.Structure):
     _fields_ = [("num_layers", _c_i32), ("hidden", _c_i32), ("num_heads", _c_i32),
                 ("num_kv_heads", _c_i32), ("head_dim", _c_i32), ("intermediate", _c_i32),
                 ("block_size", _c_i32), ("act_levels", _c_i32), ("eps", _c_f), ("scale", _c_f),
-                ("final_norm", _c_p), ("cos_sin", _c_p), ("cs_stride", _c_i64)]
+                ("kv_bf16", _c_i32), ("pad_", _c_i32), ("final_norm", _c_p), ("cos_sin", _c_p), ("cs_stride", _c_i64)]
 
 
 _bound: set[int] = set()
@@ -97,8 +97,8 @@ class QuantDecodeStep:
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
     def _set_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Points each layer at its cache ([2, num_blocks, block_size, Hkv, D] float32), when
-        the runner's caches are not the ones of the last call."""
+        """Points each layer at its cache ([2, num_blocks, block_size, Hkv, D], float32 or
+        bfloat16), when the runner's caches are not the ones of the last call."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs == self._caches:
             return
@@ -106,6 +106,7 @@ class QuantDecodeStep:
             dst.k_cache = cache.data_ptr()
             dst.v_cache = cache.data_ptr() + cache.element_size() * cache.stride(0)
         self._model.block_size = kv_caches[0].shape[2]
+        self._model.kv_bf16 = int(kv_caches[0].dtype == torch.bfloat16)
         self._caches = ptrs
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

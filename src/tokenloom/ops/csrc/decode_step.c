@@ -10,12 +10,15 @@
  * gone.
  *
  * What it covers (the caller, model/fused_decode.py, checks it once per step and otherwise
- * runs the eager layers): float32 activations and KV cache, every token a decode (one query
+ * runs the eager layers): float32 activations, a float32 or bfloat16 KV cache (the latter
+ * written as torch's `.to(torch.bfloat16)` rounds: to nearest even), every token a decode (one query
  * token per request, in request order), full attention, no tensor parallelism, every linear one
  * tiled quantized weight (ops/quant.py), optional q/k/v bias, no q/k norm.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "vec_math.h"
 
 /* The kernels this step strings together (quant_gemm.c, elementwise.c, paged_decode.c). */
 int64_t tl_q_scratch_bytes(int64_t M, int64_t K);
@@ -29,11 +32,12 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
                          int32_t T, int32_t I);
 void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int32_t head_dim,
                  const int64_t *positions, const float *cos_sin, int64_t cs_stride);
-int tl_paged_decode_f32(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                        void *out, int64_t out_stride, int32_t num_seqs, int32_t num_heads,
-                        int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-                        int32_t window);
+#define TL_DECODE_PARAMS const void *q, int64_t q_stride, const void *k_cache, \
+    const void *v_cache, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, \
+    void *out, int64_t out_stride, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, \
+    int32_t head_dim, int32_t block_size, float scale, int32_t window
+int tl_paged_decode_f32(TL_DECODE_PARAMS);
+int tl_paged_decode_f32_bf16kv(TL_DECODE_PARAMS);
 
 /* A quantized linear layer: the tiled weight's bytes, its format and output rows. */
 typedef struct {
@@ -44,11 +48,12 @@ typedef struct {
     int32_t pad_;
 } tl_qmat;
 
-/* One decoder layer's parameters and KV cache (both [num_blocks * block_size, Hkv, D]). */
+/* One decoder layer's parameters and KV cache (both [num_blocks * block_size, Hkv, D], float32
+ * or bfloat16 as tl_qmodel.kv_bf16 says). */
 typedef struct {
     const float *input_norm, *post_norm;
     tl_qmat qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } tl_qlayer;
 
 /* The model's shape, fixed at load. */
@@ -56,6 +61,7 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
         act_levels;
     float eps, scale;
+    int32_t kv_bf16, pad_;
     const float *final_norm;
     const float *cos_sin;
     int64_t cs_stride;
@@ -108,11 +114,21 @@ int32_t tl_llama_decode_q(const tl_qmodel *m, const tl_qlayer *layers, float *h,
         tl_rope_f32(qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
         for (int32_t t = 0; t < T; t++) {
             const float *row = qkv + t * nqkv;
-            memcpy(L->k_cache + slots[t] * kvd, row + qd, sizeof(float) * (size_t)kvd);
-            memcpy(L->v_cache + slots[t] * kvd, row + qd + kvd, sizeof(float) * (size_t)kvd);
+            if (m->kv_bf16) {
+                uint16_t *kc = (uint16_t *)L->k_cache + slots[t] * kvd;
+                uint16_t *vc = (uint16_t *)L->v_cache + slots[t] * kvd;
+                for (int64_t i = 0; i < kvd; i++) {
+                    kc[i] = tl_f32_to_bf16(row[qd + i]);
+                    vc[i] = tl_f32_to_bf16(row[qd + kvd + i]);
+                }
+            } else {
+                memcpy((float *)L->k_cache + slots[t] * kvd, row + qd, sizeof(float) * (size_t)kvd);
+                memcpy((float *)L->v_cache + slots[t] * kvd, row + qd + kvd, sizeof(float) * (size_t)kvd);
+            }
         }
-        rc = tl_paged_decode_f32(qkv, nqkv, L->k_cache, L->v_cache, block_table, bt_stride,
-                                 seq_lens, attn, qd, T, Hq, Hkv, D, m->block_size, m->scale, 0);
+        rc = (m->kv_bf16 ? tl_paged_decode_f32_bf16kv : tl_paged_decode_f32)(
+            qkv, nqkv, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, qd, T, Hq,
+            Hkv, D, m->block_size, m->scale, 0);
         if (rc) return rc;
         rc = tl_q_linear(L->o.fmt, L->o.w, H, qd, attn, qd, T, y, H, L->o.bias, scratch,
                          m->act_levels);
