@@ -1,7 +1,8 @@
-"""A decode step of a quantized Llama-family model as one C call (model/fused_decode.py) gives
-the eager layers' results bit for bit: the same greedy tokens and the same logprobs, for the
-embedded SmolLM2 GGUF and for tiny GGUFs with a q/k/v bias (Qwen2), across prefills, decodes,
-requests of different lengths joining and leaving, and preemption."""
+"""A decode step of a Llama-family model as one C call (model/fused_decode.py). On quantized
+weights it gives the eager layers' results bit for bit: the same greedy tokens and the same
+logprobs, for the embedded SmolLM2 GGUF and for tiny GGUFs with a q/k/v bias (Qwen2), across
+prefills, decodes, requests of different lengths joining and leaving, and preemption. In
+bfloat16 (AMX CPUs) it follows the eager path within bf16 rounding."""
 from __future__ import annotations
 
 import gguf
@@ -10,7 +11,8 @@ import torch
 from model_helpers import byte_vocab, gguf_tensors_from_hf, tiny_hf_model, write_gguf
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.ops import cpu_kernels
+from tokenloom.ops import cpu_features, cpu_kernels
+from tokenloom.ops.decode_step import mkl_gemm_bf16
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 Q = gguf.GGMLQuantizationType
@@ -71,10 +73,38 @@ def test_tiny_gguf_fused_decode_is_the_eager_path(tmp_path, kind, qtype):
         _compare(llm, prompts)
 
 
-def test_float_path_and_qk_norm_stay_eager(tmp_path, smollm2_path):
-    """What the C step does not compute keeps the eager layers: the float path, and Qwen3's
+@pytest.mark.skipif(not (cpu_features.detect().amx and mkl_gemm_bf16()),
+                    reason="the bfloat16 step runs on CPUs with AMX (and MKL's bf16 GEMM in torch)")
+def test_bfloat16_fused_decode_follows_the_eager_path(smollm2_path):
+    """The float path in bfloat16 on an AMX CPU: MKL's bf16 GEMM on the plain weights, each
+    output rounded once to bfloat16 as the eager path's matmul is. The eager path on the same
+    (unpacked) weights gives the same greedy tokens, and top logprobs within bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
+    with LLM(smollm2_path, multiprocess=False, quantization=None, dtype="bfloat16", num_kv_blocks=64,
+             max_num_batched_tokens=96, enable_prefix_caching=False) as llm:
+        eager = _run(llm, prompts, fused=False)
+        fused = _run(llm, prompts, fused=True)
+        assert llm._fused_step is not None and llm._fused_step.plain_weights
+        assert llm._fused_step.steps > 0
+    # The two GEMMs sum in different orders, so a rare element rounds to the neighbouring bf16
+    # value (logits move by a bf16 step, ~0.06-0.25 at their size); a near tie may then flip a
+    # greedy token late in a reply.
+    identical = 0
+    for (e_tokens, e_lps), (f_tokens, f_lps) in zip(eager, fused):
+        n = next((i for i, (a, b) in enumerate(zip(e_tokens, f_tokens)) if a != b), len(e_tokens))
+        identical += n == len(e_tokens)
+        for e, f in zip(e_lps[:n], f_lps[:n]):
+            e, f = dict(e), dict(f)
+            diffs = [abs(e[t].logprob - f[t].logprob) for t in e.keys() & f.keys()]
+            assert diffs and max(diffs) < 0.3, (e, f)
+    assert identical >= 3, (eager, fused)
+
+
+def test_float32_path_and_qk_norm_stay_eager(tmp_path, smollm2_path):
+    """What the C step does not compute keeps the eager layers: float32 matmuls, and Qwen3's
     q/k norms."""
-    with LLM(smollm2_path, multiprocess=False, quantization=None, num_kv_blocks=16) as llm:
+    with LLM(smollm2_path, multiprocess=False, quantization=None, dtype="float32", num_kv_blocks=16) as llm:
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
         assert _model(llm).fused_decode is None
     vocab = byte_vocab()

@@ -1,12 +1,20 @@
-"""When a decode step of a quantized Llama-family model runs as one C call (ops/decode_step.py).
+"""When a decode step of a Llama-family model runs as one C call (ops/decode_step.py).
 
-`FusedQuantDecode.build(model)` checks once, after loading, that every layer is what the C step
-computes: the Llama decoder layer, one tiled quantized weight per linear (q|k|v fused, gate|up
-fused), no q/k norm, no sliding window, no tensor parallelism (a `RowParallel` o_proj or
-down_proj is not a `QuantLinear`), float32 norms. Each step it then checks that the step is a
-plain decode step -- one attention plan, every token a decode with its own request in order, the
-C decode kernel's block table built, float32 or bfloat16 caches -- and otherwise returns None, so the eager
-layers run (prefills, mixed steps, the PyTorch fallbacks).
+`FusedDecode.build(model)` checks once, before the model runner lays out the weights, that
+every layer is what the C step computes: the Llama decoder layer (not Gemma 3's), no q/k norm,
+no sliding window, no tensor parallelism (a `RowParallel` o_proj or down_proj is neither kind of
+linear below), optional q/k/v bias, and either
+- quantized: every linear one tiled quantized weight (q|k|v and gate|up fused), float32 norms;
+  the step returns the eager layers' results bit for bit; or
+- bfloat16: every linear a plain bf16 `Linear`, on a CPU with AMX, with MKL's bf16 GEMM in
+  torch's library. There MKL's AMX GEMM beat oneDNN's packed bf16 matmul at decode sizes on the
+  Xeon (benchmarks/README.md: 2.7 against 8.2 ms for the 30 layers at one row, 15 against 21 at
+  64), so the runner keeps the plain weights for it instead of packing them (`plain_weights`).
+  Elsewhere (AVX-512 BF16 without AMX, where this was not measured) the eager packed path stays.
+Each step it then checks that the step is a plain decode step -- one attention plan, every token
+a decode of its own request in order, the C decode kernel's block table built, a cache the step
+can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
+PyTorch fallbacks).
 
 `TOKENLOOM_FUSED_DECODE=0` keeps the eager layers for every step (for A/B measurements).
 """
@@ -20,9 +28,10 @@ import torch
 from torch import nn
 
 from tokenloom.attention.torch_backend import TorchAttentionPlan
+from tokenloom.model.llama import Linear
 from tokenloom.model.quant_linear import QuantLinear
-from tokenloom.ops import cpu_kernels
-from tokenloom.ops.decode_step import QuantDecodeLayer, QuantDecodeStep
+from tokenloom.ops import cpu_features, cpu_kernels
+from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, mkl_gemm_bf16
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -37,44 +46,64 @@ def _tiled(module: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | None:
     return part
 
 
-class FusedQuantDecode:
+def _bf16(module: nn.Module, bias_ok: bool = False) -> torch.Tensor | None:
+    if type(module) is not Linear or (module.bias is not None and not bias_ok):
+        return None
+    w = module.weight
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    return w.detach()
+
+
+def _bf16_gemm_wins() -> bool:
+    return cpu_features.detect().amx and mkl_gemm_bf16() is not None
+
+
+class FusedDecode:
     """The C decode step of a loaded model, with the per-step applicability check."""
 
-    def __init__(self, step: QuantDecodeStep) -> None:
+    def __init__(self, step: DecodeStep, plain_weights: bool) -> None:
         self.step = step
+        # The step multiplies the layers' plain bf16 weights: the runner must not pack (and
+        # release) them.
+        self.plain_weights = plain_weights
         self.steps = 0  # decode steps run fused (tests and benchmarks read it)
 
     @classmethod
-    def build(cls, model: nn.Module) -> FusedQuantDecode | None:
+    def build(cls, model: nn.Module) -> FusedDecode | None:
         """The fused step for `model`, or None when any part of it is not what the C step
         computes (then every step runs the eager layers, as before)."""
         if os.environ.get("TOKENLOOM_FUSED_DECODE", "1") == "0" or cpu_kernels.load() is None:
             return None
         cfg = model.config
         if (not getattr(model, "fused_decode_ok", False) or cfg.sliding_window is not None
-                or cfg.qk_norm or model.vocab_gather is not None):
+                or cfg.qk_norm or model.vocab_gather is not None or not len(model.layers)):
+            return None
+        dtype = model.norm.weight.dtype
+        if dtype == torch.float32:
+            kind = _tiled
+        elif dtype == torch.bfloat16 and _bf16_gemm_wins():
+            kind = _bf16
+        else:
             return None
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mats = (_tiled(attn.qkv_proj, bias_ok=True), _tiled(attn.o_proj),
-                    _tiled(mlp.gate_up_proj), _tiled(mlp.down_proj))
+            mats = (kind(attn.qkv_proj, bias_ok=True), kind(attn.o_proj), kind(mlp.gate_up_proj),
+                    kind(mlp.down_proj))
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(m is None for m in mats) or any(n.dtype != torch.float32 for n in norms):
+            if any(m is None for m in mats) or any(n.dtype != dtype for n in norms):
                 return None
             bias = attn.qkv_proj.bias
-            layers.append(QuantDecodeLayer(
+            layers.append(DecodeLayer(
                 input_norm=norms[0].detach(), post_norm=norms[1].detach(), qkv=mats[0], o=mats[1],
-                gate_up=mats[2], down=mats[3],
-                qkv_bias=None if bias is None else bias.detach().float().contiguous()))
-        if not layers or model.norm.weight.dtype != torch.float32:
-            return None
-        step = QuantDecodeStep(layers, model.norm.weight.detach(), model.cos_sin,
-                               num_heads=cfg.num_attention_heads,
-                               num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                               eps=cfg.rms_norm_eps)
-        logger.info("decode steps of this quantized model run as one C call per step")
-        return cls(step)
+                gate_up=mats[2], down=mats[3], qkv_bias=None if bias is None else bias.detach()))
+        step = DecodeStep(layers, model.norm.weight.detach(), model.cos_sin,
+                          num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                          head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+        logger.info("decode steps run as one C call per step (%s)",
+                    "quantized matmuls" if kind is _tiled else "bfloat16, MKL's AMX GEMM")
+        return cls(step, plain_weights=kind is _bf16)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  attn_plans: list[Any]) -> torch.Tensor | None:
@@ -88,11 +117,13 @@ class FusedQuantDecode:
                 or dp.block_table_i32 is None or dp.sliding_window is not None
                 or dp.token_slice is None or dp.token_slice.start not in (0, None)
                 or dp.num_decodes != T or plan.num_actual_tokens != T
-                or h.dtype != torch.float32 or h.device.type != "cpu"
+                or h.dtype != self.step.dtype or h.device.type != "cpu"
                 or positions.dtype != torch.int64 or not positions.is_contiguous()):
             return None
         cache = kv_caches[0]
-        if cache.dtype not in (torch.float32, torch.bfloat16) or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
+        # A bfloat16 step needs a bfloat16 cache; a float32 one writes float32 or bfloat16.
+        ok = (torch.bfloat16,) if self.step.dtype == torch.bfloat16 else (torch.float32, torch.bfloat16)
+        if cache.dtype not in ok or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
             return None
         out = self.step(h.contiguous(), positions, plan.write_slots.contiguous(),
                         dp.block_table_i32, dp.seq_lens_i32, kv_caches)

@@ -21,7 +21,7 @@ from tokenloom.config import EngineConfig, default_kv_cache_bytes
 from tokenloom.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_groups, kv_tensor_of_layer
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
-from tokenloom.model.fused_decode import FusedQuantDecode
+from tokenloom.model.fused_decode import FusedDecode
 from tokenloom.model.packed_linear import prepare_cpu_weights
 from tokenloom.ops import cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -101,10 +101,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
-            prepare_cpu_weights(self.model)
-            # A quantized Llama-family model's decode steps as one C call (the eager layers
-            # for every other step); None where the layers are not what that call computes.
-            self.model.fused_decode = FusedQuantDecode.build(self.model)
+            # A Llama-family model's decode steps as one C call (the eager layers for every
+            # other step); None where the layers are not what that call computes. Decided
+            # before the weights are packed: the bf16 step multiplies the plain ones.
+            fused = FusedDecode.build(self.model)
+            prepare_cpu_weights(self.model, pack_layers=fused is None or not fused.plain_weights)
+            self.model.fused_decode = fused
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).

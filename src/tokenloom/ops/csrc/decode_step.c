@@ -1,4 +1,5 @@
-/* One decode step of a Llama-family decoder on block-quantized weights, every layer in one call.
+/* One decode step of a Llama-family decoder, every layer in one call: on block-quantized weights
+ * (float32 activations) or on bfloat16 weights (bfloat16 activations).
  *
  * Why: at batch 1 a quantized decode step of SmolLM2-135M reads ~96 MB of weights, which the
  * kernels stream in a few milliseconds, but the eager layer issues ~13 Python-level calls per
@@ -9,11 +10,17 @@
  * path's bit for bit (tests/model/test_fused_decode.py compares them) and only the dispatch is
  * gone.
  *
+ * The bfloat16 variant multiplies with MKL's `cblas_gemm_bf16bf16f32` (AMX where the CPU has
+ * it), which torch's CPU build exports; the caller passes its address, so nothing here links
+ * against MKL. Its float32 result is rounded to bfloat16 once, as a bf16 `F.linear` rounds, so
+ * results differ from the eager (oneDNN) path only where the two GEMMs' reduction orders round
+ * to neighbouring bf16 values.
+ *
  * What it covers (the caller, model/fused_decode.py, checks it once per step and otherwise
- * runs the eager layers): float32 activations, a float32 or bfloat16 KV cache (the latter
- * written as torch's `.to(torch.bfloat16)` rounds: to nearest even), every token a decode (one query
- * token per request, in request order), full attention, no tensor parallelism, every linear one
- * tiled quantized weight (ops/quant.py), optional q/k/v bias, no q/k norm.
+ * runs the eager layers): float32 activations over a float32 or bfloat16 KV cache (the latter
+ * written as torch's `.to(torch.bfloat16)` rounds: to nearest even), or bfloat16 activations
+ * and cache; every token a decode (one query token per request, in request order), full
+ * attention, no tensor parallelism, optional q/k/v bias, no q/k norm.
  */
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +35,14 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
 void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t r_stride,
                          const float *weight, float *out, int64_t out_stride, int32_t T,
                          int32_t H, float eps);
+void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                          int64_t r_stride, const uint16_t *weight, uint16_t *out,
+                          int64_t out_stride, int32_t T, int32_t H, float eps);
+void tl_silu_and_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out,
+                          int64_t out_stride, int32_t T, int32_t I);
+void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
+                  int32_t head_dim, const int64_t *positions, const float *cos_sin,
+                  int64_t cs_stride);
 void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
                          int32_t T, int32_t I);
 void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int32_t head_dim,
@@ -38,110 +53,150 @@ void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int
     int32_t head_dim, int32_t block_size, float scale, int32_t window
 int tl_paged_decode_f32(TL_DECODE_PARAMS);
 int tl_paged_decode_f32_bf16kv(TL_DECODE_PARAMS);
+int tl_paged_decode_bf16(TL_DECODE_PARAMS);
+/* MKL's cblas_gemm_bf16bf16f32 (CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112); the
+ * sizes are passed as 64-bit values, which an LP64 MKL reads as their low halves. */
+typedef void (*tl_gemm_bf16_fn)(int32_t layout, int32_t transa, int32_t transb, int64_t M,
+                                int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda,
+                                const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
 
-/* A quantized linear layer: the tiled weight's bytes, its format and output rows. */
+/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py) or a bfloat16 [n, K] one
+ * (fmt = TL_BF16), and an optional float32 bias. */
+#define TL_BF16 (-1)
 typedef struct {
-    const uint8_t *w;
+    const void *w;
     const float *bias; /* NULL for none */
     int64_t n;
     int32_t fmt;
     int32_t pad_;
-} tl_qmat;
+} tl_mat;
 
-/* One decoder layer's parameters and KV cache (both [num_blocks * block_size, Hkv, D], float32
- * or bfloat16 as tl_qmodel.kv_bf16 says). */
+/* One decoder layer's parameters (norm weights in the activations' dtype) and KV cache (both
+ * [num_blocks * block_size, Hkv, D], float32 or bfloat16 as tl_model.kv_bf16 says). */
 typedef struct {
-    const float *input_norm, *post_norm;
-    tl_qmat qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;
+    tl_mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;
-} tl_qlayer;
+} tl_layer;
 
-/* The model's shape, fixed at load. */
+/* The model's shape and dtypes, fixed at load. */
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
         act_levels;
     float eps, scale;
-    int32_t kv_bf16, pad_;
-    const float *final_norm;
+    int32_t kv_bf16, act_bf16; /* bfloat16 KV cache; bfloat16 activations (and bf16 weights) */
+    const void *final_norm;
     const float *cos_sin;
     int64_t cs_stride;
-} tl_qmodel;
+    tl_gemm_bf16_fn gemm_bf16;
+} tl_model;
 
 static int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-/* Bytes of workspace `tl_llama_decode_q` needs for T tokens. */
-int64_t tl_llama_decode_q_workspace(const tl_qmodel *m, int64_t T) {
+/* Bytes of workspace `tl_llama_decode` needs for T tokens. */
+int64_t tl_llama_decode_workspace(const tl_model *m, int64_t T) {
     const int64_t H = m->hidden, qd = (int64_t)m->num_heads * m->head_dim;
     const int64_t nqkv = qd + 2 * (int64_t)m->num_kv_heads * m->head_dim, I = m->intermediate;
-    const int64_t floats = T * (3 * H + nqkv + qd + 3 * I);
-    return align64(floats * 4) + 64 + tl_q_scratch_bytes(T, max3(H, qd, I));
+    const int64_t elems = T * (3 * H + nqkv + qd + 3 * I);
+    const int64_t kmax = max3(H, qd, I), nmax = max3(nqkv, 2 * I, H);
+    const int64_t extra = m->act_bf16 ? T * nmax * 4 : tl_q_scratch_bytes(T, kmax);
+    return align64(elems * 4) + 64 + extra;
 }
 
-/* h [T, hidden]: the embeddings of the step's tokens (overwritten). out [T, hidden]: the final
- * norm's output. positions, slots (int64 [T]), block_table (int32 [T, bt_stride]) and seq_lens
- * (int32 [T]) as the attention plan has them. Returns 0, or the first kernel's error code. */
-int32_t tl_llama_decode_q(const tl_qmodel *m, const tl_qlayer *layers, float *h, float *out,
-                          int32_t T, const int64_t *positions, const int64_t *slots,
-                          const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                          void *workspace) {
+/* y[T, n] (row stride ldy) = x[T, K] W^T (+ bias) in the activations' dtype; `tmp` holds the
+ * bf16 GEMM's float32 result before it is rounded. */
+static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t K, int32_t T,
+                      void *y, void *tmp) {
+    const int64_t n = w->n;
+    if (w->fmt != TL_BF16)
+        return tl_q_linear(w->fmt, (const uint8_t *)w->w, n, K, (const float *)x, K, T, (float *)y,
+                           n, w->bias, tmp, m->act_levels);
+    float *acc = (float *)tmp;
+    uint16_t *out = (uint16_t *)y;
+    m->gemm_bf16(101, 111, 112, T, n, K, 1.0f, (const uint16_t *)x, K, (const uint16_t *)w->w, K,
+                 0.0f, acc, n);
+    const float *b = w->bias;
+#pragma omp parallel for schedule(static) if ((int64_t)T * n >= 65536)
+    for (int32_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++)
+            out[t * n + i] = tl_f32_to_bf16(acc[t * n + i] + (b ? b[i] : 0.0f));
+    return 0;
+}
+
+static void norm(const tl_model *m, const void *x, void *residual, const void *weight, void *out,
+                 int32_t T) {
+    const int32_t H = m->hidden;
+    if (m->act_bf16)
+        tl_add_rms_norm_bf16((const uint16_t *)x, H, (uint16_t *)residual, H,
+                             (const uint16_t *)weight, (uint16_t *)out, H, T, H, m->eps);
+    else
+        tl_add_rms_norm_f32((const float *)x, H, (float *)residual, H, (const float *)weight,
+                            (float *)out, H, T, H, m->eps);
+}
+
+/* h [T, hidden]: the embeddings of the step's tokens. out [T, hidden]: the final norm's output.
+ * Both in the activations' dtype. positions, slots (int64 [T]), block_table (int32 [T,
+ * bt_stride]) and seq_lens (int32 [T]) as the attention plan has them. Returns 0, or the first
+ * kernel's error code. */
+int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h, void *out,
+                        int32_t T, const int64_t *positions, const int64_t *slots,
+                        const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                        void *workspace) {
     const int32_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
-    const int64_t I = m->intermediate;
-    float *residual = (float *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
-    float *x = residual + (int64_t)T * H;
-    float *y = x + (int64_t)T * H;
-    float *qkv = y + (int64_t)T * H;
-    float *attn = qkv + T * nqkv;
-    float *gu = attn + T * qd;
-    float *act = gu + T * 2 * I;
-    void *scratch = (void *)(((uintptr_t)(act + T * I) + 63) & ~(uintptr_t)63);
+    const int64_t I = m->intermediate, es = m->act_bf16 ? 2 : 4;
+    if (m->num_layers < 1 || (m->act_bf16 && (!m->gemm_bf16 || !m->kv_bf16))) return -1;
+    char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    char *residual = base, *x = residual + T * H * es, *y = x + T * H * es;
+    char *qkv = y + T * H * es, *attn = qkv + T * nqkv * es, *gu = attn + T * qd * es;
+    char *act = gu + T * 2 * I * es;
+    void *tmp = (void *)(((uintptr_t)(act + T * I * es) + 63) & ~(uintptr_t)63);
     int32_t rc;
 
     for (int32_t l = 0; l < m->num_layers; l++) {
-        const tl_qlayer *L = layers + l;
+        const tl_layer *L = layers + l;
         if (l == 0) { /* the residual stream starts as the embeddings */
-            memcpy(residual, h, sizeof(float) * (size_t)T * H);
-            tl_add_rms_norm_f32(h, H, NULL, 0, L->input_norm, x, H, T, H, m->eps);
+            memcpy(residual, h, (size_t)(T * H * es));
+            norm(m, h, NULL, L->input_norm, x, T);
         } else {
-            tl_add_rms_norm_f32(y, H, residual, H, L->input_norm, x, H, T, H, m->eps);
+            norm(m, y, residual, L->input_norm, x, T);
         }
-        rc = tl_q_linear(L->qkv.fmt, L->qkv.w, nqkv, H, x, H, T, qkv, nqkv, L->qkv.bias, scratch,
-                         m->act_levels);
-        if (rc) return rc;
+        if ((rc = linear(m, &L->qkv, x, H, T, qkv, tmp))) return rc;
         /* q and k heads are adjacent in a row: one RoPE over both */
-        tl_rope_f32(qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
+        if (m->act_bf16)
+            tl_rope_bf16((uint16_t *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
+        else
+            tl_rope_f32((float *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
         for (int32_t t = 0; t < T; t++) {
-            const float *row = qkv + t * nqkv;
-            if (m->kv_bf16) {
+            const char *k = qkv + (t * nqkv + qd) * es, *v = k + kvd * es;
+            if (m->kv_bf16 && !m->act_bf16) {
                 uint16_t *kc = (uint16_t *)L->k_cache + slots[t] * kvd;
                 uint16_t *vc = (uint16_t *)L->v_cache + slots[t] * kvd;
                 for (int64_t i = 0; i < kvd; i++) {
-                    kc[i] = tl_f32_to_bf16(row[qd + i]);
-                    vc[i] = tl_f32_to_bf16(row[qd + kvd + i]);
+                    kc[i] = tl_f32_to_bf16(((const float *)k)[i]);
+                    vc[i] = tl_f32_to_bf16(((const float *)v)[i]);
                 }
-            } else {
-                memcpy((float *)L->k_cache + slots[t] * kvd, row + qd, sizeof(float) * (size_t)kvd);
-                memcpy((float *)L->v_cache + slots[t] * kvd, row + qd + kvd, sizeof(float) * (size_t)kvd);
+            } else { /* the cache has the activations' dtype */
+                memcpy((char *)L->k_cache + slots[t] * kvd * es, k, (size_t)(kvd * es));
+                memcpy((char *)L->v_cache + slots[t] * kvd * es, v, (size_t)(kvd * es));
             }
         }
-        rc = (m->kv_bf16 ? tl_paged_decode_f32_bf16kv : tl_paged_decode_f32)(
+        rc = (m->act_bf16 ? tl_paged_decode_bf16
+                          : m->kv_bf16 ? tl_paged_decode_f32_bf16kv : tl_paged_decode_f32)(
             qkv, nqkv, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, qd, T, Hq,
             Hkv, D, m->block_size, m->scale, 0);
         if (rc) return rc;
-        rc = tl_q_linear(L->o.fmt, L->o.w, H, qd, attn, qd, T, y, H, L->o.bias, scratch,
-                         m->act_levels);
-        if (rc) return rc;
-        tl_add_rms_norm_f32(y, H, residual, H, L->post_norm, x, H, T, H, m->eps);
-        rc = tl_q_linear(L->gate_up.fmt, L->gate_up.w, 2 * I, H, x, H, T, gu, 2 * I,
-                         L->gate_up.bias, scratch, m->act_levels);
-        if (rc) return rc;
-        tl_silu_and_mul_f32(gu, 2 * I, act, I, T, (int32_t)I);
-        rc = tl_q_linear(L->down.fmt, L->down.w, H, I, act, I, T, y, H, L->down.bias, scratch,
-                         m->act_levels);
-        if (rc) return rc;
+        if ((rc = linear(m, &L->o, attn, qd, T, y, tmp))) return rc;
+        norm(m, y, residual, L->post_norm, x, T);
+        if ((rc = linear(m, &L->gate_up, x, H, T, gu, tmp))) return rc;
+        if (m->act_bf16)
+            tl_silu_and_mul_bf16((const uint16_t *)gu, 2 * I, (uint16_t *)act, I, T, (int32_t)I);
+        else
+            tl_silu_and_mul_f32((const float *)gu, 2 * I, (float *)act, I, T, (int32_t)I);
+        if ((rc = linear(m, &L->down, act, I, T, y, tmp))) return rc;
     }
-    tl_add_rms_norm_f32(y, H, residual, H, m->final_norm, out, H, T, H, m->eps);
+    norm(m, y, residual, m->final_norm, out, T);
     return 0;
 }
