@@ -11,8 +11,7 @@ import torch
 from model_helpers import byte_vocab, gguf_tensors_from_hf, tiny_hf_model, write_gguf
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.ops import cpu_features, cpu_kernels
-from tokenloom.ops.decode_step import mkl_gemm_bf16
+from tokenloom.ops import amx, cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 Q = gguf.GGMLQuantizationType
@@ -73,19 +72,18 @@ def test_tiny_gguf_fused_decode_is_the_eager_path(tmp_path, kind, qtype):
         _compare(llm, prompts)
 
 
-@pytest.mark.skipif(not (cpu_features.detect().amx and mkl_gemm_bf16()),
-                    reason="the bfloat16 step runs on CPUs with AMX (and MKL's bf16 GEMM in torch)")
+@pytest.mark.skipif(not amx.available(), reason="the bfloat16 step runs on CPUs with AMX")
 def test_bfloat16_fused_decode_follows_the_eager_path(smollm2_path):
-    """The float path in bfloat16 on an AMX CPU: MKL's bf16 GEMM on the plain weights, each
-    output rounded once to bfloat16 as the eager path's matmul is. The eager path on the same
-    (unpacked) weights gives the same greedy tokens, and top logprobs within bf16 rounding."""
+    """The float path in bfloat16 on an AMX CPU: matmuls on AMX tiles, each output rounded once
+    to bfloat16 as the eager (oneDNN) path's matmul is. Greedy tokens as the eager path's, and
+    logprobs within bf16 rounding of its."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
     with LLM(smollm2_path, multiprocess=False, quantization=None, dtype="bfloat16", num_kv_blocks=64,
              max_num_batched_tokens=96, enable_prefix_caching=False) as llm:
         eager = _run(llm, prompts, fused=False)
         fused = _run(llm, prompts, fused=True)
-        assert llm._fused_step is not None and llm._fused_step.plain_weights
+        assert llm._fused_step is not None
         assert llm._fused_step.steps > 0
     # The two GEMMs sum in different orders, so a rare element rounds to the neighbouring bf16
     # value (logits move by a bf16 step, ~0.06-0.25 at their size); a near tie may then flip a

@@ -6,11 +6,11 @@ no sliding window, no tensor parallelism (a `RowParallel` o_proj or down_proj is
 linear below), optional q/k/v bias, and either
 - quantized: every linear one tiled quantized weight (q|k|v and gate|up fused), float32 norms;
   the step returns the eager layers' results bit for bit; or
-- bfloat16: every linear a plain bf16 `Linear`, on a CPU with AMX, with MKL's bf16 GEMM in
-  torch's library. There MKL's AMX GEMM beat oneDNN's packed bf16 matmul at decode sizes on the
-  Xeon (benchmarks/README.md: 2.7 against 8.2 ms for the 30 layers at one row, 15 against 21 at
-  64), so the runner keeps the plain weights for it instead of packing them (`plain_weights`).
-  Elsewhere (AVX-512 BF16 without AMX, where this was not measured) the eager packed path stays.
+- bfloat16: every linear a plain bf16 `Linear`, on a CPU with AMX: the step multiplies on AMX
+  tiles (ops/amx), each weight packed once more in tile order here, before the model runner
+  packs the plain ones for oneDNN (the eager path: prefills, mixed steps). On the Xeon the AMX
+  kernel took 15.3 ms for the 30 layers' matmuls at 64 rows against oneDNN's 17.8 and MKL's
+  21.9 (benchmarks/README.md). Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
@@ -30,8 +30,9 @@ from torch import nn
 from tokenloom.attention.torch_backend import TorchAttentionPlan
 from tokenloom.model.llama import Linear
 from tokenloom.model.quant_linear import QuantLinear
-from tokenloom.ops import cpu_features, cpu_kernels
-from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, mkl_gemm_bf16
+from tokenloom.ops import amx, cpu_kernels
+from tokenloom.ops.amx import AmxPackedWeight
+from tokenloom.ops.decode_step import DecodeLayer, DecodeStep
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -46,27 +47,20 @@ def _tiled(module: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | None:
     return part
 
 
-def _bf16(module: nn.Module, bias_ok: bool = False) -> torch.Tensor | None:
+def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
     if type(module) is not Linear or (module.bias is not None and not bias_ok):
         return None
     w = module.weight
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.numel() == 0 or w.device.type != "cpu":
         return None
-    return w.detach()
-
-
-def _bf16_gemm_wins() -> bool:
-    return cpu_features.detect().amx and mkl_gemm_bf16() is not None
+    return amx.pack(w)
 
 
 class FusedDecode:
     """The C decode step of a loaded model, with the per-step applicability check."""
 
-    def __init__(self, step: DecodeStep, plain_weights: bool) -> None:
+    def __init__(self, step: DecodeStep) -> None:
         self.step = step
-        # The step multiplies the layers' plain bf16 weights: the runner must not pack (and
-        # release) them.
-        self.plain_weights = plain_weights
         self.steps = 0  # decode steps run fused (tests and benchmarks read it)
 
     @classmethod
@@ -82,7 +76,7 @@ class FusedDecode:
         dtype = model.norm.weight.dtype
         if dtype == torch.float32:
             kind = _tiled
-        elif dtype == torch.bfloat16 and _bf16_gemm_wins():
+        elif dtype == torch.bfloat16 and amx.available():
             kind = _bf16
         else:
             return None
@@ -102,8 +96,8 @@ class FusedDecode:
                           num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                           head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
         logger.info("decode steps run as one C call per step (%s)",
-                    "quantized matmuls" if kind is _tiled else "bfloat16, MKL's AMX GEMM")
-        return cls(step, plain_weights=kind is _bf16)
+                    "quantized matmuls" if kind is _tiled else "bfloat16 on AMX tiles")
+        return cls(step)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  attn_plans: list[Any]) -> torch.Tensor | None:

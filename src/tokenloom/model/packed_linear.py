@@ -116,19 +116,11 @@ def use_input_major_weights(model: torch.nn.Module) -> None:
                 param.data = param.data.t().contiguous().t()
 
 
-def prepare_cpu_weights(model: nn.Module, pack_layers: bool = True) -> None:
+def prepare_cpu_weights(model: nn.Module) -> None:
     """Lays out a CPU model's weights for its matmuls, once, before the first step, for the
     model's owner (an engine's model runner): oneDNN-packed weights (float32; bfloat16 where the
     CPU has bf16 dot products) without their plain copy where it is never faster, else
-    input-major weights; then hands the heap that loading and packing freed back to the OS.
-    `pack_layers=False` (the fused bf16 decode step multiplies the plain weights) packs only
-    the LM head and leaves every layer's weight as it is."""
-    if not pack_layers:
-        if (getattr(model, "quant_lm_head", None) is None and hasattr(model, "packed_lm_head")
-                and packed_linear_available(model.lm_head_weight.dtype)):
-            model.packed_lm_head = pack_weight(model.lm_head_weight)
-        release_freed_heap()
-        return
+    input-major weights; then hands the heap that loading and packing freed back to the OS."""
     if pack_linear_weights(model):
         release_plain_weights(model)
     else:

@@ -9,8 +9,10 @@
 - `tl_q_*` (csrc/quant_gemm.c): matmuls on block-quantized weights (GGUF Q4_0/Q4_1/Q5_0/Q8_0,
   the K-quants Q4_K/Q5_K/Q6_K, int8), bound and called by `ops/quant.py`; that file dispatches
   on the CPU's ISA itself.
-- `tl_llama_decode_q` (csrc/decode_step.c): a whole decode step of a quantized Llama-family
-  decoder in one call (`ops/decode_step.py`).
+- `tl_llama_decode` (csrc/decode_step.c): a whole decode step of a Llama-family decoder in one
+  call (`ops/decode_step.py`).
+- `tl_amx_bf16_*` (csrc/amx_gemm.c): bfloat16 matmuls on AMX tiles with the weight packed once
+  (`ops/amx.py`), for the fused decode step.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
-                                              "decode_step.c")]
+                                              "decode_step.c", "amx_gemm.c")]
 _HEADERS = [_CSRC / "vec_math.h", _CSRC / "paged_decode_impl.h", _CSRC / "quant_gemm_avx2.h"]
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # What takes the build down from the native target to a detected or requested narrower level.

@@ -5,8 +5,8 @@ Why: at batch 1 the quantized kernels stream a step's weights in a few milliseco
 eager decoder spent about as long again issuing its ~400 per-layer calls while the second OpenMP
 thread waited (benchmarks/README.md, "Quantized weights"). `DecodeStep` strings the same C
 kernels together in C, in the eager order: on quantized weights it returns the eager path's
-hidden states bit for bit. In bfloat16 its matmuls are MKL's bf16 GEMM (AMX where the CPU has
-it) instead of oneDNN's, each output rounded to bfloat16 once as in the eager path. It knows
+hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles (ops/amx) instead of
+oneDNN's, each output rounded to bfloat16 once as in the eager path. It knows
 nothing of modules or plans: model/fused_decode.py builds it from a loaded model and decides
 per step whether it applies.
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tokenloom.ops import cpu_kernels, quant
+from tokenloom.ops import amx, cpu_kernels, quant
+from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.quant import TiledQuantWeight
 
 _c_i32, _c_i64, _c_p, _c_f = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -38,12 +38,11 @@ class _Model(ctypes.Structure):
                 ("num_kv_heads", _c_i32), ("head_dim", _c_i32), ("intermediate", _c_i32),
                 ("block_size", _c_i32), ("act_levels", _c_i32), ("eps", _c_f), ("scale", _c_f),
                 ("kv_bf16", _c_i32), ("act_bf16", _c_i32), ("final_norm", _c_p),
-                ("cos_sin", _c_p), ("cs_stride", _c_i64), ("gemm_bf16", _c_p)]
+                ("cos_sin", _c_p), ("cs_stride", _c_i64)]
 
 
-_FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 [n, K] weight
+_FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 weight packed for AMX
 _bound: set[int] = set()
-_gemm_bf16: int | None | bool = False
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -58,36 +57,19 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def mkl_gemm_bf16() -> int | None:
-    """The address of MKL's `cblas_gemm_bf16bf16f32` in torch's CPU library, None where this
-    torch build does not export it (the bfloat16 step is then not offered)."""
-    global _gemm_bf16
-    if _gemm_bf16 is False:
-        try:
-            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-            _gemm_bf16 = ctypes.cast(lib.cblas_gemm_bf16bf16f32, _c_p).value
-        except (OSError, AttributeError):
-            _gemm_bf16 = None
-    return _gemm_bf16
-
-
 @dataclass(eq=False)
 class DecodeLayer:
     """One decoder layer's parameters: norm weights in the activations' dtype (float32 for
     quantized matrices, bfloat16 for bfloat16 ones), and the four matrices, each a tiled
-    quantized weight or a bfloat16 [out, in] tensor."""
+    quantized weight or a bfloat16 one packed for AMX."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: TiledQuantWeight | torch.Tensor
-    o: TiledQuantWeight | torch.Tensor
-    gate_up: TiledQuantWeight | torch.Tensor
-    down: TiledQuantWeight | torch.Tensor
+    qkv: TiledQuantWeight | AmxPackedWeight
+    o: TiledQuantWeight | AmxPackedWeight
+    gate_up: TiledQuantWeight | AmxPackedWeight
+    down: TiledQuantWeight | AmxPackedWeight
     qkv_bias: torch.Tensor | None = None
-
-
-def _rows(w: TiledQuantWeight | torch.Tensor) -> tuple[int, int]:
-    return (w.out_features, w.in_features) if isinstance(w, TiledQuantWeight) else tuple(w.shape)
 
 
 class DecodeStep:
@@ -104,20 +86,19 @@ class DecodeStep:
         first = layers[0]
         self.dtype = final_norm.dtype
         bf16 = self.dtype == torch.bfloat16
-        gemm = mkl_gemm_bf16() if bf16 else None
-        if bf16 and gemm is None:
-            raise RuntimeError("this torch build exports no cblas_gemm_bf16bf16f32")
-        self.hidden = _rows(first.qkv)[1]
+        if bf16 and not amx.available():
+            raise RuntimeError("the bfloat16 decode step needs AMX (ops/amx)")
+        self.hidden = first.qkv.in_features
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         # Kept referenced: the C structs hold raw pointers into these tensors.
         self._keep: list[torch.Tensor] = [final_norm, cos_sin]
         self._model = _Model(
             num_layers=len(layers), hidden=self.hidden, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
-            intermediate=_rows(first.gate_up)[0] // 2, block_size=0,
+            intermediate=first.gate_up.out_features // 2, block_size=0,
             act_levels=quant.ACT_LEVELS if act_levels is None else act_levels, eps=eps,
             scale=head_dim ** -0.5, act_bf16=int(bf16), final_norm=final_norm.data_ptr(),
-            cos_sin=cos_sin.data_ptr(), cs_stride=cos_sin.stride(0), gemm_bf16=gemm)
+            cos_sin=cos_sin.data_ptr(), cs_stride=cos_sin.stride(0))
         self._layers = (_Layer * len(layers))()
         for dst, lay in zip(self._layers, layers):
             self._keep += [lay.input_norm, lay.post_norm]
@@ -126,7 +107,7 @@ class DecodeStep:
                 if isinstance(w, TiledQuantWeight):
                     data, fmt, n = w.data, w.fmt, w.out_features
                 else:
-                    data, fmt, n = w.contiguous(), _FMT_BF16, w.shape[0]
+                    data, fmt, n = w.data, _FMT_BF16, w.out_features
                 self._keep.append(data)
                 setattr(dst, field, _Mat(w=data.data_ptr(), bias=None, n=n, fmt=fmt))
             if lay.qkv_bias is not None:

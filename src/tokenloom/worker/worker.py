@@ -78,15 +78,14 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
     fused = getattr(loaded.model, "fused_decode", None)
     if loaded.quantization not in ("", "none"):
         matmul = loaded.quantization
-    elif fused is not None and getattr(fused, "plain_weights", False):
-        matmul = f"MKL {dtype} (AMX) in fused decode steps, F.linear otherwise"
     elif getattr(loaded.model, "packed_lm_head", None) is not None:
         matmul = f"oneDNN packed {dtype}"
     else:
         matmul = f"F.linear {dtype}"
     threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
     if fused is not None:
-        matmul += ", decode steps fused (one C call)"
+        matmul += (", decode steps fused (one C call, AMX tiles)" if loaded.dtype == torch.bfloat16
+                   else ", decode steps fused (one C call)")
     return (cpu_features.engine_cpu_line(features, dtype, kernels, matmul, threads),
             kernels or "off")
 

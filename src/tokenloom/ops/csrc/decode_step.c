@@ -10,11 +10,10 @@
  * path's bit for bit (tests/model/test_fused_decode.py compares them) and only the dispatch is
  * gone.
  *
- * The bfloat16 variant multiplies with MKL's `cblas_gemm_bf16bf16f32` (AMX where the CPU has
- * it), which torch's CPU build exports; the caller passes its address, so nothing here links
- * against MKL. Its float32 result is rounded to bfloat16 once, as a bf16 `F.linear` rounds, so
- * results differ from the eager (oneDNN) path only where the two GEMMs' reduction orders round
- * to neighbouring bf16 values.
+ * The bfloat16 variant multiplies on AMX tiles (amx_gemm.c, the weights packed in tile order at
+ * load); each output is rounded to bfloat16 once, as a bf16 `F.linear` rounds, so results differ
+ * from the eager (oneDNN) path only where the two GEMMs' reduction orders round to neighbouring
+ * bf16 values.
  *
  * What it covers (the caller, model/fused_decode.py, checks it once per step and otherwise
  * runs the eager layers): float32 activations over a float32 or bfloat16 KV cache (the latter
@@ -54,14 +53,13 @@ void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int
 int tl_paged_decode_f32(TL_DECODE_PARAMS);
 int tl_paged_decode_f32_bf16kv(TL_DECODE_PARAMS);
 int tl_paged_decode_bf16(TL_DECODE_PARAMS);
-/* MKL's cblas_gemm_bf16bf16f32 (CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112); the
- * sizes are passed as 64-bit values, which an LP64 MKL reads as their low halves. */
-typedef void (*tl_gemm_bf16_fn)(int32_t layout, int32_t transa, int32_t transb, int64_t M,
-                                int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda,
-                                const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
+int64_t tl_amx_bf16_scratch_bytes(int64_t M, int64_t K);
+int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
+                           int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
+                           void *scratch);
 
-/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py) or a bfloat16 [n, K] one
- * (fmt = TL_BF16), and an optional float32 bias. */
+/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py) or a bfloat16 one packed
+ * for AMX (fmt = TL_BF16, amx_gemm.c), and an optional float32 bias. */
 #define TL_BF16 (-1)
 typedef struct {
     const void *w;
@@ -88,7 +86,6 @@ typedef struct {
     const void *final_norm;
     const float *cos_sin;
     int64_t cs_stride;
-    tl_gemm_bf16_fn gemm_bf16;
 } tl_model;
 
 static int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -100,29 +97,19 @@ int64_t tl_llama_decode_workspace(const tl_model *m, int64_t T) {
     const int64_t H = m->hidden, qd = (int64_t)m->num_heads * m->head_dim;
     const int64_t nqkv = qd + 2 * (int64_t)m->num_kv_heads * m->head_dim, I = m->intermediate;
     const int64_t elems = T * (3 * H + nqkv + qd + 3 * I);
-    const int64_t kmax = max3(H, qd, I), nmax = max3(nqkv, 2 * I, H);
-    const int64_t extra = m->act_bf16 ? T * nmax * 4 : tl_q_scratch_bytes(T, kmax);
+    const int64_t kmax = max3(H, qd, I);
+    const int64_t extra = m->act_bf16 ? tl_amx_bf16_scratch_bytes(T, kmax) : tl_q_scratch_bytes(T, kmax);
     return align64(elems * 4) + 64 + extra;
 }
 
-/* y[T, n] (row stride ldy) = x[T, K] W^T (+ bias) in the activations' dtype; `tmp` holds the
- * bf16 GEMM's float32 result before it is rounded. */
+/* y[T, n] = x[T, K] W^T (+ bias) in the activations' dtype; `tmp` is the kernel's scratch. */
 static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t K, int32_t T,
                       void *y, void *tmp) {
-    const int64_t n = w->n;
-    if (w->fmt != TL_BF16)
-        return tl_q_linear(w->fmt, (const uint8_t *)w->w, n, K, (const float *)x, K, T, (float *)y,
-                           n, w->bias, tmp, m->act_levels);
-    float *acc = (float *)tmp;
-    uint16_t *out = (uint16_t *)y;
-    m->gemm_bf16(101, 111, 112, T, n, K, 1.0f, (const uint16_t *)x, K, (const uint16_t *)w->w, K,
-                 0.0f, acc, n);
-    const float *b = w->bias;
-#pragma omp parallel for schedule(static) if ((int64_t)T * n >= 65536)
-    for (int32_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < n; i++)
-            out[t * n + i] = tl_f32_to_bf16(acc[t * n + i] + (b ? b[i] : 0.0f));
-    return 0;
+    if (w->fmt == TL_BF16)
+        return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
+                                  w->bias, (uint16_t *)y, w->n, tmp);
+    return tl_q_linear(w->fmt, (const uint8_t *)w->w, w->n, K, (const float *)x, K, T,
+                       (float *)y, w->n, w->bias, tmp, m->act_levels);
 }
 
 static void norm(const tl_model *m, const void *x, void *residual, const void *weight, void *out,
@@ -147,7 +134,7 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
     const int32_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
     const int64_t I = m->intermediate, es = m->act_bf16 ? 2 : 4;
-    if (m->num_layers < 1 || (m->act_bf16 && (!m->gemm_bf16 || !m->kv_bf16))) return -1;
+    if (m->num_layers < 1 || (m->act_bf16 && !m->kv_bf16)) return -1;
     char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     char *residual = base, *x = residual + T * H * es, *y = x + T * H * es;
     char *qkv = y + T * H * es, *attn = qkv + T * nqkv * es, *gu = attn + T * qd * es;

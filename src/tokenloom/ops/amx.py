@@ -1,0 +1,81 @@
+"""bfloat16 matmuls on AMX tiles (csrc/amx_gemm.c), the weight packed once at load.
+
+On CPUs with AMX-BF16 (Sapphire Rapids and later) this replaces oneDNN's packed bf16 matmul on
+the float path: the same one packed copy per weight, no PyTorch op per call, so the fused
+decode step (csrc/decode_step.c) can call it from C as well. Elsewhere `available()` is False
+and the float path keeps oneDNN. Figures in benchmarks/README.md ("AMX bf16 matmul").
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.ops import cpu_kernels
+
+_c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_bound: set[int] = set()
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load()
+    if lib is not None and id(lib) not in _bound:
+        lib.tl_amx_bf16_available.restype = _c_i32
+        lib.tl_amx_bf16_available.argtypes = []
+        lib.tl_amx_bf16_packed_elems.restype = _c_i64
+        lib.tl_amx_bf16_packed_elems.argtypes = [_c_i64, _c_i64]
+        lib.tl_amx_bf16_scratch_bytes.restype = _c_i64
+        lib.tl_amx_bf16_scratch_bytes.argtypes = [_c_i64, _c_i64]
+        lib.tl_amx_bf16_pack.restype = None
+        lib.tl_amx_bf16_pack.argtypes = [_c_p, _c_i64, _c_i64, _c_p]
+        lib.tl_amx_bf16_linear.restype = _c_i32
+        lib.tl_amx_bf16_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_p,
+                                           _c_i64, _c_p]
+        _bound.add(id(lib))
+    return lib
+
+
+def available() -> bool:
+    """True where the kernels were built with AMX-BF16 and the OS granted this process AMX."""
+    lib = _lib()
+    return lib is not None and bool(lib.tl_amx_bf16_available())
+
+
+@dataclass(eq=False)
+class AmxPackedWeight:
+    """A bfloat16 [out_features, in_features] weight in AMX tile order (see csrc/amx_gemm.c)."""
+
+    data: torch.Tensor  # bfloat16, flat
+    out_features: int
+    in_features: int
+    dtype: torch.dtype = torch.bfloat16  # what `packed_linear.linear` compares with the input's
+
+
+def pack(weight: torch.Tensor) -> AmxPackedWeight:
+    lib = _lib()
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    N, K = w.shape
+    data = torch.empty(lib.tl_amx_bf16_packed_elems(N, K), dtype=torch.bfloat16)
+    lib.tl_amx_bf16_pack(w.data_ptr(), N, K, data.data_ptr())
+    return AmxPackedWeight(data, N, K)
+
+
+def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bfloat16 -> x W^T (+ bias), bfloat16 [..., N], rounded once per element."""
+    lib = _lib()
+    K, N = w.in_features, w.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K), dtype=torch.uint8)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.tl_amx_bf16_linear(x2.data_ptr(), x2.stride(0), M, w.data.data_ptr(), N, K,
+                                None if b is None else b.data_ptr(), y.data_ptr(), N,
+                                scratch.data_ptr())
+    if rc != 0:
+        raise RuntimeError("AMX bf16 matmul unavailable in this process")
+    return y.reshape(*lead, N)

@@ -1,0 +1,171 @@
+/* bfloat16 matmul on AMX tiles, with the weight packed once at load.
+ *
+ * Why our own: on the Xeon (AMX) the decode steps' matmuls were either oneDNN's packed bf16
+ * matmul, reached only through a PyTorch op call per matmul (which the fused decode step in
+ * decode_step.c cannot make), or MKL's cblas_gemm_bf16bf16f32, which torch exports but which
+ * re-packs the weight on every call: perf put MKL's copy routine at as much time as its AMX
+ * kernel at 64 rows. Here the weight is packed once, in the layout a tile load reads, so a call
+ * only streams it (benchmarks/README.md has the figures).
+ *
+ * Layout of a packed [N, K] weight (K padded to 32, N to 32 with zeros): tiles of 16 columns x
+ * 32 k, ordered [N/16][K/32]; a tile is 16 rows (k pairs) x 16 columns x 2 bf16 -- row kk, lane
+ * n holds (w[n][2kk], w[n][2kk + 1]), which TDPBF16PS multiplies with the activation rows' pairs.
+ * Activations are read in 16-row tiles of 32 k from a zero-padded copy (the caller's scratch,
+ * tl_amx_bf16_scratch_bytes). Each 16 x 32 output block is four float32 tiles summed over K in
+ * hardware and rounded once to bfloat16 (nearest even) after the bias is added, as a bf16
+ * F.linear rounds.
+ *
+ * Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), and every thread
+ * must load a tile configuration before its first tile instruction; other libraries' AMX kernels
+ * (oneDNN) load their own, so each call configures the tiles of the threads it runs on.
+ * Without AMX in the build or the permission, tl_amx_bf16_available() is 0 and callers keep
+ * their library path.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int64_t up32(int64_t n) { return (n + 31) & ~(int64_t)31; }
+
+int32_t tl_amx_bf16_available(void) {
+#ifdef TL_AMX
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ok;
+#else
+    return 0;
+#endif
+}
+
+/* Elements (bf16) of the packed copy of an [N, K] weight. */
+int64_t tl_amx_bf16_packed_elems(int64_t N, int64_t K) { return up32(N) * up32(K); }
+
+/* Bytes of activation scratch for M rows of K. */
+int64_t tl_amx_bf16_scratch_bytes(int64_t M, int64_t K) {
+    return ((M + 31) & ~(int64_t)31) * up32(K) * 2 + 64;
+}
+
+void tl_amx_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
+    const int64_t Np = up32(N), nkb = up32(K) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < Np / 16; nb++)
+        for (int64_t kb = 0; kb < nkb; kb++) {
+            uint16_t *tile = packed + (nb * nkb + kb) * 512;
+            for (int kk = 0; kk < 16; kk++)
+                for (int n = 0; n < 16; n++)
+                    for (int p = 0; p < 2; p++) {
+                        const int64_t row = nb * 16 + n, col = kb * 32 + 2 * kk + p;
+                        tile[kk * 32 + n * 2 + p] = row < N && col < K ? w[row * K + col] : 0;
+                    }
+        }
+}
+
+#ifdef TL_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tl_tilecfg;
+
+static void configure_tiles(void) {
+    tl_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#endif
+
+/* y[M, N] (row stride ldy, bfloat16) = x[M, K] (row stride ldx, bfloat16) W^T (+ bias, float32),
+ * W packed by tl_amx_bf16_pack. Returns 0, or -1 without AMX. */
+int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
+                           int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
+                           void *scratch) {
+#ifdef TL_AMX
+    if (!tl_amx_bf16_available()) return -1;
+    if (M <= 0) return 0;
+    const int64_t Kp = up32(K), nkb = Kp / 32, Mp = (M + 31) & ~(int64_t)31;
+    const int64_t npairs = up32(N) / 32;
+    uint16_t *a = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    /* The activations, zero-padded to whole 32-row, 32-k tiles. */
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < Mp; m++) {
+        uint16_t *row = a + m * Kp;
+        if (m < M) {
+            memcpy(row, x + m * ldx, (size_t)K * 2);
+            memset(row + K, 0, (size_t)(Kp - K) * 2);
+        } else {
+            memset(row, 0, (size_t)Kp * 2);
+        }
+    }
+    /* Blocks of up to 256 rows (their activations stay in L2); within a block, column pairs of
+     * tiles outermost, so each thread streams its share of the weight once per block and a
+     * pair's weight tiles stay in L1 across the block's rows. */
+    const int64_t mpairs = Mp / 32, block = 8;
+#pragma omp parallel
+    {
+        configure_tiles();
+        float c[32 * 32] __attribute__((aligned(64)));
+        for (int64_t mstart = 0; mstart < mpairs; mstart += block) {
+            const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
+#pragma omp for schedule(static) collapse(2)
+            for (int64_t np = 0; np < npairs; np++) {
+                for (int64_t mi = 0; mi < mcount; mi++) {
+                    const int64_t mp = mstart + mi;
+                    const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
+                    const uint16_t *a0 = a + mp * 32 * Kp, *a1 = a0 + 16 * Kp;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kb = 0; kb < nkb; kb++) {
+                        _tile_loadd(4, a0 + kb * 32, Kp * 2);
+                        _tile_loadd(5, a1 + kb * 32, Kp * 2);
+                        _tile_loadd(6, b0 + kb * 512, 64);
+                        _tile_loadd(7, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, c, 128);
+                    _tile_stored(1, c + 16, 128);
+                    _tile_stored(2, c + 512, 128);
+                    _tile_stored(3, c + 528, 128);
+                    const int64_t m0 = mp * 32, n0 = np * 32;
+                    const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+                    const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
+                    for (int r = 0; r < rows; r++) {
+                        uint16_t *out = y + (m0 + r) * ldy + n0;
+                        const float *cr = c + r * 32;
+                        if (bias)
+                            for (int j = 0; j < cols; j++) out[j] = tl_f32_to_bf16(cr[j] + bias[n0 + j]);
+                        else
+                            for (int j = 0; j < cols; j++) out[j] = tl_f32_to_bf16(cr[j]);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)M; (void)packed; (void)N; (void)K; (void)bias; (void)y; (void)ldy;
+    (void)scratch;
+    return -1;
+#endif
+}

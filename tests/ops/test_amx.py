@@ -1,0 +1,34 @@
+"""The AMX bfloat16 matmul (ops/amx.py, csrc/amx_gemm.c) against a float64 reference: every
+output within one bfloat16 rounding of the exact product of the bf16 inputs, for row counts
+around the tile sizes, widths that are not whole tiles, and a bias."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.ops import amx
+
+pytestmark = pytest.mark.skipif(not amx.available(), reason="no AMX-BF16 on this CPU (or not granted)")
+
+
+@pytest.mark.parametrize("M", [1, 15, 16, 17, 33, 64, 300])
+@pytest.mark.parametrize("N,K", [(960, 576), (100, 70), (49, 1536), (32, 32)])
+def test_matches_float64(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    b = torch.randn(N, generator=g)
+    exact = x.double() @ w.double().t() + b.double()
+    got = amx.linear(x, amx.pack(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    # float32 accumulation, then one rounding to bf16 (8 significant bits: 2^-8 relative)
+    tol = exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()
+    assert ((got.double() - exact).abs() <= tol).all()
+
+
+def test_strided_rows_and_no_bias():
+    x = torch.randn(8, 2 * 64).bfloat16()[:, :64]  # rows 128 apart
+    w = torch.randn(40, 64).bfloat16()
+    exact = x.double() @ w.double().t()
+    got = amx.linear(x, amx.pack(w))
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()).all()
