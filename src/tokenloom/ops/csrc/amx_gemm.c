@@ -124,15 +124,15 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
     const int64_t Kp = up32(K), nkb = Kp / 32, Mp = (M + 31) & ~(int64_t)31;
     const int64_t npairs = up32(N) / 32;
     uint16_t *a = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    /* The activations, zero-padded to whole 32-row, 32-k tiles. */
+    /* The activations in tile order, zero-padded: [Mp/16][K/32] tiles of 16 rows x 32 k, so a
+     * tile load reads 1 KiB in a row (with the rows' own stride it was ~10 % slower at 2048). */
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < Mp; m++) {
-        uint16_t *row = a + m * Kp;
-        if (m < M) {
-            memcpy(row, x + m * ldx, (size_t)K * 2);
-            memset(row + K, 0, (size_t)(Kp - K) * 2);
-        } else {
-            memset(row, 0, (size_t)Kp * 2);
+        uint16_t *dst = a + (m / 16) * nkb * 512 + (m % 16) * 32;
+        for (int64_t kb = 0; kb < nkb; kb++, dst += 512) {
+            const int64_t k0 = kb * 32, n = m >= M ? 0 : K - k0 < 32 ? K - k0 : 32;
+            if (n) memcpy(dst, x + m * ldx + k0, (size_t)n * 2);
+            if (n < 32) memset(dst + n, 0, (size_t)(32 - n) * 2);
         }
     }
     /* Blocks of up to 256 rows (their activations stay in L2); within a block, column pairs of
@@ -150,14 +150,14 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                 for (int64_t mi = 0; mi < mcount; mi++) {
                     const int64_t mp = mstart + mi;
                     const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
-                    const uint16_t *a0 = a + mp * 32 * Kp, *a1 = a0 + 16 * Kp;
+                    const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
                     for (int64_t kb = 0; kb < nkb; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, Kp * 2);
-                        _tile_loadd(5, a1 + kb * 32, Kp * 2);
+                        _tile_loadd(4, a0 + kb * 512, 64);
+                        _tile_loadd(5, a1 + kb * 512, 64);
                         _tile_loadd(6, b0 + kb * 512, 64);
                         _tile_loadd(7, b1 + kb * 512, 64);
                         _tile_dpbf16ps(0, 4, 6);
