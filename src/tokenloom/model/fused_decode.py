@@ -1,16 +1,14 @@
 """When a decode step of a Llama-family model runs as one C call (ops/decode_step.py).
 
-`FusedDecode.build(model)` checks once, before the model runner lays out the weights, that
+`FusedDecode.build(model)` checks once, after the model runner laid out the weights, that
 every layer is what the C step computes: the Llama decoder layer (not Gemma 3's), no q/k norm,
 no sliding window, no tensor parallelism (a `RowParallel` o_proj or down_proj is neither kind of
 linear below), optional q/k/v bias, and either
 - quantized: every linear one tiled quantized weight (q|k|v and gate|up fused), float32 norms;
   the step returns the eager layers' results bit for bit; or
-- bfloat16: every linear a plain bf16 `Linear`, on a CPU with AMX: the step multiplies on AMX
-  tiles (ops/amx), each weight packed once more in tile order here, before the model runner
-  packs the plain ones for oneDNN (the eager path: prefills, mixed steps). On the Xeon the AMX
-  kernel took 15.3 ms for the 30 layers' matmuls at 64 rows against oneDNN's 17.8 and MKL's
-  21.9 (benchmarks/README.md). Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
+- bfloat16: every linear a bf16 `Linear` whose weight the model runner packed for AMX
+  (model/packed_linear, ops/amx), on a CPU with AMX: the step multiplies the same packed copy
+  the eager layers use. Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
@@ -50,10 +48,7 @@ def _tiled(module: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | None:
 def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
     if type(module) is not Linear or (module.bias is not None and not bias_ok):
         return None
-    w = module.weight
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.numel() == 0 or w.device.type != "cpu":
-        return None
-    return amx.pack(w)
+    return module.packed_weight if isinstance(module.packed_weight, AmxPackedWeight) else None
 
 
 class FusedDecode:

@@ -13,7 +13,11 @@ benchmarks/README.md ("Figures that used to sit in code comments").
 
 bfloat16 is packed too where the CPU multiplies it natively (AVX-512 BF16 or AMX, see
 ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and bf16 stays on
-`F.linear`. Each dtype's row threshold and whether the plain copy is worth keeping are in
+`F.linear`. Where the CPU has AMX, bf16 weights are packed for our own AMX tile matmul
+(ops/amx.py) instead of oneDNN: one copy that the eager layers and the fused decode step
+(model/fused_decode.py, which cannot call oneDNN from C) both read. It is faster than oneDNN's up
+to a few hundred rows and slower on prefill-sized ones (figures in benchmarks/README.md, "AMX
+bf16 matmul"); one copy instead of two keeps the engine's memory where it was. Each dtype's row threshold and whether the plain copy is worth keeping are in
 `_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
 The original weights stay in the model (tests and tools read them, and a model may be shared by
@@ -28,7 +32,8 @@ import logging
 import torch
 from torch import nn
 
-from tokenloom.ops import cpu_features
+from tokenloom.ops import amx, cpu_features
+from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_memory import release_freed_heap
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,8 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """True when oneDNN can pack and run a linear of `dtype` on this build and CPU (float32, and
     bfloat16 where the CPU multiplies it natively), checked on a tiny one."""
+    if dtype == torch.bfloat16 and amx.available():
+        return True
     if dtype not in _PLAIN_FROM_ROWS or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16 and not cpu_features.detect().native_bf16:
@@ -68,18 +75,25 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), x.float() @ w.float().t(), atol=tol, rtol=tol)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 or bfloat16 weight -> an opaque oneDNN tensor for `linear`."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight:
+    """[out, in] float32 or bfloat16 weight -> an opaque oneDNN tensor for `linear` (bfloat16 on
+    an AMX CPU: the weight in AMX tile order)."""
+    if weight.dtype == torch.bfloat16 and amx.available():
+        return amx.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: torch.Tensor | AmxPackedWeight | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed copy when there is one of `x`'s dtype and
     `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was released).
     oneDNN takes 2-D input; the model's activations are already [tokens, features]."""
     # A packed copy belongs to the dtype it was packed in, on the CPU; a model cast or moved
     # after packing reads its (plain) weight.
+    if isinstance(packed, AmxPackedWeight):
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return amx.linear(x, packed, bias)
+        packed = None
     if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
         limit = _PLAIN_FROM_ROWS.get(x.dtype)
         if weight.numel() == 0 or limit is None or (x.dim() == 2 and x.shape[0] < limit):

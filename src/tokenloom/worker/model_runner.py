@@ -101,11 +101,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu" and not config.compile:
-            # A Llama-family model's decode steps as one C call (the eager layers for every
-            # other step); None where the layers are not what that call computes. Built before
-            # the weights are packed for oneDNN: the bf16 step packs the plain ones its own way.
-            self.model.fused_decode = FusedDecode.build(self.model)
             prepare_cpu_weights(self.model)
+            # A Llama-family model's decode steps as one C call (the eager layers for every
+            # other step); None where the layers are not what that call computes.
+            self.model.fused_decode = FusedDecode.build(self.model)
         if config.compile:
             # The step's token count varies, so one graph with a symbolic length; compute_logits
             # stays eager (it runs on the few sampled rows).
