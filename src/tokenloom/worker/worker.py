@@ -22,6 +22,7 @@ from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
 from tokenloom.ops import cpu_features, cpu_kernels, elementwise
+from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_threads import ThreadGovernor, fixed_num_threads, usable_cores
 from tokenloom.ops.distributed import destroy_tensor_parallel, init_tensor_parallel
 from tokenloom.runner_output import ModelRunnerOutput
@@ -78,14 +79,15 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
     fused = getattr(loaded.model, "fused_decode", None)
     if loaded.quantization not in ("", "none"):
         matmul = loaded.quantization
+    elif isinstance(getattr(loaded.model, "packed_lm_head", None), AmxPackedWeight):
+        matmul = f"AMX tiles {dtype} (ops/amx)"
     elif getattr(loaded.model, "packed_lm_head", None) is not None:
         matmul = f"oneDNN packed {dtype}"
     else:
         matmul = f"F.linear {dtype}"
     threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
     if fused is not None:
-        matmul += (", decode steps fused (one C call, AMX tiles)" if loaded.dtype == torch.bfloat16
-                   else ", decode steps fused (one C call)")
+        matmul += ", decode steps fused (one C call)"
     return (cpu_features.engine_cpu_line(features, dtype, kernels, matmul, threads),
             kernels or "off")
 
