@@ -100,6 +100,8 @@ def main() -> None:
     formats = args.formats or [f for f in ALL_FORMATS if fits_k or not f.endswith("_K")]
     print(f"machine: {cpu_features.detect().summary()}")
     print(f"kernels: " + ", ".join(f"{f} {quant.kernel_isa(quant.GGML_FORMATS[int(Q[f])])}" for f in formats))
+    # With AMX the default kernel is AMX from 16 rows; the VNNI kernel is measured beside it.
+    amx = quant.limit_isa(None) == "avx512_vnni+amx_int8"
     print(f"model shapes: {args.model} ({layers} layers x {shapes}); ms per step for all layers' "
           f"4 matmuls, one thread, median")
     for M in args.rows:
@@ -117,6 +119,10 @@ def main() -> None:
                 for lv in args.levels:
                     key = f"ours {name}" + ("" if lv == 2 else " L1")
                     r[key] = bench(lambda: quant.qlinear(x, tw, act_levels=lv), reps)
+                    if amx and M >= 2:  # the same format on the VNNI kernel alone
+                        quant.limit_isa("avx512_vnni")
+                        r[key + " vnni"] = bench(lambda: quant.qlinear(x, tw, act_levels=lv), reps)
+                        quant.limit_isa(None)
                 del tw
             wt = torch.from_numpy(quants.dequantize(kquants.quantize(w, Q.Q4_K if fits_k else Q.Q4_1),
                                                     Q.Q4_K if fits_k else Q.Q4_1))
