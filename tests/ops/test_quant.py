@@ -130,7 +130,7 @@ AMX_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K]  # Q6_K stays on 
                            "tile state: the AMX kernel cannot run here")
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda t: t.name)
 def test_amx_kernel_matches_reference_and_vnni(qtype):
-    """The AMX kernel (16 rows and more) against float64, and bit for bit against the VNNI kernel
+    """The AMX kernel (from 8 rows, 16 with one plane) against float64, and bit for bit against the VNNI kernel
     it replaces there (the same integer sums, scaled in the same order): row counts around its
     16-row tiles and 64-row blocks, N not a multiple of 16, K not a multiple of 64 (block
     formats), both activation plane counts."""
@@ -140,7 +140,7 @@ def test_amx_kernel_matches_reference_and_vnni(qtype):
     rng = np.random.default_rng(int(qtype))
     raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
     tw = quant.tile_gguf(raw, qtype)
-    for M in (1, 16, 17, 64, 79):
+    for M in (1, 8, 16, 17, 64, 79):
         for levels in (1, 2):
             _check_matmul(raw, qtype, M, levels, seed=M)
             x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))

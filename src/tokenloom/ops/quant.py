@@ -38,8 +38,9 @@ GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q
                 int(Q.Q5_0): FMT_Q5_0, int(Q.Q4_K): FMT_Q4_K, int(Q.Q5_K): FMT_Q5_K,
                 int(Q.Q6_K): FMT_Q6_K}
 _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
-# Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from AMX_MIN_ROWS (16)
-# activation rows, the VNNI kernel below that (where AMX's fixed costs per block do not pay).
+# Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from 8 activation rows
+# (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
+# mostly padding); Q6_K stays on VNNI.
 ISA_NAMES = {3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2", 0: "c"}
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)

@@ -460,7 +460,7 @@ AVX512_TARGET static void quantize_rows512(const float *x, int64_t ldx, int64_t 
 #include "quant_gemm_amx.h" /* amx_* and AMX_KERNELS[] */
 
 /* ------------------------------------------------------------------------- dispatch */
-/* 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows, 2: AVX-512 VNNI, 1: AVX2, 0: portable */
+/* 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16), 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 static int isa_level = -1;
 static int amx_state = 2; /* amx_request()'s answer, asked once per process (2: not yet) */
 
@@ -555,7 +555,7 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
     const tile_fn kern = pick(fmt);
     const int64_t mblocks = (M + M_BLOCK - 1) / M_BLOCK;
 #ifdef TL_HAVE_AMX
-    const int use_amx = tl_q_isa(fmt) == 3 && M >= AMX_MIN_ROWS;
+    const int use_amx = tl_q_isa(fmt) == 3 && M >= AMX_MIN_ROWS(levels);
 #else
     const int use_amx = 0;
 #endif

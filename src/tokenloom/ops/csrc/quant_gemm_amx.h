@@ -1,26 +1,30 @@
 /* The AMX int8 kernels of quant_gemm.c (Sapphire Rapids and later), included by it after the
  * AVX-512 helpers (load_codes512, params512, k_scales512): used for matmuls of at least
- * AMX_MIN_ROWS activation rows, where the VNNI kernel is compute-bound.
+ * AMX_MIN_ROWS activation rows (8 with two activation planes), where the VNNI kernel is
+ * compute-bound.
  *
  * Why AMX: one TDPBSUD multiplies a 16-row x 32-byte tile of activation codes (one 32-block of
  * K, signed) by an 8 x 64-byte tile of weight codes (unsigned) into 16 x 16 int32 sums. The
  * weight tile is exactly one block of the tiled layout (8 groups of 4 k x 16 columns x 4 bytes:
- * AMX's "VNNI" B layout), so Q8 codes load straight from the weight and the 4-to-6-bit codes are
- * expanded by load_codes512 into a 512-byte buffer per block and column tile (L1, never
- * resident). That takes the 256 VPDPBUSD of a 16 x 16 block (two activation planes) down to
- * two tile instructions; what is left is the per-block float scaling, which AMX cannot do.
+ * AMX's "VNNI" B layout), so Q8 codes load straight from the weight; the 4-to-6-bit codes of a
+ * column tile are expanded by load_codes512 into a per-thread buffer of K x 16 bytes (L1/L2, never
+ * resident) once per 64 rows. That takes the 256 VPDPBUSD of a 16 x 16 block (two activation
+ * planes) down to two tile products; what is left is the per-block float scaling, which AMX
+ * cannot do.
  *
  * Per-block scales: the int32 tiles cover one 32-block (one per activation plane), are stored
  * to L1 and scaled there with AVX-512 exactly as the VNNI kernel scales its sums
  * (acc += cvt(256 S1 + S2) * d dx + m xs), so both kernels give the same bits. A K = 64 tile
- * would halve the tile instructions but add the two blocks' sums together, and their scales
- * differ.
+ * would halve the tile products but add two blocks' sums together, and their scales differ.
+ * So a product uses half of what a tile multiply can do, and each 16 x 16 block result costs a
+ * tile store, a reload and ~6 vector instructions per row: measured at 64 rows, the tile
+ * products, the tile stores and the scaling each take about a quarter of the time (README).
  *
- * Tiles (palette 1): 0, 1 plane 1 sums of column tiles 0, 1; 2, 3 plane 2's; 4, 5 the two
- * activation planes (16 rows x 32 bytes); 6, 7 the weight codes of column tiles 0, 1. A work item
- * is up to 64 rows x 32 columns: the activation rows are padded with zero codes to a multiple of
- * 16 (the scratch is sized for it), so every tile keeps the one configuration and the padding
- * rows' sums are never read.
+ * Tiles (palette 1): 0, 1 plane 1's sums and 2, 3 plane 2's, alternating between blocks so one
+ * block's products can start while the last one's sums are stored; 4, 5 the two activation
+ * planes (16 rows x 32 bytes); 6, 7 the weight codes (alternating). Activation rows are padded
+ * with zero codes to a multiple of 16 (the scratch is sized for it), so every tile keeps the one
+ * configuration and the padding rows' sums are never read.
  *
  * Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XFEATURE_XTILEDATA, once per process), and the tile configuration is per thread: every OpenMP
@@ -34,7 +38,11 @@
 
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,amx-tile,amx-int8")))
 #define INLINE_AMX static inline __attribute__((always_inline)) AMX_TARGET
-#define AMX_MIN_ROWS 16 /* below it the VNNI kernel; measured in benchmarks/README.md */
+/* Rows from which AMX beats VNNI (one thread, SmolLM2 shapes, Q4_1 and Q8_0; figures in
+ * benchmarks/README.md): with two activation planes 8 (6 rows: VNNI 9.5-9.8 ms per step against
+ * AMX 9.8-10.5, 8 rows: 12.3 against 10.5-10.9), with one plane 16 (8 rows: VNNI 8.4 against
+ * 9.1). Below it the 16-row tiles are mostly padding. */
+#define AMX_MIN_ROWS(levels) ((levels) == 2 ? 8 : 16)
 
 /* 1: AMX int8 usable, 0: the CPU has none, -1: the kernel refused the tile state. */
 static int amx_request(void) {
