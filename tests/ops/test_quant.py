@@ -125,7 +125,7 @@ AMX = "avx512_vnni+amx_int8"
 AMX_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K]  # Q6_K stays on VNNI
 
 
-@pytest.mark.skipif(quant.limit_isa(None) != AMX,
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX,
                     reason="the CPU has no AMX int8 (amx_tile + amx_int8), or Linux refused its "
                            "tile state: the AMX kernel cannot run here")
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda t: t.name)
