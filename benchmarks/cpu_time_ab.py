@@ -9,6 +9,8 @@ random prompts, and reports the CPU seconds each spends per output token (prefil
     .venv/bin/python benchmarks/cpu_time_ab.py --batch-size 64 --input-len 32 --output-len 16 --rounds 2
     # tokenloom's quantized GGUF path against its own float path (--baseline none) or int8
     .venv/bin/python benchmarks/cpu_time_ab.py --quantization auto --baseline none
+    # the GGUF path against itself on a narrower quantized kernel (AMX vs the VNNI kernel alone)
+    .venv/bin/python benchmarks/cpu_time_ab.py --baseline auto --baseline-kernel avx512_vnni
 
 tokenloom's `EngineCore` runs in-process here (no IPC: the step profile shows IPC is <0.1 % of a
 step anyway); transformers runs `generate()` on the same GGUF, greedy, `min_new_tokens` = output
@@ -32,8 +34,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quantization", default="auto", help="tokenloom's quantization (auto: the GGUF's own weights)")
-    p.add_argument("--baseline", default="hf", choices=["hf", "none", "int8"],
+    p.add_argument("--baseline", default="hf", choices=["hf", "none", "int8", "auto"],
                    help="transformers, or tokenloom itself with this quantization")
+    p.add_argument("--baseline-kernel", default=None,
+                   help="the quantized kernel level the baseline is limited to (ops/quant.limit_isa: "
+                        "avx512_vnni, avx2, c); tokenloom keeps the best")
+    p.add_argument("--baseline-dtype", default="auto", help="the baseline engine's dtype (e.g. bfloat16 for the "
+                                                            "float path in bf16)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -49,10 +56,12 @@ def main() -> None:
     blocks = B * (-(-(IN + OUT) // 16) + 1) + 8
     core = EngineCore(EngineConfig(num_kv_blocks=blocks, max_num_seqs=max(B, 1), quantization=args.quantization))
     other = None if args.baseline == "hf" else EngineCore(EngineConfig(num_kv_blocks=blocks, max_num_seqs=max(B, 1),
-                                                                       quantization=args.baseline))
+                                                                       quantization=args.baseline,
+                                                                       dtype=args.baseline_dtype))
     hf = load_hf_model(None, "float32", "cpu")[0] if other is None else None
     params = SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True)
-    name = "transformers" if other is None else f"tokenloom[{args.baseline}]"
+    name = "transformers" if other is None else f"tokenloom[{other.info.quantization}, {args.baseline_dtype}" \
+        f"{', ' + args.baseline_kernel if args.baseline_kernel else ''}]"
 
     def ours(prompts: list[list[int]], tag: str, core=core) -> float:
         for i, ids in enumerate(prompts):
@@ -64,6 +73,13 @@ def main() -> None:
         return (time.process_time() - start) / OUT * 1e3
 
     def theirs(prompts: list[list[int]]) -> float:
+        if other is not None and args.baseline_kernel:
+            from tokenloom.ops import quant
+            quant.limit_isa(args.baseline_kernel)
+            try:
+                return ours(prompts, f"b{time.monotonic()}", core=other)
+            finally:
+                quant.limit_isa(None)
         if other is not None:
             return ours(prompts, f"b{time.monotonic()}", core=other)
         start = time.process_time()

@@ -17,6 +17,9 @@ Rows per format, at 1 and 64 activation rows:
 - F.linear f32: torch's float32 matmul on the dequantized weight (what `quantization=None` would
   compute without the packed copy)
 - f32 oneDNN: the float path as the engine runs it (model/packed_linear.py's packed float32)
+- bf16 oneDNN: the same in bfloat16 (`dtype="bfloat16"`), where the CPU multiplies bf16 natively
+- ours <fmt> vnni (CPUs with AMX int8, 2 rows and more): the format on the AVX-512 VNNI kernel
+  alone, beside the default that runs AMX tiles from 8 rows
 With `--libraries`, also (Q4_1-shaped random data, as in the first measurements):
 - int4pack bf16: torch.ops.aten._weight_int4pack_mm_for_cpu (group-wise int4, group 32)
 - int8pack: torch.ops.aten._weight_int8pack_mm (int8 weights, per-channel scale, float input)
@@ -38,7 +41,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from tokenloom.model.packed_linear import linear, pack_weight
+from tokenloom.model.packed_linear import linear, pack_weight, packed_linear_available
 from tokenloom.ops import cpu_features, quant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
@@ -100,6 +103,8 @@ def main() -> None:
     formats = args.formats or [f for f in ALL_FORMATS if fits_k or not f.endswith("_K")]
     print(f"machine: {cpu_features.detect().summary()}")
     print(f"kernels: " + ", ".join(f"{f} {quant.kernel_isa(quant.GGML_FORMATS[int(Q[f])])}" for f in formats))
+    # With AMX the default kernel is AMX from 16 rows; the VNNI kernel is measured beside it.
+    amx = quant.limit_isa(None) == "avx512_vnni+amx_int8"
     print(f"model shapes: {args.model} ({layers} layers x {shapes}); ms per step for all layers' "
           f"4 matmuls, one thread, median")
     for M in args.rows:
@@ -117,12 +122,20 @@ def main() -> None:
                 for lv in args.levels:
                     key = f"ours {name}" + ("" if lv == 2 else " L1")
                     r[key] = bench(lambda: quant.qlinear(x, tw, act_levels=lv), reps)
+                    if amx and M >= 2:  # the same format on the VNNI kernel alone
+                        quant.limit_isa("avx512_vnni")
+                        r[key + " vnni"] = bench(lambda: quant.qlinear(x, tw, act_levels=lv), reps)
+                        quant.limit_isa(None)
                 del tw
             wt = torch.from_numpy(quants.dequantize(kquants.quantize(w, Q.Q4_K if fits_k else Q.Q4_1),
                                                     Q.Q4_K if fits_k else Q.Q4_1))
             packed = pack_weight(wt)
             r["F.linear f32"] = bench(lambda: torch.nn.functional.linear(x, wt), reps)
             r["f32 oneDNN"] = bench(lambda: linear(x, wt, None, packed), reps)
+            if packed_linear_available(torch.bfloat16):  # the float path in bfloat16 (AMX bf16 here)
+                wb, xb = wt.bfloat16(), x.bfloat16()
+                packed_b = pack_weight(wb)
+                r["bf16 oneDNN"] = bench(lambda: linear(xb, wb, None, packed_b), reps)
             if args.libraries:
                 r |= library_rows(x, N, K, reps)
             for k, v in r.items():

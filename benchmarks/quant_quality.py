@@ -70,10 +70,12 @@ def main() -> None:
     result: dict = {"text_tokens": len(text_ids), "prompts": len(prompts)}
     answers = {}
     for method in ("none", "gguf", "int8"):
-        loaded = load_model(None, quantization=method)
+        # float32 pinned: "auto" is bfloat16 on CPUs that multiply it natively (AMX, AVX-512 BF16),
+        # and the reference is the float32 path (as in tests/entrypoints/test_quantized_llm.py).
+        loaded = load_model(None, dtype="float32", quantization=method)
         result[method] = {"quantization": loaded.quantization, "perplexity": perplexity(loaded, text_ids)}
         del loaded
-        with LLM(quantization=method, num_kv_blocks=256) as llm:
+        with LLM(quantization=method, dtype="float32", num_kv_blocks=256) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         answers[method] = [o.outputs[0].token_ids for o in outs]
     for method in ("gguf", "int8"):

@@ -1,7 +1,7 @@
 """The quantized matmul kernels (ops/quant.py, csrc/quant_gemm.c) against a float64 reference:
 random weights quantized by gguf's own quantizer (gguf.quants; for the K-quants, which it can only
 dequantize, tests/model/kquants.py, and random block bytes), every format on every kernel this CPU
-can run (AVX-512 VNNI, AVX2, portable C)."""
+can run (AMX int8 from 16 rows, AVX-512 VNNI, AVX2, portable C)."""
 from __future__ import annotations
 
 import sys
@@ -33,7 +33,7 @@ CASES = [(t, *shape) for t in BLOCK_FORMATS for shape in BLOCK_SHAPES] + \
 
 def _kernels() -> list[str]:
     best = quant.limit_isa(None)
-    order = ["c", "avx2", "avx512_vnni"]
+    order = ["c", "avx2", "avx512_vnni", "avx512_vnni+amx_int8"]
     return order[: order.index(best) + 1]
 
 
@@ -119,6 +119,38 @@ def test_k_quants_on_random_block_bytes(kernel, qtype):
     for levels in (1, 2):
         _check_matmul(_random_blocks(rng, qtype, 37, 512), qtype, 5, levels, seed=1)
         _check_matmul(_random_blocks(rng, qtype, 16, 256), qtype, 66, levels, seed=2)
+
+
+AMX = "avx512_vnni+amx_int8"
+AMX_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K]  # Q6_K stays on VNNI
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX,
+                    reason="the CPU has no AMX int8 (amx_tile + amx_int8), or Linux refused its "
+                           "tile state: the AMX kernel cannot run here")
+@pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda t: t.name)
+def test_amx_kernel_matches_reference_and_vnni(qtype):
+    """The AMX kernel (from 8 rows, 16 with one plane) against float64, and bit for bit against the VNNI kernel
+    it replaces there (the same integer sums, scaled in the same order): row counts around its
+    16-row tiles and 64-row blocks, N not a multiple of 16, K not a multiple of 64 (block
+    formats), both activation plane counts."""
+    assert quant.kernel_isa(quant.GGML_FORMATS[int(qtype)]) == AMX
+    k_quant = qtype in (Q.Q4_K, Q.Q5_K)
+    N, K = (40, 512) if k_quant else (40, 96)
+    rng = np.random.default_rng(int(qtype))
+    raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    for M in (1, 8, 16, 17, 64, 79):
+        for levels in (1, 2):
+            _check_matmul(raw, qtype, M, levels, seed=M)
+            x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+            amx = quant.qlinear(x, tw, act_levels=levels)
+            try:
+                quant.limit_isa("avx512_vnni")
+                vnni = quant.qlinear(x, tw, act_levels=levels)
+            finally:
+                quant.limit_isa(None)
+            assert torch.equal(amx, vnni), (M, levels)
 
 
 def test_k_quant_shape_errors_name_the_tensor():

@@ -17,6 +17,7 @@ super-block scales are applied per block like any other format's.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,10 @@ GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q
                 int(Q.Q5_0): FMT_Q5_0, int(Q.Q4_K): FMT_Q4_K, int(Q.Q5_K): FMT_Q5_K,
                 int(Q.Q6_K): FMT_Q6_K}
 _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
-ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "c"}
+# Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from 8 activation rows
+# (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
+# mostly padding); Q6_K stays on VNNI.
+ISA_NAMES = {3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2", 0: "c"}
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
@@ -46,6 +50,7 @@ ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "c"}
 # work; measured figures in benchmarks/README.md.
 ACT_LEVELS = 2
 
+logger = logging.getLogger(__name__)
 _c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _bound: set[int] = set()
 
@@ -68,20 +73,26 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_isa.argtypes = [_c_i32]
         lib.tl_q_limit_isa.restype = _c_i32
         lib.tl_q_limit_isa.argtypes = [_c_i32]
+        lib.tl_q_amx_status.restype = _c_i32
+        lib.tl_q_amx_status.argtypes = []
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
+        if lib.tl_q_amx_status() < 0:
+            logger.warning("the CPU has AMX int8 but Linux refused its tile state (arch_prctl "
+                           "ARCH_REQ_XCOMP_PERM): quantized matmuls use AVX-512 VNNI")
     return lib
 
 
 def kernel_isa(fmt: int) -> str:
-    """Which kernel runs `fmt` on this CPU: avx512_vnni, avx2 or c (portable)."""
+    """Which kernel runs `fmt` on this CPU: avx512_vnni+amx_int8, avx512_vnni, avx2 or c
+    (portable)."""
     return ISA_NAMES[_lib().tl_q_isa(fmt)]
 
 
 def limit_isa(name: str | None) -> str:
-    """Use at most kernel `name` (avx512_vnni, avx2, c; None: the best this CPU has), for tests
-    and benchmarks; returns the kernel level now in use."""
+    """Use at most kernel `name` (avx512_vnni+amx_int8, avx512_vnni, avx2, c; None: the best this
+    CPU has), for tests and benchmarks; returns the kernel level now in use."""
     levels = {v: k for k, v in ISA_NAMES.items()}
     return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
 
