@@ -439,11 +439,14 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale,
                          out) -> None:
-        q = query[rp.start:rp.end].transpose(0, 1)  # [Hq, q_len, D]
+        # [1, H, len, D]: SDPA runs its fused (flash) CPU kernel only on 4-D inputs; 3-D ones go
+        # to the math path, which in bfloat16 rounds where transformers (4-D, flash) does not.
+        q = query[rp.start:rp.end].transpose(0, 1).unsqueeze(0)
         if rp.context_len == 0:
             # The whole context is this chunk: read it from the inputs, no gather needed.
             k, v = key[rp.start:rp.end], value[rp.start:rp.end]
         else:
             k, v = k_flat.index_select(0, rp.context_slots), v_flat.index_select(0, rp.context_slots)
-        o = _sdpa(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), rp.mask, scale)
-        out[rp.start:rp.end] = o.transpose(0, 1)
+        o = _sdpa(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                  v.transpose(0, 1).unsqueeze(0).to(q.dtype), rp.mask, scale)
+        out[rp.start:rp.end] = o[0].transpose(0, 1)

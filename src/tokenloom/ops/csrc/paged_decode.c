@@ -40,14 +40,18 @@
 #define TL_GS 3
 /* Most parts a small batch splits a sequence's context into. */
 #define TL_MAX_PARTS 16
+/* A bfloat16 model's decode goes through its context in chunks of this many rows (whole blocks),
+ * as torch's fused SDPA kernel does (its key split for long contexts), so that it rounds the
+ * probabilities to bfloat16 against the same running max; see kv_chunk_fn. */
+#define TL_CHUNK_ROWS 512
 
 /* One work item's running state: its query heads (pre-scaled, in the kernel's column order),
- * their accumulators, this block's scores (padded to the vector width), the online-softmax max
- * and sum. */
+ * their accumulators, this block's (or chunk's) scores (padded to the vector width), the
+ * online-softmax max and sum. */
 typedef struct {
     float qs[TL_GC][256] __attribute__((aligned(64)));
     float acc[TL_GC][256] __attribute__((aligned(64)));
-    float s[TL_GC][TL_MAX_BLOCK_SIZE + 16] __attribute__((aligned(64)));
+    float s[TL_GC][TL_CHUNK_ROWS + 32] __attribute__((aligned(64)));
     float m[TL_GC], l[TL_GC][16] __attribute__((aligned(64)));  /* l: the sum of lane i in l[g][i] */
 } item_state;
 
@@ -125,6 +129,16 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
  * the first row's K and V of that KV head, rows tok_stride elements apart. */
 typedef void (*kv_block_fn)(item_state *st, int g0, int gn, const void *kb, const void *vb,
                             int n, int64_t tok_stride, int D);
+/* The same over a chunk of nb blocks (K and V row pointers and row counts per block), for a
+ * bfloat16 model, where the reference (transformers in bfloat16: torch's fused SDPA kernel)
+ * computes the scores of up to TL_CHUNK_ROWS keys, exponentiates them against their max in
+ * float32, sums those, and multiplies V by the probabilities rounded to bfloat16. Rounding there
+ * as it does keeps the outputs bit for bit equal to the reference's on most elements, where
+ * float32 probabilities differed in ~15% of them by one bfloat16 step. The softmax of the
+ * whole chunk at once is no slower than per block: the same passes over the same rows. */
+typedef void (*kv_chunk_fn)(item_state *st, int g0, int gn, const void *const *kbs,
+                            const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
+                            int D);
 
 /* ---- 8 lanes (AVX2) */
 #if TL_HAVE_AVX2
@@ -149,6 +163,14 @@ static inline VEC exp_nonpos_256(VEC x) {
     return _mm256_and_ps(tl_exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
 }
 #define VEXP_NONPOS(x) exp_nonpos_256(x)
+/* float32 -> the nearest bfloat16 (ties to even), kept as float32; finite inputs. */
+static inline VEC round_bf16_256(VEC x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+#define VROUND_BF16(x) round_bf16_256(x)
 static inline float hmax_256(VEC v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -203,6 +225,7 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
 #undef QK_ROWS
 #undef PV_NV
 #undef VEXP_NONPOS
+#undef VROUND_BF16
 #undef VHMAX
 #undef REDUCE_ROWS
 #endif
@@ -230,6 +253,7 @@ static inline VEC exp_nonpos_512(VEC x) {
                                tl_exp16(x));
 }
 #define VEXP_NONPOS(x) exp_nonpos_512(x)
+#define VROUND_BF16(x) tl_round16_bf16(x)
 #define VHMAX(x) _mm512_reduce_max_ps(x)
 /* s[0:8] = the lane sums of a[0:8]: pairs interleaved and added, then quadruples, then the four
  * 128-bit lanes folded (24 instructions for 8 rows). */
@@ -304,6 +328,41 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
         }                                                                                      \
     }                                                                                          \
 }
+/* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn). */
+static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *const *kbs,
+                                   const void *const *vbs, const int *ns, int nb,
+                                   int64_t tok_stride, int D) {
+    for (int g = g0; g < g0 + gn; g++) {
+        float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];
+        int n = 0;
+        for (int b = 0; b < nb; b++)
+            for (int t = 0; t < ns[b]; t++, n++) {
+                const uint16_t *kr = (const uint16_t *)kbs[b] + t * tok_stride;
+                float dot = 0.0f;
+                for (int i = 0; i < D; i++) dot += qg[i] * tl_bf16_to_f32(kr[i]);
+                sg[n] = dot;
+            }
+        float mx = st->m[g];
+        for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) {
+            const float p = expf(sg[t] - mx);
+            sum += p;
+            sg[t] = tl_round_bf16(p);
+        }
+        const float alpha = expf(st->m[g] - mx);
+        st->l[g][0] = st->l[g][0] * alpha + sum;
+        st->m[g] = mx;
+        for (int i = 0; i < D; i++) acc[i] *= alpha;
+        n = 0;
+        for (int b = 0; b < nb; b++)
+            for (int t = 0; t < ns[b]; t++, n++) {
+                const uint16_t *vr = (const uint16_t *)vbs[b] + t * tok_stride;
+                for (int i = 0; i < D; i++) acc[i] += sg[n] * tl_bf16_to_f32(vr[i]);
+            }
+    }
+}
+
 #define TL_F32_ID(x) (x)
 TL_SCALAR_BLOCK(float, TL_F32_ID, kv_block_scalar_f32)
 TL_SCALAR_BLOCK(uint16_t, tl_bf16_to_f32, kv_block_scalar_bf16kv)
@@ -331,6 +390,8 @@ typedef struct {
     int64_t esz_kv, tok_stride, blk_stride;
     float scale;
     kv_block_fn fn;
+    kv_chunk_fn chunk_fn;  /* set for a bfloat16 model (io_bf16): see kv_chunk_fn */
+    int chunk_blocks;      /* blocks per chunk there */
 } decode_args;
 
 /* One work item: query heads hq0 .. hq0 + nh - 1 of sequence b, over part `part` of its
@@ -344,13 +405,44 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
                a->scale, a->pair_w);
     const int first = a->window > 0 && L > a->window ? L - a->window : 0;
     const int blk0 = first / bs, nblk = (L + bs - 1) / bs - blk0;
-    const int lo = blk0 + (int)((int64_t)part * nblk / a->parts);
-    const int hi = blk0 + (int)((int64_t)(part + 1) * nblk / a->parts);
+    /* The chunk path splits the context between parts at chunk boundaries only. */
+    const int unit = a->chunk_fn ? a->chunk_blocks : 1, nunit = (nblk + unit - 1) / unit;
+    const int lo = blk0 + (int)((int64_t)part * nunit / a->parts) * unit;
+    int hi = blk0 + (int)((int64_t)(part + 1) * nunit / a->parts) * unit;
+    if (hi > blk0 + nblk) hi = blk0 + nblk;
     const int32_t *bt = a->block_table + b * a->bt_stride;
     const int64_t row_bytes = a->tok_stride * a->esz_kv;
     const int64_t col0 = (int64_t)(hq0 / a->G) * D * a->esz_kv;
     const int64_t cols = ((int64_t)((hq0 + nh - 1) / a->G + 1) * D) * a->esz_kv - col0;
-    for (int blk = lo; blk < hi; blk++) {
+    if (a->chunk_fn) {
+        const void *kbs[TL_CHUNK_ROWS], *vbs[TL_CHUNK_ROWS];
+        int ns[TL_CHUNK_ROWS];
+        for (int c0 = lo; c0 < hi; c0 += unit) {
+            const int c1 = c0 + unit < hi ? c0 + unit : hi;
+            for (int g = 0; g < nh;) {
+                const int kvh = (hq0 + g) / a->G;
+                int gn = (kvh + 1) * a->G - (hq0 + g);
+                if (gn > nh - g) gn = nh - g;
+                if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;
+                const int64_t off = (int64_t)kvh * D * a->esz_kv;
+                for (int blk = c0; blk < c1; blk++) {
+                    const int r0 = blk == blk0 ? first - blk * bs : 0;
+                    const int end = L - blk * bs < bs ? L - blk * bs : bs;
+                    const int64_t at = (int64_t)bt[blk] * a->blk_stride * a->esz_kv + r0 * row_bytes + off;
+                    kbs[blk - c0] = a->k_cache + at;
+                    vbs[blk - c0] = a->v_cache + at;
+                    ns[blk - c0] = end - r0;
+                    if (g == 0 && blk + 1 < hi) {
+                        const int64_t nxt = (int64_t)bt[blk + 1] * a->blk_stride * a->esz_kv + col0;
+                        prefetch_block(a->k_cache + nxt, a->v_cache + nxt, bs, row_bytes, cols);
+                    }
+                }
+                a->chunk_fn(&st, g, gn, kbs, vbs, ns, c1 - c0, a->tok_stride, D);
+                g += gn;
+            }
+        }
+    }
+    for (int blk = lo; blk < hi && !a->chunk_fn; blk++) {
         const char *kb = a->k_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
         const char *vb = a->v_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
         if (blk + 1 < hi) {
@@ -435,18 +527,24 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     };
     a.blk_stride = (int64_t)block_size * a.tok_stride;
     a.fn = kv_bf16 ? kv_block_scalar_bf16kv : kv_block_scalar_f32;
+    if (io_bf16) {
+        a.chunk_fn = kv_chunk_scalar_bf16kv;
+        a.chunk_blocks = TL_CHUNK_ROWS / block_size;
+    }
     /* The widest loops the build has for this head_dim (TOKENLOOM_CPU_ISA builds a narrower
      * library, see ops/cpu_features.py). */
 #if TL_HAVE_AVX2
     if (head_dim % 8 == 0) {
         a.fn = kv_bf16 ? kv_block_avx2_bf16kv : kv_block_avx2_f32;
         a.pair_w = kv_bf16 ? 8 : 0;
+        if (io_bf16) a.chunk_fn = kv_chunk_avx2_bf16kv;
     }
 #endif
 #if TL_HAVE_AVX512
     if (head_dim % 16 == 0) {
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
+        if (io_bf16) a.chunk_fn = kv_chunk_avx512_bf16kv;
     }
 #endif
     /* Items: (sequence, run of whole KV-head groups of up to TL_GC query heads). A batch with
@@ -463,6 +561,15 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
         if (n >= 2 * nth && n % nth == 0) break;
         if (n >= 4 * nth) break;
         a.parts++;
+    }
+    if (a.chunk_fn && a.parts > 1) {  /* no more parts than the longest context has chunks */
+        int most = 1;
+        for (int b = 0; b < num_seqs; b++) {
+            const int rows = window > 0 && seq_lens[b] > window ? window + block_size : seq_lens[b];
+            const int n = (rows + TL_CHUNK_ROWS - 1) / TL_CHUNK_ROWS;
+            most = n > most ? n : most;
+        }
+        if (a.parts > most) a.parts = most;
     }
     const int64_t items = (int64_t)num_seqs * nchunk * a.parts;
     const int64_t step = (int64_t)hpc * (head_dim + 2);  /* one item's partial results */

@@ -12,7 +12,7 @@
 /* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + QK_ROWS - 1 (rows past n repeat row n - 1;
  * the caller pads their scores away): each K row is widened once for all gs heads. */
 TL_INLINE void TL_NAME(qk_rows)(const int gs, item_state *st, int g0, const KV_T *kb,
-                                int64_t ts, int n, int t, int D) {
+                                int64_t ts, int n, int t, int D, int off) {
     VEC acc[TL_GS][QK_ROWS];
     const KV_T *rows[QK_ROWS];
 #pragma GCC unroll 8
@@ -43,13 +43,14 @@ TL_INLINE void TL_NAME(qk_rows)(const int gs, item_state *st, int g0, const KV_T
         }
     }
 #pragma GCC unroll 8
-    for (int g = 0; g < gs; g++) REDUCE_ROWS(acc[g], st->s[g0 + g] + t);
+    for (int g = 0; g < gs; g++) REDUCE_ROWS(acc[g], st->s[g0 + g] + off + t);
 }
 
 /* acc[:, c .. c + nv * VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows 0 .. n - 1
  * (nv = 1: one in-order chunk, the tail of a head; otherwise even, of KV_PAIR chunks). */
 TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int g0,
-                                const KV_T *vb, int64_t ts, int n, int c, const float *alpha) {
+                                const KV_T *vb, int64_t ts, int n, int c, const float *alpha,
+                                int off) {
     VEC acc[TL_GS][4];
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++)
@@ -67,7 +68,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
         }
 #pragma GCC unroll 8
         for (int g = 0; g < gs; g++) {
-            const VEC p = VSET1(st->s[g0 + g][u]);
+            const VEC p = VSET1(st->s[g0 + g][off + u]);
 #pragma GCC unroll 8
             for (int v = 0; v < nv; v++) acc[g][v] = VFMA(p, x[v], acc[g][v]);
         }
@@ -81,7 +82,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
 /* The online-softmax update of head g for a block's n scores (padded with -FLT_MAX to a
  * multiple of VW): the scores become probabilities under the new running max, the running sum
  * follows; returns the factor that rescales the head's accumulator. */
-TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
+TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int round) {
     float *sg = st->s[g];
     VEC mx = VSET1(st->m[g]);
     for (int j = 0; j < n; j += VW) mx = VMAX(mx, VLOAD(sg + j));
@@ -90,7 +91,7 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
     VEC sum = VZERO();
     for (int j = 0; j < n; j += VW) {
         const VEC p = VEXP_NONPOS(VSUB(VLOAD(sg + j), mv));
-        VSTORE(sg + j, p);
+        VSTORE(sg + j, round ? VROUND_BF16(p) : p);
         sum = VADD(sum, p);
     }
     const VEC alpha = VEXP_NONPOS(VSET1(st->m[g] - m));
@@ -100,27 +101,70 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
     return VFIRST(alpha);
 }
 
+/* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]. */
+TL_INLINE void TL_NAME(pv_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
+                              int64_t ts, int D, const float *alpha, int off) {
+    int c = 0;
+    for (; c + 4 * VW <= D; c += 4 * VW) {
+        if (PV_NV(gs) == 4) {
+            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha, off);
+        } else {
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off);
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off);
+        }
+    }
+    for (; c + 2 * VW <= D; c += 2 * VW) TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off);
+    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha, off);
+}
+
 TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const KV_T *kb,
                                     const KV_T *vb, int n, int64_t ts, int D) {
-    for (int t = 0; t < n; t += QK_ROWS) TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D);
+    for (int t = 0; t < n; t += QK_ROWS) TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D, 0);
     const int npad = (n + VW - 1) / VW * VW;
     float alpha[TL_GS];
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) {
         for (int j = n; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;  /* exp gives 0 there */
-        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad);
+        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 0);
     }
-    int c = 0;
-    for (; c + 4 * VW <= D; c += 4 * VW) {
-        if (PV_NV(gs) == 4) {
-            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha);
-        } else {
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha);
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha);
-        }
+    TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0);
+}
+
+/* The chunk path (a bfloat16 model, see kv_chunk_fn in paged_decode.c): the scores of all the
+ * chunk's blocks first, one softmax over them with the probabilities rounded to bfloat16, then
+ * P.V block by block (the accumulator rescaled once, by the first). */
+TL_INLINE void TL_NAME(kv_chunk_gs)(const int gs, item_state *st, int g0,
+                                    const void *const *kbs, const void *const *vbs,
+                                    const int *ns, int nb, int64_t ts, int D) {
+    int off = 0;
+    for (int b = 0; b < nb; b++) {
+        const KV_T *kb = (const KV_T *)kbs[b];
+        for (int t = 0; t < ns[b]; t += QK_ROWS)
+            TL_NAME(qk_rows)(gs, st, g0, kb, ts, ns[b], t, D, off);
+        off += ns[b];
     }
-    for (; c + 2 * VW <= D; c += 2 * VW) TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha);
-    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha);
+    const int npad = (off + VW - 1) / VW * VW;
+    float alpha[TL_GS], one[TL_GS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        for (int j = off; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;
+        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 1);
+        one[g] = 1.0f;
+    }
+    off = 0;
+    for (int b = 0; b < nb; b++) {
+        TL_NAME(pv_gs)(gs, st, g0, (const KV_T *)vbs[b], ns[b], ts, D, b ? one : alpha, off);
+        off += ns[b];
+    }
+}
+
+static void TL_NAME(kv_chunk)(item_state *st, int g0, int gn, const void *const *kbs,
+                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D) {
+    switch (gn) {
+    case 1: TL_NAME(kv_chunk_gs)(1, st, g0, kbs, vbs, ns, nb, ts, D); break;
+    case 2: TL_NAME(kv_chunk_gs)(2, st, g0, kbs, vbs, ns, nb, ts, D); break;
+    default: TL_NAME(kv_chunk_gs)(3, st, g0, kbs, vbs, ns, nb, ts, D); break;
+    }
 }
 
 /* The kv_block_fn: gn (1 .. TL_GS) heads of one KV head over n rows of a block. */
