@@ -8,6 +8,7 @@ and the float path keeps oneDNN. Figures in benchmarks/README.md ("AMX bf16 matm
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,10 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """True where the kernels were built with AMX-BF16 and the OS granted this process AMX."""
+    """True where the kernels were built with AMX-BF16 and the OS granted this process AMX, unless
+    `TOKENLOOM_AMX_BF16=0` (then bf16 weights go to oneDNN, as on CPUs without AMX)."""
+    if os.environ.get("TOKENLOOM_AMX_BF16", "1") == "0":
+        return False
     lib = _lib()
     return lib is not None and bool(lib.tl_amx_bf16_available())
 
