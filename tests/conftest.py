@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -34,14 +33,11 @@ def smollm2(smollm2_path: str):
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path: str):
-    """transformers' LlamaForCausalLM dequantized from the same GGUF, float32, eval mode."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    """transformers' LlamaForCausalLM dequantized from the same GGUF, float32, eval mode (loaded
+    as `bench --baseline hf` loads it: gguf-py parses the file once, not twice)."""
+    from tokenloom.entrypoints.bench.common import load_hf_model
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
-    return model.eval()
+    return load_hf_model(smollm2_path, "float32", "cpu")[0]
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +72,6 @@ def gemma3(gemma3_path: str):
 @pytest.fixture(scope="session")
 def hf_gemma3(gemma3_path: str):
     """transformers' Gemma3ForCausalLM dequantized from the same GGUF, float32, eval mode."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from tokenloom.entrypoints.bench.common import load_hf_model
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gemma3_path), gguf_file=os.path.basename(gemma3_path), dtype=torch.float32)
-    return model.eval()
+    return load_hf_model(gemma3_path, "float32", "cpu")[0]

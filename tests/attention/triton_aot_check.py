@@ -1,6 +1,7 @@
 """Compile every Triton attention kernel for NVIDIA targets without a GPU (not a test module).
 
     .venv/bin/python tests/attention/triton_aot_check.py [arch] [dtype]   # e.g. 90 bf16
+    .venv/bin/python tests/attention/triton_aot_check.py 90 bf16 128 4 80 fp16 80 8   # several
 
 The interpreter (TRITON_INTERPRET=1) executes kernels with numpy and accepts things the GPU
 compiler rejects (dot shapes, type mismatches, constexpr misuse). Lowering through Triton's real
@@ -73,5 +74,11 @@ def main(arch: int, dt: str, head_dim: int = 128, group: int = 4, block_size: in
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(int(args[0]) if args else 90, args[1] if len(args) > 1 else "bf16",
-         *(int(a) for a in args[2:]))
+    if len(args) > 4:  # several whole configs in a row: one interpreter (and import) for them all
+        if len(args) % 4:
+            sys.exit("several configs: arch dtype head_dim group, repeated")
+        for i in range(0, len(args), 4):
+            main(int(args[i]), args[i + 1], int(args[i + 2]), int(args[i + 3]))
+    else:
+        main(int(args[0]) if args else 90, args[1] if len(args) > 1 else "bf16",
+             *(int(a) for a in args[2:]))

@@ -19,7 +19,7 @@ from conftest import TOKENLOOM, ServerProcess, child_pids  # noqa: E402 - tests/
 pytestmark = pytest.mark.slow
 
 DP_ARGS = ["-dp", "2", "--max-model-len", "256", "--num-kv-blocks", "64", "--max-num-seqs", "32"]
-NUM_PROMPTS = 64
+NUM_PROMPTS = 32  # 16 per replica: about one wave each (64 KV blocks hold ~16 requests of 16 + 48 tokens)
 
 
 def bench_serve(srv: ServerProcess, *extra: str) -> subprocess.Popen:
