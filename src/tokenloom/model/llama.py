@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism (model/tensor_parallel) the LM head computes this rank's slice
         # of the vocabulary; this joins the slices. None with one rank.
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Decode steps as one C call (model/fused_decode.FusedQuantDecode), set by the CPU model
+        # Decode steps as one C call (model/fused_decode.FusedDecode), set by the CPU model
         # runner once quantization and tensor parallelism have shaped the layers.
         self.fused_decode: Callable[..., torch.Tensor | None] | None = None
 

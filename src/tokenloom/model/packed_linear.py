@@ -15,9 +15,10 @@ bfloat16 is packed too where the CPU multiplies it natively (AVX-512 BF16 or AMX
 ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and bf16 stays on
 `F.linear`. Where the CPU has AMX, bf16 weights are packed for our own AMX tile matmul
 (ops/amx.py) instead of oneDNN: one copy that the eager layers and the fused decode step
-(model/fused_decode.py, which cannot call oneDNN from C) both read. It is faster than oneDNN's up
-to a few hundred rows and slower on prefill-sized ones (figures in benchmarks/README.md, "AMX
-bf16 matmul"); one copy instead of two keeps the engine's memory where it was. Each dtype's row threshold and whether the plain copy is worth keeping are in
+(model/fused_decode.py, which cannot call oneDNN from C) both read. It is faster than oneDNN's
+up to a few hundred rows and slower on prefill-sized ones (benchmarks/README.md, "Fused decode
+step and the AMX bf16 matmul"); one copy instead of two keeps the engine's memory where it was.
+Each dtype's row threshold and whether the plain copy is worth keeping are in
 `_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
 The original weights stay in the model (tests and tools read them, and a model may be shared by
@@ -58,7 +59,8 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """True when oneDNN can pack and run a linear of `dtype` on this build and CPU (float32, and
-    bfloat16 where the CPU multiplies it natively), checked on a tiny one."""
+    bfloat16 where the CPU multiplies it natively), checked on a tiny one; bfloat16 on an AMX CPU
+    is packed for ops/amx instead."""
     if dtype == torch.bfloat16 and amx.available():
         return True
     if dtype not in _PLAIN_FROM_ROWS or not torch.backends.mkldnn.is_available():

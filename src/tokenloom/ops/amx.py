@@ -3,7 +3,8 @@
 On CPUs with AMX-BF16 (Sapphire Rapids and later) this replaces oneDNN's packed bf16 matmul on
 the float path: the same one packed copy per weight, no PyTorch op per call, so the fused
 decode step (csrc/decode_step.c) can call it from C as well. Elsewhere `available()` is False
-and the float path keeps oneDNN. Figures in benchmarks/README.md ("AMX bf16 matmul").
+and the float path keeps oneDNN. Figures in benchmarks/README.md ("Fused decode step and the
+AMX bf16 matmul").
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class AmxPackedWeight:
 
 
 def pack(weight: torch.Tensor) -> AmxPackedWeight:
+    """An [out, in] weight (cast to bfloat16) in tile order, zero-padded to whole tiles."""
     lib = _lib()
     w = weight.detach().to(torch.bfloat16).contiguous()
     N, K = w.shape
