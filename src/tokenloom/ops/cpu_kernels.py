@@ -20,8 +20,8 @@ picks its loops from the compiler's target macros), in `$TOKENLOOM_CACHE_DIR/ker
 `~/.cache/tokenloom/kernels`), named by a hash of the sources, the flags, the ISA level, the CPU's
 flags and the compiler, so a changed source or machine builds anew; the build takes a few
 seconds (the sources compile side by side) and is written atomically (concurrent engines may
-race to build it). It links against the OpenMP runtime torch already loaded (same soname), so the kernels' threads are
-torch's. Without a compiler, or with `TOKENLOOM_CPU_KERNELS=0`, `load()` returns None and every
+race to build it). It links against the OpenMP runtime torch already loaded (same soname), so
+the kernels' threads are torch's. Without a compiler, or with `TOKENLOOM_CPU_KERNELS=0`, `load()` returns None and every
 caller keeps its PyTorch path. Each function takes float32 or bfloat16 tensors (the dtype picks the
 C entry point); callers check dtype, device and layout once, not here.
 """
