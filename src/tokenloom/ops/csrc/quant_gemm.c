@@ -568,44 +568,34 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
             if (vec_quant) quantize_rows512(x, ldx, m, m + 1, Mp, K, levels, xq, xd, xs, xh);
             else quantize_rows(x, ldx, m, m + 1, Mp, K, levels, xq, xd, xs, xh);
         }
-        if (use_amx) {
+        /* Row blocks outermost: a block's activations stay in L2 while each thread streams its
+         * share of the weight tiles past them (work items of up to 64 rows x 16 columns). On
+         * AMX each thread configures its own tiles; without memory for the expanded codes it
+         * keeps the VNNI kernel. */
+        uint8_t *buf = NULL;
 #ifdef TL_HAVE_AMX
-            /* Work items of up to 64 rows x 16 columns, row blocks outermost as below; each
-             * thread configures its own tiles. */
-            uint8_t *buf = amx_scratch(K);
-            if (buf) amx_configure();
-            #pragma omp for collapse(2) schedule(static)
-            for (int64_t mb = 0; mb < mblocks; mb++) {
-                for (int64_t t = 0; t < ntiles; t++) {
-                    const int64_t m0 = mb * M_BLOCK, rows = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
-                    const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
-                    float *yt = y + m0 * ldy + t * TILE_N;
-                    if (buf)
-                        AMX_KERNELS[fmt][levels - 1](w + t * tile_bytes, nb, xq + m0 * K, xd + m0 * nb,
-                                                     xs + m0 * nb, K, (int)rows, yt, ldy, ncols, xplane, buf);
-                    else /* no memory for the expanded codes */
-                        kern(w + t * tile_bytes, fmt, nb, xq + m0 * K, xd + m0 * nb, xs + m0 * nb,
-                             xh + m0 * 2 * nb, K, rows, yt, ldy, ncols, levels, xplane);
-                    if (bias) add_bias(yt, ldy, rows, ncols, bias + t * TILE_N);
-                }
-            }
-            if (buf) amx_release();
+        if (use_amx && (buf = amx_scratch(K))) amx_configure();
 #endif
-        } else {
-            /* Row blocks outermost: a block's activations stay in L2 while each thread streams
-             * its share of the weight tiles past them. */
-            #pragma omp for collapse(2) schedule(static)
-            for (int64_t mb = 0; mb < mblocks; mb++) {
-                for (int64_t t = 0; t < ntiles; t++) {
-                    const int64_t m0 = mb * M_BLOCK, rows = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
-                    const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
-                    float *yt = y + m0 * ldy + t * TILE_N;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t mb = 0; mb < mblocks; mb++) {
+            for (int64_t t = 0; t < ntiles; t++) {
+                const int64_t m0 = mb * M_BLOCK, rows = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
+                const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
+                float *yt = y + m0 * ldy + t * TILE_N;
+#ifdef TL_HAVE_AMX
+                if (buf)
+                    AMX_KERNELS[fmt][levels - 1](w + t * tile_bytes, nb, xq + m0 * K, xd + m0 * nb,
+                                                 xs + m0 * nb, K, (int)rows, yt, ldy, ncols, xplane, buf);
+                else
+#endif
                     kern(w + t * tile_bytes, fmt, nb, xq + m0 * K, xd + m0 * nb, xs + m0 * nb,
                          xh + m0 * 2 * nb, K, rows, yt, ldy, ncols, levels, xplane);
-                    if (bias) add_bias(yt, ldy, rows, ncols, bias + t * TILE_N);
-                }
+                if (bias) add_bias(yt, ldy, rows, ncols, bias + t * TILE_N);
             }
         }
+#ifdef TL_HAVE_AMX
+        if (buf) amx_release();
+#endif
     }
     return 0;
 }
