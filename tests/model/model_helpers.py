@@ -224,6 +224,24 @@ def byte_vocab() -> list[str]:
     return [_byte_alphabet()[b] for b in range(256)] + ["<|s|>", "<|e|>"]
 
 
+def tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, qtypes: dict | None = None,
+              **overrides) -> str:
+    """A 2-layer `kind` model (transformers config, random weights) written as llama.cpp would,
+    every matrix (embedding included) in `qtype`, or per tensor name as `qtypes` says."""
+    vocab = byte_vocab()
+    ref = tiny_hf_model(kind, vocab_size=len(vocab), seed=seed, **overrides)
+    tensors = gguf_tensors_from_hf(ref, kind)
+    c = ref.config
+    import gguf
+
+    return write_gguf(str(tmp_path / f"{kind}-{gguf.GGMLQuantizationType(qtype).name}.gguf"), kind, tensors, block_count=c.num_hidden_layers,
+                      hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                      kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
+                      head_dim=getattr(c, "head_dim", None), rope_theta=c.rope_parameters["rope_theta"],
+                      eps=c.rms_norm_eps,
+                      qtypes={n: (qtypes or {}).get(n, qtype) for n, t in tensors.items() if t.ndim == 2})
+
+
 def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_count: int, hidden: int,
                ffn: int, heads: int, kv_heads: int, context: int = 1024, head_dim: int | None = None,
                qtypes: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None,

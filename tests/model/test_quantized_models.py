@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import (byte_vocab, gguf_tensors_from_hf, llama_tensors, run_flat_batch, tiny_hf_model,
-                           write_gguf, FFN, HEADS, HIDDEN, KV, LAYERS)
+from model_helpers import (llama_tensors, run_flat_batch, tiny_gguf, write_gguf, FFN, HEADS, HIDDEN, KV,
+                           LAYERS)
 
 from tokenloom.model.loader import load_model
 from tokenloom.model.quant_linear import QuantEmbedding, QuantLinear
@@ -38,22 +38,6 @@ def _dims(qtype: int, kind: str = "llama") -> dict:
     return K_DIMS | (dict(head_dim=64) if kind == "qwen3" else {})
 
 
-def _tiny_gguf(tmp_path, kind: str, qtype: int, seed: int = 7, qtypes: dict | None = None,
-               **overrides) -> str:
-    """A 2-layer `kind` model (transformers config, random weights) written as llama.cpp would,
-    every matrix (embedding included) in `qtype`, or per tensor name as `qtypes` says."""
-    vocab = byte_vocab()
-    ref = tiny_hf_model(kind, vocab_size=len(vocab), seed=seed, **overrides)
-    tensors = gguf_tensors_from_hf(ref, kind)
-    c = ref.config
-    return write_gguf(str(tmp_path / f"{kind}-{Q(qtype).name}.gguf"), kind, tensors, block_count=c.num_hidden_layers,
-                      hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
-                      kv_heads=c.num_key_value_heads, context=c.max_position_embeddings,
-                      head_dim=getattr(c, "head_dim", None), rope_theta=c.rope_parameters["rope_theta"],
-                      eps=c.rms_norm_eps,
-                      qtypes={n: (qtypes or {}).get(n, qtype) for n, t in tensors.items() if t.ndim == 2})
-
-
 def _no_float_matrices(model: torch.nn.Module) -> None:
     assert not [n for n, p in model.named_parameters() if p.dim() >= 2]
     assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.quant_lm_head, QuantLinear)
@@ -67,7 +51,7 @@ CASES = [("llama", {}), ("qwen2", dict(tie_word_embeddings=True)), ("qwen3", dic
 def test_quantized_logits_follow_the_float_path(tmp_path, kind, overrides, qtype):
     """Same file, two paths: the float path (dequantized; checked against transformers in
     test_tiny_models) and the quantized kernels, whose only extra error is the int8 activations."""
-    path = _tiny_gguf(tmp_path, kind, qtype, **(overrides | _dims(qtype, kind)))
+    path = tiny_gguf(tmp_path, kind, qtype, **(overrides | _dims(qtype, kind)))
     quantized = load_model(path)
     assert quantized.quantization.startswith(f"gguf {Q(qtype).name}x")
     _no_float_matrices(quantized.model)
@@ -149,7 +133,7 @@ def test_tiny_gguf_through_the_engine(tmp_path, qtype):
     """LLM on a tiny GGUF of each type, engine core in its own process: EngineInfo says which
     path ran, greedy tokens are the argmax of the quantized model's own logits, and the same
     as the dequantized float path's (quantization=None) on the same file."""
-    path = _tiny_gguf(tmp_path, "llama", qtype, seed=3, **_dims(qtype))
+    path = tiny_gguf(tmp_path, "llama", qtype, seed=3, **_dims(qtype))
     prompt = _prompts(258)[2]
     quantization, tokens = _engine_greedy(path, prompt)
     assert quantization.startswith(f"gguf {Q(qtype).name}x")
@@ -164,7 +148,7 @@ def test_q4_k_m_mix_through_the_engine(tmp_path):
     mix = {n: Q.Q6_K for n in ("blk.0.attn_v.weight", "blk.1.attn_v.weight", "blk.0.ffn_down.weight",
                                "blk.1.ffn_down.weight", "output.weight")}
     mix |= {"token_embd.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q5_K, "blk.1.attn_output.weight": Q.Q5_0}
-    path = _tiny_gguf(tmp_path, "llama", Q.Q4_K, seed=4, qtypes=mix, **K_DIMS)
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_K, seed=4, qtypes=mix, **K_DIMS)
     loaded = load_model(path)
     assert loaded.quantization.startswith("gguf Q4_Kx8+Q5_0x1+Q5_Kx1+Q6_Kx5+Q8_0x1 ")
     _no_float_matrices(loaded.model)
@@ -178,7 +162,7 @@ def test_q4_k_m_mix_through_the_engine(tmp_path):
 
 def test_int8_path_for_a_float_checkpoint(tmp_path):
     """quantization="int8" on a float (F32) GGUF: every matrix in int8, logits close to float32."""
-    path = _tiny_gguf(tmp_path, "qwen2", Q.F32, seed=5)
+    path = tiny_gguf(tmp_path, "qwen2", Q.F32, seed=5)
     int8 = load_model(path, quantization="int8")
     assert int8.quantization.startswith("int8 Q8_0x")
     _no_float_matrices(int8.model)

@@ -88,12 +88,11 @@ class DecodeStep:
         bf16 = self.dtype == torch.bfloat16
         if bf16 and not amx.available():
             raise RuntimeError("the bfloat16 decode step needs AMX (ops/amx)")
-        self.hidden = first.qkv.in_features
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_kv_heads = num_kv_heads
         # Kept referenced: the C structs hold raw pointers into these tensors.
         self._keep: list[torch.Tensor] = [final_norm, cos_sin]
         self._model = _Model(
-            num_layers=len(layers), hidden=self.hidden, num_heads=num_heads,
+            num_layers=len(layers), hidden=first.qkv.in_features, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
             intermediate=first.gate_up.out_features // 2, block_size=0,
             act_levels=quant.ACT_LEVELS if act_levels is None else act_levels, eps=eps,
@@ -104,12 +103,9 @@ class DecodeStep:
             self._keep += [lay.input_norm, lay.post_norm]
             dst.input_norm, dst.post_norm = lay.input_norm.data_ptr(), lay.post_norm.data_ptr()
             for field, w in (("qkv", lay.qkv), ("o", lay.o), ("gate_up", lay.gate_up), ("down", lay.down)):
-                if isinstance(w, TiledQuantWeight):
-                    data, fmt, n = w.data, w.fmt, w.out_features
-                else:
-                    data, fmt, n = w.data, _FMT_BF16, w.out_features
-                self._keep.append(data)
-                setattr(dst, field, _Mat(w=data.data_ptr(), bias=None, n=n, fmt=fmt))
+                fmt = w.fmt if isinstance(w, TiledQuantWeight) else _FMT_BF16
+                self._keep.append(w.data)
+                setattr(dst, field, _Mat(w=w.data.data_ptr(), bias=None, n=w.out_features, fmt=fmt))
             if lay.qkv_bias is not None:
                 bias = lay.qkv_bias.float().contiguous()
                 self._keep.append(bias)
