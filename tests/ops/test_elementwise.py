@@ -146,6 +146,26 @@ def test_entry_points_choose_the_c_kernels(lib, dtype):
         torch.testing.assert_close(g.float(), e.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T,V", [(1, 49152), (64, 49152), (3, 17), (5, 1000)])
+def test_argmax_is_torchs(lib, T, V):
+    """The greedy sampler's argmax: torch.argmax's indices for random logits, ties (the first
+    wins), rows all -inf, +inf, NaN (the first NaN wins, as in torch) and strided rows."""
+    g = torch.Generator().manual_seed(T * V)
+    x = torch.randn(T, V, generator=g)
+    assert torch.equal(elementwise.argmax(x), x.argmax(-1))
+    x = torch.randn(8, 1000, generator=g)
+    x[0, 7] = x[0, 900] = 1e9
+    x[1, :] = 3.0
+    x[2, :] = float("-inf")
+    x[3, 999] = float("inf")
+    x[4, 10] = x[4, 500] = float("nan")
+    x[5, 998] = float("nan")
+    x[5, 3] = float("inf")
+    assert torch.equal(elementwise.argmax(x), x.argmax(-1))
+    wide = torch.randn(6, 2 * V, generator=g)[:, :V]
+    assert torch.equal(elementwise.argmax(wide), wide.argmax(-1))
+
+
 def test_kernel_benchmark_script_runs():
     """benchmarks/cpu_kernels.py (the figures in benchmarks/README.md) still runs and reports
     every case, on a one-layer, one-round workload."""

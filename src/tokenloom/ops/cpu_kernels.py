@@ -141,6 +141,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, f"tl_rope_{sfx}")
         fn.restype = None
         fn.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
+    lib.tl_argmax_f32.restype = None
+    lib.tl_argmax_f32.argtypes = [_c_p, _c_i64, _c_i32, _c_i64, _c_p]
     return lib
 
 
@@ -255,3 +257,13 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor,
     _fn(lib, "tl_rope", x)(x.data_ptr(), x.stride(0), T, H, D, positions.data_ptr(),
                     cos_sin.data_ptr(), cos_sin.stride(0))
     return x
+
+
+def argmax_f32(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of a float32 [T, V] tensor (rows may be strided): the first largest
+    index of each row, a NaN counting as the largest. int64 [T]."""
+    T, V = x.shape
+    out = torch.empty(T, dtype=torch.int64)
+    lib.tl_argmax_f32(x.data_ptr(), x.stride(0), T, V, out.data_ptr())
+    return out
+

