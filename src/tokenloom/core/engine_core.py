@@ -6,6 +6,7 @@ entrypoints/; it speaks only the message types of `tokenloom.messages`.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -70,6 +71,11 @@ class EngineCore:
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         # The accounts of aborted requests, owed to the caller: sent with the next step.
         self._aborted_outputs: list[EngineCoreOutput] = []
+        # What start-up built (the model, its tables, the tokenizer) lives as long as the engine:
+        # moved out of the collector's generations, each collection walks only what the steps
+        # allocate, as vLLM's engine core does (perf: collections were ~2 % of a batch-64 run).
+        gc.collect()
+        gc.freeze()
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)
 
     def add_request(self, request: EngineCoreRequest) -> None:
