@@ -32,3 +32,27 @@ def test_strided_rows_and_no_bias():
     exact = x.double() @ w.double().t()
     got = amx.linear(x, amx.pack(w))
     assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("stream_min,prefetch", [(0, True), (None, True), (None, False)])
+def test_output_stores_give_the_same_bits(stream_min, prefetch):
+    """Outputs written with streaming stores (large outputs, and unaligned or partial 32-column
+    blocks beside them), or through the caches with and without the lines requested ahead: the
+    same bits as the default policy, within a bf16 rounding of float64; a large prefill-sized
+    output by default takes the streaming path."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1100, 576, generator=g).bfloat16()
+    w = (torch.randn(2000, 576, generator=g) * 0.05).bfloat16()  # 2000: a partial last block
+    b = torch.randn(2000, generator=g)
+    packed = amx.pack(w)
+    assert 1100 * 2000 * 2 >= amx.STREAM_MIN_BYTES
+    default = amx.linear(x, packed, b)
+    try:
+        amx.set_stores(stream_min, prefetch)
+        got = amx.linear(x, packed, b)
+        got_offset = amx.linear(x[3:], packed, b)  # rows no longer whole tiles
+    finally:
+        amx.set_stores()
+    assert torch.equal(got, default) and torch.equal(got_offset, default[3:])
+    exact = x.double() @ w.double().t() + b.double()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()).all()

@@ -34,6 +34,8 @@ def _lib() -> ctypes.CDLL | None:
         lib.tl_amx_bf16_linear.restype = _c_i32
         lib.tl_amx_bf16_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_p,
                                            _c_i64, _c_p]
+        lib.tl_amx_bf16_set_stores.restype = None
+        lib.tl_amx_bf16_set_stores.argtypes = [_c_i64, _c_i32]
         _bound.add(id(lib))
     return lib
 
@@ -45,6 +47,17 @@ def available() -> bool:
         return False
     lib = _lib()
     return lib is not None and bool(lib.tl_amx_bf16_available())
+
+
+STREAM_MIN_BYTES = 4 << 20  # the kernel's default (csrc/amx_gemm.c, g_stream_min)
+
+
+def set_stores(stream_min_bytes: int | None = STREAM_MIN_BYTES, prefetch_for_write: bool = True) -> None:
+    """How the kernel writes outputs, for benchmarks and tests: outputs of at least
+    `stream_min_bytes` (None: never) with streaming stores, smaller ones through the caches with
+    the next block's lines requested ahead when `prefetch_for_write`. Results are the same bits."""
+    _lib().tl_amx_bf16_set_stores(2**62 if stream_min_bytes is None else stream_min_bytes,
+                                  int(prefetch_for_write))
 
 
 @dataclass(eq=False)
