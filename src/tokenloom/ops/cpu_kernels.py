@@ -144,13 +144,28 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _use_torch_exp(lib: ctypes.CDLL) -> None:
+    """Points the bf16 SiLU at PyTorch's own vectorized expf (Sleef's, exported by libtorch_cpu),
+    so it rounds as F.silu does (csrc/elementwise.c); where torch does not export it, ours stays."""
+    try:
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        exp16 = ctypes.cast(torch_cpu.Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return
+    lib.tl_set_torch_exp16.restype = None
+    lib.tl_set_torch_exp16.argtypes = [_c_p]
+    lib.tl_set_torch_exp16(exp16)
+
+
 def load_isa(level: str) -> ctypes.CDLL:
     """The kernels built for ISA `level` (one of cpu_features.ISA_LEVELS, at most what this CPU
     has), whatever `load()` chose: for benchmarks comparing the levels in one process."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler ($CC or cc)")
-    return _bind(ctypes.CDLL(str(_build(cc, level))))
+    lib = _bind(ctypes.CDLL(str(_build(cc, level))))
+    _use_torch_exp(lib)
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -178,6 +193,7 @@ def load() -> ctypes.CDLL | None:
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
         _bind(lib)
+        _use_torch_exp(lib)
         _lib, _isa = lib, level
         return _lib
 

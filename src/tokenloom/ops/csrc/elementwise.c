@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TL_PAR_MIN 32768
 
@@ -64,6 +65,57 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
     }
 }
 
+/* 1 / sqrt(mean(r[i]^2) + eps) of a bfloat16 row in float32, the squares added in the order of PyTorch's CPU sum over a
+ * contiguous last dimension (aten's cascade sum, as this torch build runs it): 8-lane vectors
+ * dealt round-robin to 4 accumulators, each summed in levels of 16 vectors; the vectors left
+ * over go to the first; the four are added in order, then the scalar tail and the 8 lanes in
+ * order. transformers' bf16 RMSNorm takes `pow(2).mean(-1)` of the float32 row (the squares of
+ * bf16 values are exact in float32), so following that order makes the norm match it bit for
+ * bit; one 16-lane accumulator rounded the output of ~1 row in 10^4 differently, enough to flip
+ * a greedy reply (benchmarks/README.md, "bf16 parity"). Plain C on 8-float arrays: every ISA
+ * level gets the same bits, and the compiler vectorizes the lanes; the build's -ffast-math
+ * would let it reorder the sums and approximate the 1 / sqrt, so this function is compiled
+ * without it. */
+__attribute__((noinline, optimize("no-fast-math")))
+static float torch_rms_inv_bf16(const uint16_t *r, int32_t H, float eps) {
+    enum { L = 8, ILP = 4, LEVELS = 4, STEP = 16 };
+    const int64_t nvec = H / L, size = nvec / ILP;
+    float acc[LEVELS][ILP][L];
+    memset(acc, 0, sizeof acc);
+#define TL_ADD_SQ(dst, v)                                                                          \
+    for (int e_ = 0; e_ < L; e_++) {                                                              \
+        const float x_ = tl_bf16_to_f32(r[(v) * L + e_]);                                         \
+        (dst)[e_] += x_ * x_;                                                                     \
+    }
+    int64_t i = 0;
+    while (i + STEP <= size) {
+        for (int j = 0; j < STEP; j++, i++)
+            for (int k = 0; k < ILP; k++) TL_ADD_SQ(acc[0][k], i * ILP + k);
+        for (int l = 1; l < LEVELS; l++) {
+            for (int k = 0; k < ILP; k++)
+                for (int e = 0; e < L; e++) {
+                    acc[l][k][e] += acc[l - 1][k][e];
+                    acc[l - 1][k][e] = 0.0f;
+                }
+            if (i & ((int64_t)(STEP - 1) << (l * 4))) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++) TL_ADD_SQ(acc[0][k], i * ILP + k);
+    for (int l = 1; l < LEVELS; l++)
+        for (int k = 0; k < ILP; k++)
+            for (int e = 0; e < L; e++) acc[0][k][e] += acc[l][k][e];
+    for (int64_t v = size * ILP; v < nvec; v++) TL_ADD_SQ(acc[0][0], v);
+#undef TL_ADD_SQ
+    for (int k = 1; k < ILP; k++)
+        for (int e = 0; e < L; e++) acc[0][0][e] += acc[0][k][e];
+    float total = 0.0f;
+    for (int64_t e = nvec * L; e < H; e++) { const float v = tl_bf16_to_f32(r[e]); total += v * v; }
+    for (int e = 0; e < L; e++) total += acc[0][0][e];
+    /* then as torch: mean = sum / H (a division), rsqrt = 1 / sqrt, both rounded once */
+    return 1.0f / sqrtf(total / (float)H + eps);
+}
+
 /* bfloat16 rows and weight; the sum of squares in float32. The reference rounds the residual
  * sum, the normalized row and the product with the weight to bfloat16. */
 void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
@@ -85,18 +137,7 @@ void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residua
             for (; i < H; i++) rr[i] = tl_f32_to_bf16(tl_bf16_to_f32(rr[i]) + tl_bf16_to_f32(xr[i]));
             r = rr;
         }
-        float ss = 0.0f;
-        i = 0;
-#if TL_HAVE_AVX512
-        __m512 ss16 = _mm512_setzero_ps();
-        for (; i + 16 <= H; i += 16) {
-            const __m512 v = tl_load16_bf16(r + i);
-            ss16 = _mm512_fmadd_ps(v, v, ss16);
-        }
-        ss = _mm512_reduce_add_ps(ss16);
-#endif
-        for (; i < H; i++) { const float v = tl_bf16_to_f32(r[i]); ss += v * v; }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        const float inv = torch_rms_inv_bf16(r, H, eps);
         i = 0;
 #if TL_HAVE_AVX512
         const __m512 inv16 = _mm512_set1_ps(inv);
@@ -139,7 +180,27 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
     }
 }
 
-/* bfloat16: silu(gate) is rounded to bfloat16 before the product, as the reference's two ops. */
+#if TL_HAVE_AVX512
+/* PyTorch's own 16-lane expf (Sleef's, which libtorch_cpu exports and torch.exp / F.silu run on
+ * AVX-512 CPUs), set by ops/cpu_kernels.py when it loads this library; NULL: ours (tl_exp16).
+ * With it silu(gate) in bfloat16 is F.silu's bit for bit; with ours, whose last bit differs now
+ * and then, ~1 output in 2,000 rounded to the other bfloat16 (benchmarks/README.md, "bf16
+ * parity"). */
+typedef __m512 (*tl_exp16_fn)(__m512);
+static tl_exp16_fn torch_exp16;
+#endif
+
+void tl_set_torch_exp16(void *fn) {
+#if TL_HAVE_AVX512
+    torch_exp16 = (tl_exp16_fn)fn;
+#else
+    (void)fn;
+#endif
+}
+
+/* bfloat16: silu(gate) is rounded to bfloat16 before the product, as the reference's two ops,
+ * and computed as F.silu does it: x / (1 + exp(-x)) in float32 (no -ffast-math rewriting). */
+__attribute__((optimize("no-fast-math")))
 void tl_silu_and_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out,
                           int64_t out_stride, int32_t T, int32_t I) {
 #pragma omp parallel for schedule(static) if ((int64_t)T * I >= TL_PAR_MIN)
@@ -150,8 +211,8 @@ void tl_silu_and_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *
 #if TL_HAVE_AVX512
         const __m512 one16 = _mm512_set1_ps(1.0f);
         for (; i + 16 <= I; i += 16) {
-            const __m512 gv = tl_load16_bf16(g + i);
-            const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 gv = tl_load16_bf16(g + i), neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            const __m512 e = torch_exp16 ? torch_exp16(neg) : tl_exp16(neg);
             const __m512 s = tl_round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one16, e)));
             tl_store16_bf16(o + i, _mm512_mul_ps(s, tl_load16_bf16(u + i)));
         }
