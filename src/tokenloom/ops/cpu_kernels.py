@@ -144,17 +144,19 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _use_torch_exp(lib: ctypes.CDLL) -> None:
-    """Points the bf16 SiLU at PyTorch's own vectorized expf (Sleef's, exported by libtorch_cpu),
-    so it rounds as F.silu does (csrc/elementwise.c); where torch does not export it, ours stays."""
-    try:
-        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        exp16 = ctypes.cast(torch_cpu.Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return
-    lib.tl_set_torch_exp16.restype = None
-    lib.tl_set_torch_exp16.argtypes = [_c_p]
-    lib.tl_set_torch_exp16(exp16)
+_silu_tables: list[torch.Tensor] = []  # kept alive: the C libraries hold their addresses
+
+
+def _set_silu_table(lib: ctypes.CDLL) -> None:
+    """Hands the bf16 SiLU kernel F.silu's own result for each of the 65,536 bfloat16 values, so
+    it rounds exactly as transformers' bf16 SiLU does (csrc/elementwise.c)."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    table = torch.zeros(65537, dtype=torch.bfloat16)
+    table[:65536] = torch.nn.functional.silu(every)
+    _silu_tables.append(table)
+    lib.tl_set_silu_bf16_table.restype = None
+    lib.tl_set_silu_bf16_table.argtypes = [_c_p]
+    lib.tl_set_silu_bf16_table(table.data_ptr())
 
 
 def load_isa(level: str) -> ctypes.CDLL:
@@ -164,7 +166,7 @@ def load_isa(level: str) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler ($CC or cc)")
     lib = _bind(ctypes.CDLL(str(_build(cc, level))))
-    _use_torch_exp(lib)
+    _set_silu_table(lib)
     return lib
 
 
@@ -193,7 +195,7 @@ def load() -> ctypes.CDLL | None:
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
         _bind(lib)
-        _use_torch_exp(lib)
+        _set_silu_table(lib)
         _lib, _isa = lib, level
         return _lib
 
