@@ -68,12 +68,15 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
 
 
 # oneDNN's bf16 matmul (what a bf16 `F.linear` runs, transformers' bf16 path included) sums
-# these K in chunks of this many, added in order, when it has more than 32 rows; one sum over K
-# otherwise, and for every other K measured (576; the N does not matter for these). Measured with
-# torch 2.13's oneDNN on the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill);
-# from ~256 rows it splits differently again, from ~400 it sums in one go. Our matmul follows it
-# for calls of more than 32 rows (prefills: decode steps keep one sum, as transformers' one-row
-# decode matmuls do), so a prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity").
+# these K in chunks of this many, each from zero, added in order, from 33 rows on; up to 32 rows
+# it sums K in one go, as we do. The N does not matter (192 to 3072 tried), so our fused q|k|v
+# and gate|up round as transformers' separate projections. Measured with torch 2.13's oneDNN on
+# the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256 rows it
+# splits K between its threads instead, from ~400 it sums in one go again, and K = 1024 or 2048
+# follow other splits (not modelled: one sum). Our matmul follows it for calls of more than 32
+# rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do), so a
+# prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
+# bit-identical").
 _ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
 _ONEDNN_CHUNK_FROM_ROWS = 33
 

@@ -12,8 +12,8 @@
  * n holds (w[n][2kk], w[n][2kk + 1]), which TDPBF16PS multiplies with the activation rows' pairs.
  * Activations are read in 16-row tiles of 32 k from a zero-padded copy (the caller's scratch,
  * tl_amx_bf16_scratch_bytes). Each 16 x 32 output block is four float32 tiles summed over K in
- * hardware and rounded once to bfloat16 (nearest even) after the bias is added, as a bf16
- * F.linear rounds.
+ * hardware (in one go, or in chunks added in order, as oneDNN sums, see tl_amx_bf16_linear) and
+ * rounded once to bfloat16 (nearest even) after the bias is added, as a bf16 F.linear rounds.
  *
  * Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), and every thread
  * must load a tile configuration before its first tile instruction; other libraries' AMX kernels

@@ -65,17 +65,16 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
     }
 }
 
-/* 1 / sqrt(mean(r[i]^2) + eps) of a bfloat16 row in float32, the squares added in the order of PyTorch's CPU sum over a
- * contiguous last dimension (aten's cascade sum, as this torch build runs it): 8-lane vectors
- * dealt round-robin to 4 accumulators, each summed in levels of 16 vectors; the vectors left
- * over go to the first; the four are added in order, then the scalar tail and the 8 lanes in
- * order. transformers' bf16 RMSNorm takes `pow(2).mean(-1)` of the float32 row (the squares of
- * bf16 values are exact in float32), so following that order makes the norm match it bit for
- * bit; one 16-lane accumulator rounded the output of ~1 row in 10^4 differently, enough to flip
- * a greedy reply (benchmarks/README.md, "bf16 parity"). Plain C on 8-float arrays: every ISA
- * level gets the same bits, and the compiler vectorizes the lanes; the build's -ffast-math
- * would let it reorder the sums and approximate the 1 / sqrt, so this function is compiled
- * without it. */
+/* 1 / sqrt(mean(r[i]^2) + eps) of a bfloat16 row in float32, the squares added in the order of
+ * PyTorch's CPU sum over a contiguous last dimension (aten's cascade sum, as this torch build runs
+ * it): 8-lane vectors dealt round-robin to 4 accumulators, each summed in levels of 16 vectors;
+ * the vectors left over go to the first; the four are added in order, then the scalar tail and
+ * the 8 lanes in order. transformers' bf16 RMSNorm takes `pow(2).mean(-1)` of the float32 row
+ * (the squares of bf16 values are exact in float32) and then `torch.rsqrt`, so following that
+ * order makes the norm match it bit for bit; one 16-lane accumulator rounded the output of ~1
+ * row in 10^4 differently, enough to flip a greedy reply (benchmarks/README.md, "bf16 parity").
+ * The build's -ffast-math would let the compiler reorder the sums and approximate the 1 / sqrt,
+ * so this function is compiled without it. */
 __attribute__((noinline, optimize("no-fast-math")))
 static float torch_rms_inv_bf16(const uint16_t *r, int32_t H, float eps) {
     enum { L = 8, ILP = 4, LEVELS = 4, STEP = 16 };
