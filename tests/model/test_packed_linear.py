@@ -114,3 +114,30 @@ def test_packed_linear_any_leading_shape(shape):
     got = layer(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_lm_head_rows_as_if_alone():
+    """On the AMX bf16 path a prefill-sized matmul sums K in oneDNN's chunks (ops/amx), but the
+    LM head gives every row the logits it would get alone, as transformers' generate computes
+    them one row per sequence: a 48-row step's logits are the 1-row ones bit for bit."""
+    from tokenloom.model.config import ModelArchConfig
+    from tokenloom.model.llama import LlamaForCausalLM
+    from tokenloom.ops import amx
+
+    if not amx.available():
+        pytest.skip("no AMX-BF16 on this CPU (or not granted)")
+    # SmolLM2's hidden size (576: oneDNN sums it in two chunks from 33 rows), one small layer;
+    # 48 x 4096 logits, of which the chunked order rounds a few differently
+    cfg = ModelArchConfig(architecture="llama", num_hidden_layers=1, hidden_size=576,
+                          intermediate_size=64, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, vocab_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          max_position_embeddings=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    model = model.to(torch.bfloat16)
+    pack_linear_weights(model)
+    hidden = torch.randn(48, 576).bfloat16()
+    rows = torch.cat([model.compute_logits(hidden[i:i + 1]) for i in range(48)])
+    assert torch.equal(model.compute_logits(hidden), rows)

@@ -26,6 +26,24 @@ def test_matches_float64(M, N, K):
     assert ((got.double() - exact).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("M", [1, 16, 48, 97, 160])
+@pytest.mark.parametrize("N,K", [(960, 576), (3072, 576), (576, 1536)])
+def test_rounds_as_onednn_bf16_linear(M, N, K):
+    """Bit for bit what a bf16 `F.linear` (oneDNN; transformers' bf16 path) gives at the row
+    counts of decodes and of chat-prompt prefills, on SmolLM2's shapes: from 33 rows oneDNN sums
+    K in chunks (measured with torch 2.13 and 2 threads, ops/amx.py), and so do we."""
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = torch.nn.functional.linear(x[None], w)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(amx.linear(x, amx.pack(w)), expected)
+
+
 def test_strided_rows_and_no_bias():
     x = torch.randn(8, 2 * 64).bfloat16()[:, :64]  # rows 128 apart
     w = torch.randn(40, 64).bfloat16()

@@ -101,7 +101,9 @@ def test_add_rms_norm_bf16(lib, T, H, with_residual):
     if with_residual:
         expected, expected_res = expected
         assert torch.equal(res_in, expected_res)  # one bf16 addition per element
-    _close_bf16(got, expected, min_exact=0.97)
+    # The squares summed in torch's order, the mean and 1/sqrt rounded as torch rounds them: the
+    # PyTorch path's (transformers') bits, on every ISA level.
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("T,I", [(1, 1536), (3, 37), (64, 1536)])
@@ -111,7 +113,10 @@ def test_silu_and_mul_bf16(lib, T, I):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])
     got = cpu_kernels.silu_and_mul(lib, gate_up)
     expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
-    _close_bf16(got, expected, min_exact=0.97)
+    if cpu_kernels.isa() == "avx512":  # torch's own expf (Sleef's): F.silu's bits
+        assert torch.equal(got, expected)
+    else:
+        _close_bf16(got, expected, min_exact=0.97)
 
 
 @pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (9, 5, 36), (40, 4, 128)])

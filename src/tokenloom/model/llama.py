@@ -220,7 +220,10 @@ class LlamaForCausalLM(nn.Module):
         if self.quant_lm_head is not None:
             logits = self.quant_lm_head(hidden)
         else:
-            logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
+            # transformers' generate computes the logits of one row per sequence at a time, which
+            # oneDNN sums in one go: so do we, however many rows a step has (ops/amx).
+            logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head,
+                            one_row_order=True).float()
         return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     @property

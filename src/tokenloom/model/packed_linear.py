@@ -86,15 +86,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | AmxPackedWeight | None) -> torch.Tensor:
+           packed: torch.Tensor | AmxPackedWeight | None,
+           one_row_order: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed copy when there is one of `x`'s dtype and
     `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was released).
-    oneDNN takes 2-D input; the model's activations are already [tokens, features]."""
+    oneDNN takes 2-D input; the model's activations are already [tokens, features].
+    `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
+    count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
     # A packed copy belongs to the dtype it was packed in, on the CPU; a model cast or moved
     # after packing reads its (plain) weight.
     if isinstance(packed, AmxPackedWeight):
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return amx.linear(x, packed, bias)
+            return amx.linear(x, packed, bias, 0 if one_row_order else None)
         packed = None
     if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
         limit = _PLAIN_FROM_ROWS.get(x.dtype)

@@ -33,7 +33,7 @@ def _lib() -> ctypes.CDLL | None:
         lib.tl_amx_bf16_pack.argtypes = [_c_p, _c_i64, _c_i64, _c_p]
         lib.tl_amx_bf16_linear.restype = _c_i32
         lib.tl_amx_bf16_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_p,
-                                           _c_i64, _c_p]
+                                           _c_i64, _c_p, _c_i64]
         lib.tl_amx_bf16_set_stores.restype = None
         lib.tl_amx_bf16_set_stores.argtypes = [_c_i64, _c_i32]
         _bound.add(id(lib))
@@ -80,8 +80,30 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
     return AmxPackedWeight(data, N, K)
 
 
-def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bfloat16 -> x W^T (+ bias), bfloat16 [..., N], rounded once per element."""
+# oneDNN's bf16 matmul (what a bf16 `F.linear` runs, transformers' bf16 path included) sums
+# these K in chunks of this many, each from zero, added in order, from 33 rows on; up to 32 rows
+# it sums K in one go, as we do. The N does not matter (192 to 3072 tried), so our fused q|k|v
+# and gate|up round as transformers' separate projections. Measured with torch 2.13's oneDNN on
+# the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256 rows it
+# splits K between its threads instead, from ~400 it sums in one go again, and K = 1024 or 2048
+# follow other splits (not modelled: one sum). Our matmul follows it for calls of more than 32
+# rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do), so a
+# prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
+# bit-identical").
+_ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
+_ONEDNN_CHUNK_FROM_ROWS = 33
+
+
+def onednn_k_chunk(M: int, K: int) -> int:
+    """The K chunk (0: none) our matmul sums in for M rows of K, following oneDNN's (above)."""
+    return _ONEDNN_K_CHUNK.get(K, 0) if M >= _ONEDNN_CHUNK_FROM_ROWS else 0
+
+
+def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None,
+           kchunk: int | None = None) -> torch.Tensor:
+    """x [..., K] bfloat16 -> x W^T (+ bias), bfloat16 [..., N], rounded once per element.
+    `kchunk`: sum K in chunks of this many, added in order (csrc/amx_gemm.c); None: as oneDNN
+    would for this many rows (`onednn_k_chunk`)."""
     lib = _lib()
     K, N = w.in_features, w.out_features
     lead = x.shape[:-1]
@@ -89,12 +111,14 @@ def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if kchunk is None:
+        kchunk = onednn_k_chunk(M, K)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K), dtype=torch.uint8)
     b = None if bias is None else bias.float().contiguous()
     rc = lib.tl_amx_bf16_linear(x2.data_ptr(), x2.stride(0), M, w.data.data_ptr(), N, K,
                                 None if b is None else b.data_ptr(), y.data_ptr(), N,
-                                scratch.data_ptr())
+                                scratch.data_ptr(), kchunk)
     if rc != 0:
         raise RuntimeError("AMX bf16 matmul unavailable in this process")
     return y.reshape(*lead, N)

@@ -146,13 +146,30 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_silu_tables: list[torch.Tensor] = []  # kept alive: the C libraries hold their addresses
+
+
+def _set_silu_table(lib: ctypes.CDLL) -> None:
+    """Hands the bf16 SiLU kernel F.silu's own result for each of the 65,536 bfloat16 values, so
+    it rounds exactly as transformers' bf16 SiLU does (csrc/elementwise.c)."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    table = torch.zeros(65537, dtype=torch.bfloat16)
+    table[:65536] = torch.nn.functional.silu(every)
+    _silu_tables.append(table)
+    lib.tl_set_silu_bf16_table.restype = None
+    lib.tl_set_silu_bf16_table.argtypes = [_c_p]
+    lib.tl_set_silu_bf16_table(table.data_ptr())
+
+
 def load_isa(level: str) -> ctypes.CDLL:
     """The kernels built for ISA `level` (one of cpu_features.ISA_LEVELS, at most what this CPU
     has), whatever `load()` chose: for benchmarks comparing the levels in one process."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler ($CC or cc)")
-    return _bind(ctypes.CDLL(str(_build(cc, level))))
+    lib = _bind(ctypes.CDLL(str(_build(cc, level))))
+    _set_silu_table(lib)
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -180,6 +197,7 @@ def load() -> ctypes.CDLL | None:
             logger.warning("building the CPU kernels failed, using the PyTorch ops: %s", detail)
             return None
         _bind(lib)
+        _set_silu_table(lib)
         _lib, _isa = lib, level
         return _lib
 

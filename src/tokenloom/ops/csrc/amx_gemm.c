@@ -12,8 +12,8 @@
  * n holds (w[n][2kk], w[n][2kk + 1]), which TDPBF16PS multiplies with the activation rows' pairs.
  * Activations are read in 16-row tiles of 32 k from a zero-padded copy (the caller's scratch,
  * tl_amx_bf16_scratch_bytes). Each 16 x 32 output block is four float32 tiles summed over K in
- * hardware and rounded once to bfloat16 (nearest even) after the bias is added, as a bf16
- * F.linear rounds.
+ * hardware (in one go, or in chunks added in order, as oneDNN sums, see tl_amx_bf16_linear) and
+ * rounded once to bfloat16 (nearest even) after the bias is added, as a bf16 F.linear rounds.
  *
  * Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), and every thread
  * must load a tile configuration before its first tile instruction; other libraries' AMX kernels
@@ -106,18 +106,22 @@ static void configure_tiles(void) {
  * time with AVX-512 BF16's conversion (every AMX CPU has it), which rounds as tl_f32_to_bf16 does
  * for all but denormal inputs (flushed to zero). The scalar loop took as long as the tile
  * products at K = 576. A whole 32-column block whose rows are 64-byte aligned is one line per
- * row; `stream` writes those lines around the caches (see tl_amx_bf16_linear). */
-static void store_block(const float *c, int rows, int cols, const float *bias, uint16_t *y,
-                        int64_t ldy, int stream) {
+ * row; `stream` writes those lines around the caches (see tl_amx_bf16_linear). c2: the earlier
+ * K chunks' sum, added first (see kchunk), or NULL. */
+static void store_block(const float *c, const float *c2, int rows, int cols, const float *bias,
+                        uint16_t *y, int64_t ldy, int stream) {
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
     if (stream && cols == 32 && !((uintptr_t)y & 63) && !((ldy * 2) & 63)) {
         for (int r = 0; r < rows; r++) {
-            const float *cr = c + r * 32;
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(cr + 16), b1),
-                                                   _mm512_add_ps(_mm512_load_ps(cr), b0));
+            __m512 s0 = _mm512_load_ps(c + r * 32), s1 = _mm512_load_ps(c + r * 32 + 16);
+            if (c2) {
+                s0 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32), s0);
+                s1 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32 + 16), s1);
+            }
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(s1, b1), _mm512_add_ps(s0, b0));
             _mm512_stream_si512((void *)(y + r * ldy), (__m512i)v);
         }
         return;
@@ -125,22 +129,36 @@ static void store_block(const float *c, int rows, int cols, const float *bias, u
     for (int r = 0; r < rows; r++) {
         const float *cr = c + r * 32;
         uint16_t *out = y + r * ldy;
-        const __m256i v0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cr), b0));
+        __m512 s0 = _mm512_load_ps(cr), s1 = _mm512_load_ps(cr + 16);
+        if (c2) { /* the earlier K chunks' sum (see tl_amx_bf16_linear's kchunk) */
+            s0 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32), s0);
+            s1 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32 + 16), s1);
+        }
+        const __m256i v0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s0, b0));
         _mm256_mask_storeu_epi16(out, m0, v0);
         if (m1) {
-            const __m256i v1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cr + 16), b1));
+            const __m256i v1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s1, b1));
             _mm256_mask_storeu_epi16(out + 16, m1, v1);
         }
     }
 }
 
+/* acc += c, 32 x 32 float32 */
+static void add_block(float *acc, const float *c) {
+    for (int i = 0; i < 32 * 32; i += 16)
+        _mm512_store_ps(acc + i, _mm512_add_ps(_mm512_load_ps(acc + i), _mm512_load_ps(c + i)));
+}
+
 #endif
 
 /* y[M, N] (row stride ldy, bfloat16) = x[M, K] (row stride ldx, bfloat16) W^T (+ bias, float32),
- * W packed by tl_amx_bf16_pack. Returns 0, or -1 without AMX. */
+ * W packed by tl_amx_bf16_pack. `kchunk` (a multiple of 32 below K; else 0 for one sum over K):
+ * sum K in chunks of kchunk, each from zero, and add the chunks' sums in order before rounding,
+ * which is how oneDNN's bf16 matmul sums some shapes at some row counts (ops/amx.py says which),
+ * so that results can match a bf16 F.linear bit for bit. Returns 0, or -1 without AMX. */
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
-                           void *scratch) {
+                           void *scratch, int64_t kchunk) {
 #ifdef TL_AMX
     if (!tl_amx_bf16_available()) return -1;
     if (M <= 0) return 0;
@@ -163,10 +181,13 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
      * pair's weight tiles stay in L1 across the block's rows. */
     const int64_t mpairs = Mp / 32, block = 8;
     const int stream = M * N * 2 >= g_stream_min, prefetch_w = g_prefetch_w;
+    /* k blocks per chunk (nkb: one chunk) */
+    const int64_t kbchunk = kchunk > 0 && kchunk < K && kchunk % 32 == 0 ? kchunk / 32 : nkb;
 #pragma omp parallel
     {
         configure_tiles();
         float c[32 * 32] __attribute__((aligned(64)));
+        float c2[32 * 32] __attribute__((aligned(64)));
         for (int64_t mstart = 0; mstart < mpairs; mstart += block) {
             const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
 #pragma omp for schedule(static) collapse(2)
@@ -192,9 +213,22 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                     const char *ny = (const char *)(y + nmp * 32 * ldy + nnp * 32);
                     const int64_t per = (nrows + nkb - 1) / nkb;
                     int64_t pr = 0;
-                    for (int64_t kb = 0; kb < nkb; kb++) {
+                    for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
                         for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
                             _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
+                        if (kb == kflush) { /* c2 (+)= the chunk just summed */
+                            kflush += kbchunk;
+                            _tile_stored(0, c, 128);
+                            _tile_stored(1, c + 16, 128);
+                            _tile_stored(2, c + 512, 128);
+                            _tile_stored(3, c + 528, 128);
+                            if (kb == kbchunk) memcpy(c2, c, sizeof c);
+                            else add_block(c2, c);
+                            _tile_zero(0);
+                            _tile_zero(1);
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        }
                         _tile_loadd(4, a0 + kb * 512, 64);
                         _tile_loadd(5, a1 + kb * 512, 64);
                         _tile_loadd(6, b0 + kb * 512, 64);
@@ -211,8 +245,8 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                     const int64_t m0 = mp * 32, n0 = np * 32;
                     const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
                     const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
-                    store_block(c, rows, cols, bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy,
-                                stream);
+                    store_block(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
+                                y + m0 * ldy + n0, ldy, stream);
                 }
             }
         }
@@ -222,7 +256,7 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
     return 0;
 #else
     (void)x; (void)ldx; (void)M; (void)packed; (void)N; (void)K; (void)bias; (void)y; (void)ldy;
-    (void)scratch;
+    (void)scratch; (void)kchunk;
     return -1;
 #endif
 }

@@ -56,7 +56,7 @@ int tl_paged_decode_bf16(TL_DECODE_PARAMS);
 int64_t tl_amx_bf16_scratch_bytes(int64_t M, int64_t K);
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
-                           void *scratch);
+                           void *scratch, int64_t ksplit);
 
 /* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py) or a bfloat16 one packed
  * for AMX (fmt = TL_BF16, amx_gemm.c), and an optional float32 bias. */
@@ -107,7 +107,7 @@ static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t
                       void *y, void *tmp) {
     if (w->fmt == TL_BF16)
         return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
-                                  w->bias, (uint16_t *)y, w->n, tmp);
+                                  w->bias, (uint16_t *)y, w->n, tmp, 0);
     return tl_q_linear(w->fmt, (const uint8_t *)w->w, w->n, K, (const float *)x, K, T,
                        (float *)y, w->n, w->bias, tmp, m->act_levels);
 }

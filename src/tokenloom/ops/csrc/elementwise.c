@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TL_PAR_MIN 32768
 
@@ -64,6 +65,96 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
     }
 }
 
+/* 1 / sqrt(mean(r[i]^2) + eps) of a bfloat16 row in float32, the squares added in the order of
+ * PyTorch's CPU sum over a contiguous last dimension (aten's cascade sum, as this torch build runs
+ * it): 8-lane vectors dealt round-robin to 4 accumulators, each summed in levels of 16 vectors;
+ * the vectors left over go to the first; the four are added in order, then the scalar tail and
+ * the 8 lanes in order. transformers' bf16 RMSNorm takes `pow(2).mean(-1)` of the float32 row
+ * (the squares of bf16 values are exact in float32) and then `torch.rsqrt`, so following that
+ * order makes the norm match it bit for bit; one 16-lane accumulator rounded the output of ~1
+ * row in 10^4 differently, enough to flip a greedy reply (benchmarks/README.md, "bf16 parity").
+ * The build's -ffast-math would let the compiler reorder the sums and approximate the 1 / sqrt,
+ * so this function is compiled without it. */
+__attribute__((noinline, optimize("no-fast-math")))
+static float torch_rms_inv_bf16(const uint16_t *r, int32_t H, float eps) {
+    enum { L = 8, ILP = 4, LEVELS = 4, STEP = 16 };
+    const int64_t nvec = H / L, size = nvec / ILP;
+    float total = 0.0f, lanes[L] __attribute__((aligned(32)));
+#if TL_HAVE_AVX2
+    /* 8 lanes in registers: each lane's additions are the order below, as plain C would be */
+    __m256 acc[LEVELS][ILP];
+#pragma GCC unroll 16
+    for (int l = 0; l < LEVELS; l++)
+#pragma GCC unroll 4
+        for (int k = 0; k < ILP; k++) acc[l][k] = _mm256_setzero_ps();
+#define TL_SQ8(v) ({ const __m256 x_ = _mm256_castsi256_ps(_mm256_slli_epi32(                     \
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + (v) * L))), 16));           \
+        _mm256_mul_ps(x_, x_); })
+    int64_t i = 0;
+    while (i + STEP <= size) {
+        for (int j = 0; j < STEP; j++, i++)
+#pragma GCC unroll 4
+            for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], TL_SQ8(i * ILP + k));
+        for (int l = 1; l < LEVELS; l++) {
+#pragma GCC unroll 4
+            for (int k = 0; k < ILP; k++) {
+                acc[l][k] = _mm256_add_ps(acc[l][k], acc[l - 1][k]);
+                acc[l - 1][k] = _mm256_setzero_ps();
+            }
+            if (i & ((int64_t)(STEP - 1) << (l * 4))) break;
+        }
+    }
+    for (; i < size; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], TL_SQ8(i * ILP + k));
+#pragma GCC unroll 4
+    for (int l = 1; l < LEVELS; l++)
+#pragma GCC unroll 4
+        for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[l][k]);
+    for (int64_t v = size * ILP; v < nvec; v++) acc[0][0] = _mm256_add_ps(acc[0][0], TL_SQ8(v));
+#undef TL_SQ8
+    __m256 p = acc[0][0];
+#pragma GCC unroll 4
+    for (int k = 1; k < ILP; k++) p = _mm256_add_ps(p, acc[0][k]);
+    _mm256_store_ps(lanes, p);
+#else
+    float acc[LEVELS][ILP][L];
+    memset(acc, 0, sizeof acc);
+#define TL_ADD_SQ(dst, v)                                                                          \
+    for (int e_ = 0; e_ < L; e_++) {                                                              \
+        const float x_ = tl_bf16_to_f32(r[(v) * L + e_]);                                         \
+        (dst)[e_] += x_ * x_;                                                                     \
+    }
+    int64_t i = 0;
+    while (i + STEP <= size) {
+        for (int j = 0; j < STEP; j++, i++)
+            for (int k = 0; k < ILP; k++) TL_ADD_SQ(acc[0][k], i * ILP + k);
+        for (int l = 1; l < LEVELS; l++) {
+            for (int k = 0; k < ILP; k++)
+                for (int e = 0; e < L; e++) {
+                    acc[l][k][e] += acc[l - 1][k][e];
+                    acc[l - 1][k][e] = 0.0f;
+                }
+            if (i & ((int64_t)(STEP - 1) << (l * 4))) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++) TL_ADD_SQ(acc[0][k], i * ILP + k);
+    for (int l = 1; l < LEVELS; l++)
+        for (int k = 0; k < ILP; k++)
+            for (int e = 0; e < L; e++) acc[0][k][e] += acc[l][k][e];
+    for (int64_t v = size * ILP; v < nvec; v++) TL_ADD_SQ(acc[0][0], v);
+#undef TL_ADD_SQ
+    for (int k = 1; k < ILP; k++)
+        for (int e = 0; e < L; e++) acc[0][0][e] += acc[0][k][e];
+    memcpy(lanes, acc[0][0], sizeof lanes);
+#endif
+    for (int64_t e = nvec * L; e < H; e++) { const float v = tl_bf16_to_f32(r[e]); total += v * v; }
+    for (int e = 0; e < L; e++) total += lanes[e];
+    /* then as torch: mean = sum / H (a division), rsqrt = 1 / sqrt, both rounded once */
+    return 1.0f / sqrtf(total / (float)H + eps);
+}
+
 /* bfloat16 rows and weight; the sum of squares in float32. The reference rounds the residual
  * sum, the normalized row and the product with the weight to bfloat16. */
 void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
@@ -85,18 +176,7 @@ void tl_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residua
             for (; i < H; i++) rr[i] = tl_f32_to_bf16(tl_bf16_to_f32(rr[i]) + tl_bf16_to_f32(xr[i]));
             r = rr;
         }
-        float ss = 0.0f;
-        i = 0;
-#if TL_HAVE_AVX512
-        __m512 ss16 = _mm512_setzero_ps();
-        for (; i + 16 <= H; i += 16) {
-            const __m512 v = tl_load16_bf16(r + i);
-            ss16 = _mm512_fmadd_ps(v, v, ss16);
-        }
-        ss = _mm512_reduce_add_ps(ss16);
-#endif
-        for (; i < H; i++) { const float v = tl_bf16_to_f32(r[i]); ss += v * v; }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        const float inv = torch_rms_inv_bf16(r, H, eps);
         i = 0;
 #if TL_HAVE_AVX512
         const __m512 inv16 = _mm512_set1_ps(inv);
@@ -139,27 +219,53 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
     }
 }
 
+/* silu(x) rounded to bfloat16 for every bfloat16 x (65,536 entries, indexed by x's bits, one
+ * more to pad the vector gather), computed by F.silu itself and handed over by
+ * ops/cpu_kernels.py at load; NULL: computed here. bf16 inputs take only 2^16 values, so the
+ * table gives F.silu's bits exactly (torch's x / (1 + exp(-x)) with its own expf, Sleef's, whose
+ * last bit ours missed now and then: ~1 output in 2,000 rounded to the other bf16 value,
+ * benchmarks/README.md, "bf16 parity") and costs a gather instead of an exp and a division. */
+static const uint16_t *silu_bf16_table;
+
+void tl_set_silu_bf16_table(const uint16_t *table) { silu_bf16_table = table; }
+
 /* bfloat16: silu(gate) is rounded to bfloat16 before the product, as the reference's two ops. */
 void tl_silu_and_mul_bf16(const uint16_t *gate_up, int64_t in_stride, uint16_t *out,
                           int64_t out_stride, int32_t T, int32_t I) {
+    const uint16_t *table = silu_bf16_table;
 #pragma omp parallel for schedule(static) if ((int64_t)T * I >= TL_PAR_MIN)
     for (int32_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * in_stride, *u = g + I;
         uint16_t *o = out + t * out_stride;
         int i = 0;
 #if TL_HAVE_AVX512
-        const __m512 one16 = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = tl_load16_bf16(g + i);
-            const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 s = tl_round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one16, e)));
-            tl_store16_bf16(o + i, _mm512_mul_ps(s, tl_load16_bf16(u + i)));
+        if (table) {
+            for (; i + 16 <= I; i += 16) {
+                const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
+                /* 4 bytes at table + 2 idx: the entry in the low half (hence the pad entry) */
+                const __m512i e = _mm512_i32gather_epi32(idx, (const void *)table, 2);
+                const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(e, 16));
+                tl_store16_bf16(o + i, _mm512_mul_ps(sv, tl_load16_bf16(u + i)));
+            }
+        } else {
+            const __m512 one16 = _mm512_set1_ps(1.0f);
+            for (; i + 16 <= I; i += 16) {
+                const __m512 gv = tl_load16_bf16(g + i);
+                const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                const __m512 sv = tl_round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one16, e)));
+                tl_store16_bf16(o + i, _mm512_mul_ps(sv, tl_load16_bf16(u + i)));
+            }
         }
 #endif
         for (; i < I; i++) {
-            const float gv = tl_bf16_to_f32(g[i]);
-            const float e = expf(fminf(-gv, 88.0f));
-            o[i] = tl_f32_to_bf16(tl_round_bf16(gv / (1.0f + e)) * tl_bf16_to_f32(u[i]));
+            float sv;
+            if (table) {
+                sv = tl_bf16_to_f32(table[g[i]]);
+            } else {
+                const float gv = tl_bf16_to_f32(g[i]);
+                sv = tl_round_bf16(gv / (1.0f + expf(fminf(-gv, 88.0f))));
+            }
+            o[i] = tl_f32_to_bf16(sv * tl_bf16_to_f32(u[i]));
         }
     }
 }
