@@ -126,19 +126,42 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
 }
 
 /* Heads g0 .. g0 + gn - 1 of an item (one KV head's) over n rows of a block: kb, vb point at
- * the first row's K and V of that KV head, rows tok_stride elements apart. */
+ * the first row's K and V of that KV head, rows tok_stride elements apart. nk, nv: the same
+ * head's rows of the item's next block (pfn of them; NULL: none), prefetched while this one is
+ * computed. */
 typedef void (*kv_block_fn)(item_state *st, int g0, int gn, const void *kb, const void *vb,
-                            int n, int64_t tok_stride, int D);
-/* The same over a chunk of nb blocks (K and V row pointers and row counts per block), for a
- * bfloat16 model, where the reference (transformers in bfloat16: torch's fused SDPA kernel)
- * computes the scores of up to TL_CHUNK_ROWS keys, exponentiates them against their max in
- * float32, sums those, and multiplies V by the probabilities rounded to bfloat16. Rounding there
- * as it does keeps the outputs bit for bit equal to the reference's on most elements, where
- * float32 probabilities differed in ~15% of them by one bfloat16 step. The softmax of the
- * whole chunk at once is no slower than per block: the same passes over the same rows. */
-typedef void (*kv_chunk_fn)(item_state *st, int g0, int gn, const void *const *kbs,
+                            int n, int64_t tok_stride, int D, const void *nk, const void *nv,
+                            int pfn);
+/* An item's query heads by KV head, up to TL_GS at a time: group i is heads g0[i] ..
+ * g0[i] + gn[i] - 1 of the KV head whose columns start off[i] bytes into a cache row. */
+typedef struct {
+    int n, g0[TL_GC], gn[TL_GC];
+    int64_t off[TL_GC];
+} item_groups;
+/* The item's head groups over a chunk of nb blocks (K and V pointers at each block's first row
+ * the item reads, and row counts), for a bfloat16 model, where the reference (transformers in
+ * bfloat16: torch's fused SDPA kernel) computes the scores of up to TL_CHUNK_ROWS keys,
+ * exponentiates them against their max in float32, sums those, and multiplies V by the
+ * probabilities rounded to bfloat16. Rounding there as it does keeps the outputs bit for bit
+ * equal to the reference's on most elements, where float32 probabilities differed in ~15% of
+ * them by one bfloat16 step. The softmax of the whole chunk at once is no slower than per block:
+ * the same passes over the same rows. nxt: the block (nxtn rows) the item, or the next one,
+ * reads after this chunk (NULL: none), prefetched during the last V block. */
+typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *const *kbs,
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
-                            int D);
+                            int D, const void *nxt, int nxtn);
+
+/* Prefetches rows r0 .. r1 - 1 (len bytes each, row_bytes apart) at p. The vector loops call it
+ * a few rows at a time between their FMAs, for the rows they read next (the next block of the
+ * same head, one block ahead): blocks are scattered in memory, so the hardware prefetchers do
+ * not follow, and a whole block's prefetches issued at once stalled the core until most of it
+ * had arrived, so that loading and computing took turns (benchmarks/README.md, "Decode attention
+ * at batch 64"). */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *p, int r0, int r1,
+                                                                int64_t row_bytes, int64_t len) {
+    for (int r = r0; r < r1; r++)
+        for (int64_t i = 0; i < len; i += 64) __builtin_prefetch((const char *)p + r * row_bytes + i);
+}
 
 /* ---- 8 lanes (AVX2) */
 #if TL_HAVE_AVX2
@@ -303,8 +326,10 @@ static inline void reduce_rows_512(const VEC *a, float *s) {
 /* ---- plain loops, one head at a time (any head_dim <= 256) */
 #define TL_SCALAR_BLOCK(KV_T, KV_TO_F32, NAME)                                                  \
 static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vbv, int n,     \
-                 int64_t tok_stride, int D) {                                                  \
+                 int64_t tok_stride, int D, const void *nk, const void *nv, int pfn) {         \
     const KV_T *kb = (const KV_T *)kbv, *vb = (const KV_T *)vbv;                               \
+    if (nk) prefetch_rows(nk, 0, pfn, tok_stride * sizeof(KV_T), D * sizeof(KV_T));            \
+    if (nv) prefetch_rows(nv, 0, pfn, tok_stride * sizeof(KV_T), D * sizeof(KV_T));            \
     for (int g = g0; g < g0 + gn; g++) {                                                       \
         float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];                              \
         for (int t = 0; t < n; t++) {                                                          \
@@ -329,17 +354,23 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
     }                                                                                          \
 }
 /* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn). */
-static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *const *kbs,
+static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const void *const *kbs,
                                    const void *const *vbs, const int *ns, int nb,
-                                   int64_t tok_stride, int D) {
-    for (int g = g0; g < g0 + gn; g++) {
+                                   int64_t tok_stride, int D, const void *nxt, int nxtn) {
+    for (int b = 0; b < nb; b++) {  /* the plain loops are slow enough to take the chunk at once */
+        prefetch_rows(kbs[b], 0, ns[b], tok_stride * 2, tok_stride * 2);
+        prefetch_rows(vbs[b], 0, ns[b], tok_stride * 2, tok_stride * 2);
+    }
+    if (nxt) prefetch_rows(nxt, 0, nxtn, tok_stride * 2, tok_stride * 2);
+    for (int i = 0; i < gr->n; i++)
+    for (int g = gr->g0[i]; g < gr->g0[i] + gr->gn[i]; g++) {
         float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];
         int n = 0;
         for (int b = 0; b < nb; b++)
             for (int t = 0; t < ns[b]; t++, n++) {
-                const uint16_t *kr = (const uint16_t *)kbs[b] + t * tok_stride;
+                const uint16_t *kr = (const uint16_t *)((const char *)kbs[b] + gr->off[i]) + t * tok_stride;
                 float dot = 0.0f;
-                for (int i = 0; i < D; i++) dot += qg[i] * tl_bf16_to_f32(kr[i]);
+                for (int c = 0; c < D; c++) dot += qg[c] * tl_bf16_to_f32(kr[c]);
                 sg[n] = dot;
             }
         float mx = st->m[g];
@@ -353,12 +384,12 @@ static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *c
         const float alpha = expf(st->m[g] - mx);
         st->l[g][0] = st->l[g][0] * alpha + sum;
         st->m[g] = mx;
-        for (int i = 0; i < D; i++) acc[i] *= alpha;
+        for (int c = 0; c < D; c++) acc[c] *= alpha;
         n = 0;
         for (int b = 0; b < nb; b++)
             for (int t = 0; t < ns[b]; t++, n++) {
-                const uint16_t *vr = (const uint16_t *)vbs[b] + t * tok_stride;
-                for (int i = 0; i < D; i++) acc[i] += sg[n] * tl_bf16_to_f32(vr[i]);
+                const uint16_t *vr = (const uint16_t *)((const char *)vbs[b] + gr->off[i]) + t * tok_stride;
+                for (int c = 0; c < D; c++) acc[c] += sg[n] * tl_bf16_to_f32(vr[c]);
             }
     }
 }
@@ -366,18 +397,6 @@ static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *c
 #define TL_F32_ID(x) (x)
 TL_SCALAR_BLOCK(float, TL_F32_ID, kv_block_scalar_f32)
 TL_SCALAR_BLOCK(uint16_t, tl_bf16_to_f32, kv_block_scalar_bf16kv)
-
-/* The next block's rows (the item's columns of each) are prefetched while this one is
- * computed: blocks are scattered in memory, and without it the kernel stalls at every block
- * (~1.3x slower at batch 64 on a Zen 3, 1.4-1.6x on the Xeon with AMX, benchmarks/README.md). */
-static inline void prefetch_block(const char *kb, const char *vb, int n, int64_t row_bytes,
-                                  int64_t len) {
-    for (int t = 0; t < n; t++)
-        for (int64_t i = 0; i < len; i += 64) {
-            __builtin_prefetch(kb + t * row_bytes + i);
-            __builtin_prefetch(vb + t * row_bytes + i);
-        }
-}
 
 typedef struct {
     const char *q; int64_t q_stride;
@@ -394,74 +413,100 @@ typedef struct {
     int chunk_blocks;      /* blocks per chunk there */
 } decode_args;
 
+/* The blocks lo .. hi - 1 of sequence b that part `part` of it reads; its first block's rows
+ * start at row `first` - blk0 * block_size. */
+typedef struct { int L, first, blk0, lo, hi; } item_range;
+
+static item_range range_of(const decode_args *a, int b, int part) {
+    item_range r;
+    const int bs = a->block_size;
+    r.L = a->seq_lens[b];
+    r.first = a->window > 0 && r.L > a->window ? r.L - a->window : 0;
+    r.blk0 = r.first / bs;
+    const int nblk = (r.L + bs - 1) / bs - r.blk0;
+    /* The chunk path splits the context between parts at chunk boundaries only. */
+    const int unit = a->chunk_fn ? a->chunk_blocks : 1, nunit = (nblk + unit - 1) / unit;
+    r.lo = r.blk0 + (int)((int64_t)part * nunit / a->parts) * unit;
+    r.hi = r.blk0 + (int)((int64_t)(part + 1) * nunit / a->parts) * unit;
+    if (r.hi > r.blk0 + nblk) r.hi = r.blk0 + nblk;
+    return r;
+}
+
+/* Row r0 of block blk that the item reads first, and the rows it reads there. */
+static inline int range_r0(const item_range *r, int blk, int bs) {
+    return blk == r->blk0 ? r->first - blk * bs : 0;
+}
+static inline int range_rows(const item_range *r, int blk, int bs) {
+    return (r->L - blk * bs < bs ? r->L - blk * bs : bs) - range_r0(r, blk, bs);
+}
+
 /* One work item: query heads hq0 .. hq0 + nh - 1 of sequence b, over part `part` of its
  * context's blocks. With one part the result goes to `out`; otherwise the unnormalized
- * accumulators, max and sum go to `partial` ([nh][D + 2]). */
-static void run_item(const decode_args *a, int b, int hq0, int nh, int part, float *partial) {
+ * accumulators, max and sum go to `partial` ([nh][D + 2]). nb, npart: the item computed next
+ * on this thread (nb < 0: none), whose first block is prefetched during this one's last. */
+static void run_item(const decode_args *a, int b, int hq0, int nh, int part, float *partial,
+                     int nb, int npart) {
     item_state st;
-    const int D = a->D, bs = a->block_size, L = a->seq_lens[b];
+    const int D = a->D, bs = a->block_size;
     const int64_t qesz = a->io_bf16 ? 2 : 4;
     item_begin(&st, a->q + (b * a->q_stride + (int64_t)hq0 * D) * qesz, a->io_bf16, nh, D,
                a->scale, a->pair_w);
-    const int first = a->window > 0 && L > a->window ? L - a->window : 0;
-    const int blk0 = first / bs, nblk = (L + bs - 1) / bs - blk0;
-    /* The chunk path splits the context between parts at chunk boundaries only. */
-    const int unit = a->chunk_fn ? a->chunk_blocks : 1, nunit = (nblk + unit - 1) / unit;
-    const int lo = blk0 + (int)((int64_t)part * nunit / a->parts) * unit;
-    int hi = blk0 + (int)((int64_t)(part + 1) * nunit / a->parts) * unit;
-    if (hi > blk0 + nblk) hi = blk0 + nblk;
+    const item_range r = range_of(a, b, part);
+    const int lo = r.lo, hi = r.hi;
     const int32_t *bt = a->block_table + b * a->bt_stride;
-    const int64_t row_bytes = a->tok_stride * a->esz_kv;
-    const int64_t col0 = (int64_t)(hq0 / a->G) * D * a->esz_kv;
-    const int64_t cols = ((int64_t)((hq0 + nh - 1) / a->G + 1) * D) * a->esz_kv - col0;
+    const int64_t row_bytes = a->tok_stride * a->esz_kv, blk_bytes = a->blk_stride * a->esz_kv;
+    /* The item's heads, grouped by KV head, up to TL_GS at a time. */
+    item_groups gr = {.n = 0};
+    for (int g = 0; g < nh;) {
+        const int kvh = (hq0 + g) / a->G;
+        int gn = (kvh + 1) * a->G - (hq0 + g);
+        if (gn > nh - g) gn = nh - g;
+        if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;  /* 4 = 2 + 2, not 3 + 1 */
+        gr.g0[gr.n] = g;
+        gr.gn[gr.n] = gn;
+        gr.off[gr.n++] = (int64_t)kvh * D * a->esz_kv;
+        g += gn;
+    }
+    /* The next item's first block (at the row it starts from), or -1. */
+    int64_t after = -1;
+    int after_n = 0;
+    if (nb >= 0) {
+        const item_range rn = range_of(a, nb, npart);
+        if (rn.lo < rn.hi) {
+            after = (int64_t)a->block_table[nb * a->bt_stride + rn.lo] * blk_bytes +
+                    range_r0(&rn, rn.lo, bs) * row_bytes;
+            after_n = range_rows(&rn, rn.lo, bs);
+        }
+    }
     if (a->chunk_fn) {
         const void *kbs[TL_CHUNK_ROWS], *vbs[TL_CHUNK_ROWS];
         int ns[TL_CHUNK_ROWS];
-        for (int c0 = lo; c0 < hi; c0 += unit) {
-            const int c1 = c0 + unit < hi ? c0 + unit : hi;
-            for (int g = 0; g < nh;) {
-                const int kvh = (hq0 + g) / a->G;
-                int gn = (kvh + 1) * a->G - (hq0 + g);
-                if (gn > nh - g) gn = nh - g;
-                if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;
-                const int64_t off = (int64_t)kvh * D * a->esz_kv;
-                for (int blk = c0; blk < c1; blk++) {
-                    const int r0 = blk == blk0 ? first - blk * bs : 0;
-                    const int end = L - blk * bs < bs ? L - blk * bs : bs;
-                    const int64_t at = (int64_t)bt[blk] * a->blk_stride * a->esz_kv + r0 * row_bytes + off;
-                    kbs[blk - c0] = a->k_cache + at;
-                    vbs[blk - c0] = a->v_cache + at;
-                    ns[blk - c0] = end - r0;
-                    if (g == 0 && blk + 1 < hi) {
-                        const int64_t nxt = (int64_t)bt[blk + 1] * a->blk_stride * a->esz_kv + col0;
-                        prefetch_block(a->k_cache + nxt, a->v_cache + nxt, bs, row_bytes, cols);
-                    }
-                }
-                a->chunk_fn(&st, g, gn, kbs, vbs, ns, c1 - c0, a->tok_stride, D);
-                g += gn;
+        for (int c0 = lo; c0 < hi; c0 += a->chunk_blocks) {
+            const int c1 = c0 + a->chunk_blocks < hi ? c0 + a->chunk_blocks : hi;
+            for (int blk = c0; blk < c1; blk++) {
+                const int64_t at = (int64_t)bt[blk] * blk_bytes + range_r0(&r, blk, bs) * row_bytes;
+                kbs[blk - c0] = a->k_cache + at;
+                vbs[blk - c0] = a->v_cache + at;
+                ns[blk - c0] = range_rows(&r, blk, bs);
             }
+            const void *nxt = c1 < hi ? a->k_cache + (int64_t)bt[c1] * blk_bytes
+                                      : after >= 0 ? a->k_cache + after : NULL;
+            const int nxtn = c1 < hi ? range_rows(&r, c1, bs) : after_n;
+            a->chunk_fn(&st, &gr, kbs, vbs, ns, c1 - c0, a->tok_stride, D, nxt, nxtn);
         }
     }
     for (int blk = lo; blk < hi && !a->chunk_fn; blk++) {
-        const char *kb = a->k_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
-        const char *vb = a->v_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
-        if (blk + 1 < hi) {
-            const int64_t nxt = (int64_t)bt[blk + 1] * a->blk_stride * a->esz_kv + col0;
-            prefetch_block(a->k_cache + nxt, a->v_cache + nxt, bs, row_bytes, cols);
-        }
-        const int r0 = blk == blk0 ? first - blk * bs : 0;
-        const int end = L - blk * bs < bs ? L - blk * bs : bs;
-        kb += r0 * row_bytes;
-        vb += r0 * row_bytes;
-        /* The item's heads, grouped by KV head, up to TL_GS at a time. */
-        for (int g = 0; g < nh;) {
-            const int kvh = (hq0 + g) / a->G;
-            int gn = (kvh + 1) * a->G - (hq0 + g);
-            if (gn > nh - g) gn = nh - g;
-            if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;  /* 4 = 2 + 2, not 3 + 1 */
-            const int64_t off = (int64_t)kvh * D * a->esz_kv;
-            a->fn(&st, g, gn, kb + off, vb + off, end - r0, a->tok_stride, D);
-            g += gn;
+        const int64_t at = (int64_t)bt[blk] * blk_bytes + range_r0(&r, blk, bs) * row_bytes;
+        const int n = range_rows(&r, blk, bs);
+        /* the next block's rows (or the next item's first), prefetched head by head as this
+         * one's are computed */
+        const int64_t nx = blk + 1 < hi ? (int64_t)bt[blk + 1] * blk_bytes : after;
+        const int nn = blk + 1 < hi ? range_rows(&r, blk + 1, bs) : after_n;
+        for (int i = 0; i < gr.n; i++) {
+            const int64_t off = gr.off[i];
+            a->fn(&st, gr.g0[i], gr.gn[i], a->k_cache + at + off, a->v_cache + at + off, n,
+                  a->tok_stride, D, nx < 0 ? NULL : a->k_cache + nx + off,
+                  nx < 0 ? NULL : a->v_cache + nx + off, nn);
         }
     }
     if (a->parts == 1) {
@@ -582,7 +627,10 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
             const int part = (int)(it % a.parts);
             const int b = (int)(it / a.parts / nchunk), c = (int)(it / a.parts % nchunk);
             const int hq0 = c * hpc, nh = num_heads - hq0 < hpc ? num_heads - hq0 : hpc;
-            run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL);
+            /* the item this thread takes next (schedule(static): the following one) */
+            const int64_t nx = it + 1 < items ? it + 1 : -1;
+            run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL,
+                     nx < 0 ? -1 : (int)(nx / a.parts / nchunk), nx < 0 ? 0 : (int)(nx % a.parts));
         }
         if (partials) {
 #pragma omp for schedule(static)

@@ -1,0 +1,121 @@
+"""The C decode-attention kernel at batch-64 decode shapes against the floor of reading its K/V
+bytes once, and optionally against the kernel of an earlier commit, in one process
+(benchmarks/README.md, "Decode attention at batch 64").
+
+    PYTHONPATH=src .venv/bin/python benchmarks/decode_attention.py [--rev HEAD~1] [--threads 1 2]
+
+30 layers, one paged cache each (so K/V come from memory as in a decode step), SmolLM2's heads
+(9 query, 3 KV, head_dim 64), block size 16, 64 sequences with contexts spread over 128..256
+(what a 64 x 128 x 128 run decodes through). Three cases, the entry points the engine uses:
+float32 queries over a float32 cache (the GGUF path's default), float32 queries over a bfloat16
+cache (`--kv-cache-dtype bfloat16`) and a bfloat16 model's bfloat16 queries and cache
+(`--quantization none` on a CPU with AVX512-BF16). The floor is a plain sum over the same
+layers' cache bytes (every block the batch owns, read once, contiguously): the kernel's time
+over it says how far it is from bound by memory. Figures: fastest wall time of the rounds, the
+candidates alternating within each round.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tokenloom.ops import cpu_features, cpu_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "attention"))
+from attn_helpers import make_batch  # noqa: E402
+from decode_kernel_ab import _build, _sources_at  # noqa: E402
+
+_CASES = {  # name: (query dtype, cache dtype, entry point)
+    "f32/f32kv": (torch.float32, torch.float32, "tl_paged_decode_f32"),
+    "f32/bf16kv": (torch.float32, torch.bfloat16, "tl_paged_decode_f32_bf16kv"),
+    "bf16/bf16kv": (torch.bfloat16, torch.bfloat16, "tl_paged_decode_bf16"),
+}
+
+
+def _caller(lib: ctypes.CDLL, entry: str):  # noqa: ANN202 - a closure
+    fn = getattr(lib, entry)
+    c = ctypes
+    fn.restype = c.c_int32
+    fn.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p,
+                   c.c_void_p, c.c_int64, *[c.c_int32] * 5, c.c_float, c.c_int32]
+
+    def call(q, kv, bt, sl, out, scale):
+        k = kv.data_ptr()
+        v = k + kv.element_size() * kv.stride(0)
+        if fn(q.data_ptr(), q.stride(0), k, v, bt.data_ptr(), bt.stride(0), sl.data_ptr(),
+              out.data_ptr(), out.stride(0), q.shape[0], q.shape[1], kv.shape[3], q.shape[2],
+              kv.shape[2], scale, 0) != 0:
+            raise RuntimeError("kernel rejected the shapes")
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", default=None, help="also time the kernel of this commit")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--cases", nargs="+", default=list(_CASES), choices=list(_CASES))
+    args = ap.parse_args()
+    f = cpu_features.detect()
+    print(f"{f.summary()}; batch {args.batch}, contexts {args.context[0]}..{args.context[1]}, "
+          f"{args.layers} layers", flush=True)
+    libs = {"new": _build(Path(cpu_kernels.__file__).with_name("csrc"), f.isa)}
+    if args.rev:
+        with tempfile.TemporaryDirectory() as tmp:
+            libs[args.rev] = _build(_sources_at(args.rev, Path(tmp)), f.isa)
+    lo, hi = args.context
+    ctx = [lo + (hi - lo) * i // max(args.batch - 1, 1) for i in range(args.batch)]
+    for case in args.cases:
+        qdt, kvdt, entry = _CASES[case]
+        layers = []
+        for i in range(args.layers):
+            b = make_batch([1] * args.batch, ctx, 9, 3, 64, 16, seed=i)
+            q = b.query.to(qdt).contiguous()
+            layers.append((q, b.kv_cache.to(kvdt), b.meta.block_table.to(torch.int32),
+                           b.meta.seq_lens.to(torch.int32), torch.empty_like(q), b.scale))
+        # The floor reads the same bytes as float32 words (a bfloat16 cache's pairs reinterpreted).
+        floors = [layer[1].view(torch.float32) for layer in layers]
+        mb = sum(x.numel() * 4 for x in floors) / 1e6
+        calls = {name: _caller(lib, entry) for name, lib in libs.items()}
+
+        def run(name: str) -> torch.Tensor:
+            for layer in layers:
+                calls[name](*layer)
+            return torch.stack([layer[4] for layer in layers]).float()
+
+        outs = {name: run(name) for name in calls}
+        ref = next(iter(outs.values()))
+        same = {name: torch.equal(o, ref) for name, o in outs.items()}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            times: dict[str, list[float]] = {name: [] for name in [*calls, "floor"]}
+            for _ in range(args.repeat):
+                for name in calls:
+                    t = time.perf_counter()
+                    run(name)
+                    times[name].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for x in floors:
+                    x.sum()
+                times["floor"].append(time.perf_counter() - t)
+            ms = {name: min(ts) * 1e3 for name, ts in times.items()}
+            cells = "  ".join(f"{name} {t:6.2f} ms ({t / ms['floor']:.2f}x floor)"
+                              for name, t in ms.items() if name != "floor")
+            ab = (f" | {args.rev}/new {ms[args.rev] / ms['new']:.2f}x"
+                  f"{'' if same[args.rev] else ' (outputs differ)'}" if args.rev else "")
+            print(f"{case:>11} {threads} thr: floor {ms['floor']:6.2f} ms ({mb:.0f} MB, "
+                  f"{mb / ms['floor']:.1f} GB/s)  {cells}{ab}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
