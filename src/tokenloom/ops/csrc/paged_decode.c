@@ -125,13 +125,31 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
     }
 }
 
+/* Prefetches of the rows an item reads next (the next block, all the item's heads: one
+ * contiguous range), spread over the steps of the current block's loops: each step issues the
+ * next `per` bytes' lines. Blocks are scattered in memory, so without software prefetches the
+ * kernel stalls at every block; but a whole block's prefetches issued at once stalled the core
+ * until most of it had arrived, so that loading and computing took turns
+ * (benchmarks/README.md, "Decode attention at batch 64"), and in the order of the range they
+ * also train the hardware's streaming prefetcher. */
+typedef struct { const char *p, *end; int64_t per; } pf_stream;
+
+static inline void pf_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
+    s->p = (const char *)p;
+    s->end = p ? s->p + bytes : s->p;
+    s->per = ((bytes + 63) / 64 + steps - 1) / (steps > 0 ? steps : 1) * 64;
+}
+
+static inline __attribute__((always_inline)) void pf_run(pf_stream *s) {
+    const char *e = s->p + s->per < s->end ? s->p + s->per : s->end;
+    for (; s->p < e; s->p += 64) __builtin_prefetch(s->p);
+}
+
 /* Heads g0 .. g0 + gn - 1 of an item (one KV head's) over n rows of a block: kb, vb point at
- * the first row's K and V of that KV head, rows tok_stride elements apart. nk, nv: the same
- * head's rows of the item's next block (pfn of them; NULL: none), prefetched while this one is
- * computed. */
+ * the first row's K and V of that KV head, rows tok_stride elements apart. pk, pv (NULL: none):
+ * the prefetch streams of the rows read next, advanced as Q.K and P.V go. */
 typedef void (*kv_block_fn)(item_state *st, int g0, int gn, const void *kb, const void *vb,
-                            int n, int64_t tok_stride, int D, const void *nk, const void *nv,
-                            int pfn);
+                            int n, int64_t tok_stride, int D, pf_stream *pk, pf_stream *pv);
 /* An item's query heads by KV head, up to TL_GS at a time: group i is heads g0[i] ..
  * g0[i] + gn[i] - 1 of the KV head whose columns start off[i] bytes into a cache row. */
 typedef struct {
@@ -151,14 +169,9 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
                             int D, const void *nxt, int nxtn);
 
-/* Prefetches rows r0 .. r1 - 1 (len bytes each, row_bytes apart) at p. The vector loops call it
- * a few rows at a time between their FMAs, for the rows they read next (the next block of the
- * same head, one block ahead): blocks are scattered in memory, so the hardware prefetchers do
- * not follow, and a whole block's prefetches issued at once stalled the core until most of it
- * had arrived, so that loading and computing took turns (benchmarks/README.md, "Decode attention
- * at batch 64"). */
-static inline __attribute__((always_inline)) void prefetch_rows(const void *p, int r0, int r1,
-                                                                int64_t row_bytes, int64_t len) {
+/* Rows r0 .. r1 - 1 (len bytes each, row_bytes apart) at p, prefetched at once (the plain
+ * loops). */
+static inline void prefetch_rows(const void *p, int r0, int r1, int64_t row_bytes, int64_t len) {
     for (int r = r0; r < r1; r++)
         for (int64_t i = 0; i < len; i += 64) __builtin_prefetch((const char *)p + r * row_bytes + i);
 }
@@ -326,10 +339,10 @@ static inline void reduce_rows_512(const VEC *a, float *s) {
 /* ---- plain loops, one head at a time (any head_dim <= 256) */
 #define TL_SCALAR_BLOCK(KV_T, KV_TO_F32, NAME)                                                  \
 static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vbv, int n,     \
-                 int64_t tok_stride, int D, const void *nk, const void *nv, int pfn) {         \
+                 int64_t tok_stride, int D, pf_stream *pk, pf_stream *pv) {                    \
     const KV_T *kb = (const KV_T *)kbv, *vb = (const KV_T *)vbv;                               \
-    if (nk) prefetch_rows(nk, 0, pfn, tok_stride * sizeof(KV_T), D * sizeof(KV_T));            \
-    if (nv) prefetch_rows(nv, 0, pfn, tok_stride * sizeof(KV_T), D * sizeof(KV_T));            \
+    if (pk) { pk->per = pk->end - pk->p; pf_run(pk); }                                         \
+    if (pv) { pv->per = pv->end - pv->p; pf_run(pv); }                                         \
     for (int g = g0; g < g0 + gn; g++) {                                                       \
         float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];                              \
         for (int t = 0; t < n; t++) {                                                          \
@@ -411,6 +424,7 @@ typedef struct {
     kv_block_fn fn;
     kv_chunk_fn chunk_fn;  /* set for a bfloat16 model (io_bf16): see kv_chunk_fn */
     int chunk_blocks;      /* blocks per chunk there */
+    int qk_rows;           /* rows per Q.K step of fn's loops (its prefetch pace) */
 } decode_args;
 
 /* The blocks lo .. hi - 1 of sequence b that part `part` of it reads; its first block's rows
@@ -498,15 +512,17 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
     for (int blk = lo; blk < hi && !a->chunk_fn; blk++) {
         const int64_t at = (int64_t)bt[blk] * blk_bytes + range_r0(&r, blk, bs) * row_bytes;
         const int n = range_rows(&r, blk, bs);
-        /* the next block's rows (or the next item's first), prefetched head by head as this
-         * one's are computed */
+        /* the next block's rows (or the next item's first), prefetched as this one's are
+         * computed */
         const int64_t nx = blk + 1 < hi ? (int64_t)bt[blk + 1] * blk_bytes : after;
-        const int nn = blk + 1 < hi ? range_rows(&r, blk + 1, bs) : after_n;
+        const int64_t nbytes = (blk + 1 < hi ? range_rows(&r, blk + 1, bs) : after_n) * row_bytes;
+        pf_stream pk, pv;
+        pf_init(&pk, nx < 0 ? NULL : a->k_cache + nx, nbytes, gr.n * ((n + a->qk_rows - 1) / a->qk_rows));
+        pf_init(&pv, nx < 0 ? NULL : a->v_cache + nx, nbytes, gr.n * n);
         for (int i = 0; i < gr.n; i++) {
             const int64_t off = gr.off[i];
             a->fn(&st, gr.g0[i], gr.gn[i], a->k_cache + at + off, a->v_cache + at + off, n,
-                  a->tok_stride, D, nx < 0 ? NULL : a->k_cache + nx + off,
-                  nx < 0 ? NULL : a->v_cache + nx + off, nn);
+                  a->tok_stride, D, &pk, &pv);
         }
     }
     if (a->parts == 1) {
@@ -572,6 +588,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     };
     a.blk_stride = (int64_t)block_size * a.tok_stride;
     a.fn = kv_bf16 ? kv_block_scalar_bf16kv : kv_block_scalar_f32;
+    a.qk_rows = 1;
     if (io_bf16) {
         a.chunk_fn = kv_chunk_scalar_bf16kv;
         a.chunk_blocks = TL_CHUNK_ROWS / block_size;
@@ -582,6 +599,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     if (head_dim % 8 == 0) {
         a.fn = kv_bf16 ? kv_block_avx2_bf16kv : kv_block_avx2_f32;
         a.pair_w = kv_bf16 ? 8 : 0;
+        a.qk_rows = 4;  /* QK_ROWS there */
         if (io_bf16) a.chunk_fn = kv_chunk_avx2_bf16kv;
     }
 #endif
@@ -589,6 +607,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     if (head_dim % 16 == 0) {
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
+        a.qk_rows = 8;
         if (io_bf16) a.chunk_fn = kv_chunk_avx512_bf16kv;
     }
 #endif

@@ -50,7 +50,7 @@ TL_INLINE void TL_NAME(qk_rows)(const int gs, item_state *st, int g0, const KV_T
  * (nv = 1: one in-order chunk, the tail of a head; otherwise even, of KV_PAIR chunks). */
 TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int g0,
                                 const KV_T *vb, int64_t ts, int n, int c, const float *alpha,
-                                int off, const KV_T *pf, int pfn, int D) {
+                                int off, pf_stream *pf) {
     VEC acc[TL_GS][4];
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++)
@@ -60,7 +60,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
     for (int u = 0; u < n; u++) {
         const KV_T *vr = vb + u * ts + c;
         VEC x[4];
-        if (pf) prefetch_rows(pf, u, u + 1 < n ? u + 1 : pfn, ts * sizeof(KV_T), D * sizeof(KV_T));
+        if (pf) pf_run(pf);
         if (nv == 1) {
             x[0] = KV_ONE(vr);
         } else {
@@ -103,38 +103,37 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int r
 }
 
 /* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]; the first
- * pass over the rows prefetches pfn rows at pf (see prefetch_rows). */
+ * pass over the rows advances the prefetch stream pf a step per row. */
 TL_INLINE void TL_NAME(pv_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
-                              int64_t ts, int D, const float *alpha, int off, const KV_T *pf,
-                              int pfn) {
+                              int64_t ts, int D, const float *alpha, int off, pf_stream *pf) {
     int c = 0;
     for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
         if (PV_NV(gs) == 4) {
-            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf, pfn, D);
+            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf);
         } else {
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf, pfn, D);
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off, NULL, 0, D);
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off, NULL);
         }
     }
     for (; c + 2 * VW <= D; c += 2 * VW, pf = NULL)
-        TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf, pfn, D);
-    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha, off, pf, pfn, D);
+        TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha, off, pf);
 }
 
-/* Q.K of heads g0 .. g0 + gs - 1 over n rows into s[off ..], prefetching pfn rows at pf. */
+/* Q.K of heads g0 .. g0 + gs - 1 over n rows into s[off ..], the prefetch stream pf advanced
+ * a step per QK_ROWS rows. */
 TL_INLINE void TL_NAME(qk_gs)(const int gs, item_state *st, int g0, const KV_T *kb, int n,
-                              int64_t ts, int D, int off, const KV_T *pf, int pfn) {
+                              int64_t ts, int D, int off, pf_stream *pf) {
     for (int t = 0; t < n; t += QK_ROWS) {
-        if (pf) prefetch_rows(pf, t, t + QK_ROWS < n ? t + QK_ROWS : pfn, ts * sizeof(KV_T),
-                              D * sizeof(KV_T));
+        if (pf) pf_run(pf);
         TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D, off);
     }
 }
 
 TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const KV_T *kb,
-                                    const KV_T *vb, int n, int64_t ts, int D, const KV_T *nk,
-                                    const KV_T *nv, int pfn) {
-    TL_NAME(qk_gs)(gs, st, g0, kb, n, ts, D, 0, nk, pfn);
+                                    const KV_T *vb, int n, int64_t ts, int D, pf_stream *pk,
+                                    pf_stream *pv) {
+    TL_NAME(qk_gs)(gs, st, g0, kb, n, ts, D, 0, pk);
     const int npad = (n + VW - 1) / VW * VW;
     float alpha[TL_GS];
 #pragma GCC unroll 8
@@ -142,25 +141,25 @@ TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const 
         for (int j = n; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;  /* exp gives 0 there */
         alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 0);
     }
-    TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0, nv, pfn);
+    TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0, pv);
 }
 
 /* qk_gs and pv_gs for a run-time head count gn (1 .. TL_GS). */
 TL_INLINE void TL_NAME(qk_any)(int gn, item_state *st, int g0, const KV_T *kb, int n, int64_t ts,
-                               int D, int off, const KV_T *pf, int pfn) {
+                               int D, int off, pf_stream *pf) {
     switch (gn) {
-    case 1: TL_NAME(qk_gs)(1, st, g0, kb, n, ts, D, off, pf, pfn); break;
-    case 2: TL_NAME(qk_gs)(2, st, g0, kb, n, ts, D, off, pf, pfn); break;
-    default: TL_NAME(qk_gs)(3, st, g0, kb, n, ts, D, off, pf, pfn); break;
+    case 1: TL_NAME(qk_gs)(1, st, g0, kb, n, ts, D, off, pf); break;
+    case 2: TL_NAME(qk_gs)(2, st, g0, kb, n, ts, D, off, pf); break;
+    default: TL_NAME(qk_gs)(3, st, g0, kb, n, ts, D, off, pf); break;
     }
 }
 
 TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, int n, int64_t ts,
-                               int D, const float *alpha, int off, const KV_T *pf, int pfn) {
+                               int D, const float *alpha, int off, pf_stream *pf) {
     switch (gn) {
-    case 1: TL_NAME(pv_gs)(1, st, g0, vb, n, ts, D, alpha, off, pf, pfn); break;
-    case 2: TL_NAME(pv_gs)(2, st, g0, vb, n, ts, D, alpha, off, pf, pfn); break;
-    default: TL_NAME(pv_gs)(3, st, g0, vb, n, ts, D, alpha, off, pf, pfn); break;
+    case 1: TL_NAME(pv_gs)(1, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    case 2: TL_NAME(pv_gs)(2, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    default: TL_NAME(pv_gs)(3, st, g0, vb, n, ts, D, alpha, off, pf); break;
     }
 }
 
@@ -172,14 +171,18 @@ TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, i
 static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
                               const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
                               const void *nxt, int nxtn) {
+    const int64_t rb = ts * (int64_t)sizeof(KV_T);
     int off = 0;
+    pf_stream pf;
     for (int b = 0; b < nb; b++) {  /* block b's keys; the next block's (or V's first) fetched */
-        const char *pf = b + 1 < nb ? kbs[b + 1] : vbs[0];
-        const int pfn = b + 1 < nb ? ns[b + 1] : ns[0];
+        int steps = 0;
+        for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
+        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
+                steps);
         for (int i = 0; i < gr->n; i++)
             TL_NAME(qk_any)(gr->gn[i], st, gr->g0[i],
                             (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts, D, off,
-                            (const KV_T *)(pf + gr->off[i]), pfn);
+                            &pf);
         off += ns[b];
     }
     const int npad = (off + VW - 1) / VW * VW, nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
@@ -191,26 +194,24 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
     }
     off = 0;
     for (int b = 0; b < nb; b++) {
-        const char *pf = b + 1 < nb ? (const char *)vbs[b + 1] : (const char *)nxt;
-        const int pfn = b + 1 < nb ? ns[b + 1] : nxtn;
+        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
+                gr->n * ns[b]);
         for (int i = 0; i < gr->n; i++)
             TL_NAME(pv_any)(gr->gn[i], st, gr->g0[i],
                             (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts, D,
-                            (b ? one : alpha) + gr->g0[i], off,
-                            pf ? (const KV_T *)(pf + gr->off[i]) : NULL, pfn);
+                            (b ? one : alpha) + gr->g0[i], off, &pf);
         off += ns[b];
     }
 }
 
 /* The kv_block_fn: gn (1 .. TL_GS) heads of one KV head over n rows of a block. */
 static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, const void *vb,
-                              int n, int64_t ts, int D, const void *nk, const void *nv, int pfn) {
+                              int n, int64_t ts, int D, pf_stream *pk, pf_stream *pv) {
     const KV_T *k = (const KV_T *)kb, *v = (const KV_T *)vb;
-    const KV_T *pk = (const KV_T *)nk, *pv = (const KV_T *)nv;
     switch (gn) {
-    case 1: TL_NAME(kv_block_gs)(1, st, g0, k, v, n, ts, D, pk, pv, pfn); break;
-    case 2: TL_NAME(kv_block_gs)(2, st, g0, k, v, n, ts, D, pk, pv, pfn); break;
-    default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D, pk, pv, pfn); break;
+    case 1: TL_NAME(kv_block_gs)(1, st, g0, k, v, n, ts, D, pk, pv); break;
+    case 2: TL_NAME(kv_block_gs)(2, st, g0, k, v, n, ts, D, pk, pv); break;
+    default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D, pk, pv); break;
     }
 }
 
