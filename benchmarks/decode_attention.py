@@ -11,13 +11,16 @@ float32 queries over a float32 cache (the GGUF path's default), float32 queries 
 cache (`--kv-cache-dtype bfloat16`) and a bfloat16 model's bfloat16 queries and cache
 (`--quantization none` on a CPU with AVX512-BF16). The floor is a plain sum over the same
 layers' cache bytes (every block the batch owns, read once, contiguously): the kernel's time
-over it says how far it is from bound by memory. Figures: fastest wall time of the rounds, the
-candidates alternating within each round.
+over it says how far it is from bound by memory. Figures: the fastest of the rounds, the
+candidates alternating within each round (and the median of the rounds' ratios for --rev);
+with one thread its CPU time (which other processes on a shared machine barely move), with
+more the wall time.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import sys
 import tempfile
 import time
@@ -98,20 +101,25 @@ def main() -> None:
         same = {name: torch.equal(o, ref) for name, o in outs.items()}
         for threads in args.threads:
             torch.set_num_threads(threads)
+            clock = time.thread_time if threads == 1 else time.perf_counter
             times: dict[str, list[float]] = {name: [] for name in [*calls, "floor"]}
             for _ in range(args.repeat):
                 for name in calls:
-                    t = time.perf_counter()
+                    t = clock()
                     run(name)
-                    times[name].append(time.perf_counter() - t)
-                t = time.perf_counter()
+                    times[name].append(clock() - t)
+                t = clock()
                 for x in floors:
                     x.sum()
-                times["floor"].append(time.perf_counter() - t)
+                times["floor"].append(clock() - t)
             ms = {name: min(ts) * 1e3 for name, ts in times.items()}
             cells = "  ".join(f"{name} {t:6.2f} ms ({t / ms['floor']:.2f}x floor)"
                               for name, t in ms.items() if name != "floor")
-            ab = (f" | {args.rev}/new {ms[args.rev] / ms['new']:.2f}x"
+            # paired: the median of the rounds' ratios (a busy neighbour slows both of a round)
+            ratio = statistics.median(o / n for o, n in zip(times[args.rev], times["new"])) \
+                if args.rev else 0.0
+            ab = (f" | {args.rev}/new {ms[args.rev] / ms['new']:.2f}x (median of rounds "
+                  f"{ratio:.2f}x)"
                   f"{'' if same[args.rev] else ' (outputs differ)'}" if args.rev else "")
             print(f"{case:>11} {threads} thr: floor {ms['floor']:6.2f} ms ({mb:.0f} MB, "
                   f"{mb / ms['floor']:.1f} GB/s)  {cells}{ab}", flush=True)

@@ -40,6 +40,8 @@
 #define TL_GS 3
 /* Most parts a small batch splits a sequence's context into. */
 #define TL_MAX_PARTS 16
+/* Most threads the work is split between by cost (more: by count). */
+#define TL_MAX_THREADS 512
 /* A bfloat16 model's decode goes through its context in chunks of this many rows (whole blocks),
  * as torch's fused SDPA kernel does (its key split for long contexts), so that it rounds the
  * probabilities to bfloat16 against the same running max; see kv_chunk_fn. */
@@ -569,6 +571,34 @@ static void merge_parts(const decode_args *a, int b, int hq, const float *partia
     }
 }
 
+/* Splits the items (in their order) into nt contiguous runs of about equal work, bounds[t] ..
+ * bounds[t + 1] for thread t: an item's work is its blocks times its heads, plus one block's for
+ * its setup, so that a batch of mixed context lengths keeps both threads busy to the end (an
+ * equal count of items left the thread with the longer contexts working alone). */
+static void split_items(const decode_args *a, int64_t items, int nchunk, int hpc, int nt,
+                        int64_t *bounds) {
+    if (nt > TL_MAX_THREADS) return;  /* the caller splits by count */
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; it++) {
+        const int b = (int)(it / a->parts / nchunk), c = (int)(it / a->parts % nchunk);
+        const int nh = a->num_heads - c * hpc < hpc ? a->num_heads - c * hpc : hpc;
+        const item_range r = range_of(a, b, (int)(it % a->parts));
+        total += (int64_t)(r.hi - r.lo + 1) * nh;
+    }
+    int64_t cum = 0;
+    int t = 1;
+    bounds[0] = 0;
+    for (int64_t it = 0; it < items && t < nt; it++) {
+        while (t < nt && cum * nt >= total * t) bounds[t++] = it;
+        const int b = (int)(it / a->parts / nchunk), c = (int)(it / a->parts % nchunk);
+        const int nh = a->num_heads - c * hpc < hpc ? a->num_heads - c * hpc : hpc;
+        const item_range r = range_of(a, b, (int)(it % a->parts));
+        cum += (int64_t)(r.hi - r.lo + 1) * nh;
+    }
+    while (t < nt) bounds[t++] = items;
+    bounds[nt] = items;
+}
+
 /* q and out are float32, or bfloat16 when io_bf16; element strides. */
 static int decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                   const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
@@ -639,18 +669,25 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     const int64_t step = (int64_t)hpc * (head_dim + 2);  /* one item's partial results */
     float *partials = NULL;
     if (a.parts > 1 && !(partials = malloc(sizeof(float) * items * step))) return -3;
+    int64_t bounds[TL_MAX_THREADS + 1];
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp single
+        split_items(&a, items, nchunk, hpc, nt, bounds);
+        /* Each thread its contiguous run of items, so that the next item it takes is the
+         * following one (whose first block run_item prefetches). */
+        const int64_t i0 = nt <= TL_MAX_THREADS ? bounds[t] : items * t / nt;
+        const int64_t i1 = nt <= TL_MAX_THREADS ? bounds[t + 1] : items * (t + 1) / nt;
+        for (int64_t it = i0; it < i1; it++) {
             const int part = (int)(it % a.parts);
             const int b = (int)(it / a.parts / nchunk), c = (int)(it / a.parts % nchunk);
             const int hq0 = c * hpc, nh = num_heads - hq0 < hpc ? num_heads - hq0 : hpc;
-            /* the item this thread takes next (schedule(static): the following one) */
-            const int64_t nx = it + 1 < items ? it + 1 : -1;
+            const int64_t nx = it + 1 < i1 ? it + 1 : -1;
             run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL,
                      nx < 0 ? -1 : (int)(nx / a.parts / nchunk), nx < 0 ? 0 : (int)(nx % a.parts));
         }
+#pragma omp barrier
         if (partials) {
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < (int64_t)num_seqs * num_heads; bh++) {
