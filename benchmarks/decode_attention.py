@@ -10,7 +10,7 @@ bytes once, and optionally against the kernel of an earlier commit, in one proce
 float32 queries over a float32 cache (the GGUF path's default), float32 queries over a bfloat16
 cache (`--kv-cache-dtype bfloat16`) and a bfloat16 model's bfloat16 queries and cache
 (`--quantization none` on a CPU with AVX512-BF16). The floor is a plain sum over the same
-layers' cache bytes (every block the batch owns, read once, contiguously): the kernel's time
+layers' cache bytes (every block the batch owns, read once, side by side): the kernel's time
 over it says how far it is from bound by memory. Figures: the fastest of the rounds, the
 candidates alternating within each round (and the median of the rounds' ratios for --rev);
 with one thread its CPU time (which other processes on a shared machine barely move), with
@@ -59,6 +59,22 @@ def _caller(lib: ctypes.CDLL, entry: str):  # noqa: ANN202 - a closure
     return call
 
 
+def _engine_layout(ctx: list[int], bs: int, prompt_len: int,
+                   seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache and block table laid out as the engine's pool fills them for a batch whose
+    prompts were prefilled together, then decoded in lockstep: sequence i's prompt blocks
+    side by side, then its decode blocks one in every len(ctx)."""
+    B, pb = len(ctx), -(-prompt_len // bs)
+    most = max(-(-n // bs) for n in ctx)
+    table = torch.zeros(B, most + 1, dtype=torch.int32)
+    for i, n in enumerate(ctx):
+        for j in range(-(-n // bs)):
+            table[i, j] = i * pb + j if j < pb else B * pb + (j - pb) * B + i
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, int(table.max()) + 1, bs, 3, 64, generator=g)
+    return kv, table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", default=None, help="also time the kernel of this commit")
@@ -67,11 +83,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layout", choices=["shuffled", "engine"], default="shuffled",
+                    help="blocks in random places, or as the engine's block pool hands them out "
+                         "to a batch prefilled together: each prompt's blocks side by side, then "
+                         "one block per sequence in turn as decoding goes")
+    ap.add_argument("--prompt-len", type=int, default=128, help="the engine layout's prompt")
     ap.add_argument("--cases", nargs="+", default=list(_CASES), choices=list(_CASES))
     args = ap.parse_args()
     f = cpu_features.detect()
     print(f"{f.summary()}; batch {args.batch}, contexts {args.context[0]}..{args.context[1]}, "
-          f"{args.layers} layers", flush=True)
+          f"{args.layers} layers, block size {args.block_size}, {args.layout} blocks", flush=True)
     libs = {"new": _build(Path(cpu_kernels.__file__).with_name("csrc"), f.isa)}
     if args.rev:
         with tempfile.TemporaryDirectory() as tmp:
@@ -82,12 +104,19 @@ def main() -> None:
         qdt, kvdt, entry = _CASES[case]
         layers = []
         for i in range(args.layers):
-            b = make_batch([1] * args.batch, ctx, 9, 3, 64, 16, seed=i)
+            b = make_batch([1] * args.batch, ctx, 9, 3, 64, args.block_size, seed=i)
             q = b.query.to(qdt).contiguous()
-            layers.append((q, b.kv_cache.to(kvdt), b.meta.block_table.to(torch.int32),
-                           b.meta.seq_lens.to(torch.int32), torch.empty_like(q), b.scale))
-        # The floor reads the same bytes as float32 words (a bfloat16 cache's pairs reinterpreted).
-        floors = [layer[1].view(torch.float32) for layer in layers]
+            kv, bt = b.kv_cache, b.meta.block_table.to(torch.int32)
+            if args.layout == "engine":
+                kv, bt = _engine_layout(ctx, args.block_size, args.prompt_len, seed=i)
+            layers.append((q, kv.to(kvdt), bt, b.meta.seq_lens.to(torch.int32),
+                           torch.empty_like(q), b.scale))
+        # The floor reads the blocks the batch owns, copied side by side, as float32 words (a
+        # bfloat16 cache's pairs reinterpreted).
+        floors = []
+        for kv, bt, sl in ((layer[1], layer[2], layer[3]) for layer in layers):
+            used = torch.cat([bt[i, :-(-int(n) // args.block_size)] for i, n in enumerate(sl)])
+            floors.append(kv[:, used.long()].contiguous().view(torch.float32))
         mb = sum(x.numel() * 4 for x in floors) / 1e6
         calls = {name: _caller(lib, entry) for name, lib in libs.items()}
 
