@@ -14,8 +14,9 @@
  * accumulators in registers. Softmax is online per block (running max and sum, rescaling the
  * accumulator), as in FlashAttention, so nothing of size seq_len is allocated. A batch too small
  * to give every thread several items splits each sequence's context into parts whose partial
- * results are merged at the end (flash-decoding). The next block is prefetched while this one is
- * computed. The vector loops exist for AVX-512 (16 lanes, head_dim a multiple of 16) and AVX2 (8
+ * results are merged at the end (flash-decoding); the threads take contiguous runs of items of
+ * about equal work. The next block is prefetched a few lines per step while this one is computed
+ * (see pf_stream). The vector loops exist for AVX-512 (16 lanes, head_dim a multiple of 16) and AVX2 (8
  * lanes, a multiple of 8); other head sizes take plain loops.
  *
  * A bfloat16 row is widened 2 x lanes elements at a time with one load, a shift (the even
