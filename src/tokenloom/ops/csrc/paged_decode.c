@@ -14,8 +14,9 @@
  * accumulators in registers. Softmax is online per block (running max and sum, rescaling the
  * accumulator), as in FlashAttention, so nothing of size seq_len is allocated. A batch too small
  * to give every thread several items splits each sequence's context into parts whose partial
- * results are merged at the end (flash-decoding). The next block is prefetched while this one is
- * computed. The vector loops exist for AVX-512 (16 lanes, head_dim a multiple of 16) and AVX2 (8
+ * results are merged at the end (flash-decoding); the threads take contiguous runs of items of
+ * about equal work. The next block is prefetched a few lines per step while this one is computed
+ * (see pf_stream). The vector loops exist for AVX-512 (16 lanes, head_dim a multiple of 16) and AVX2 (8
  * lanes, a multiple of 8); other head sizes take plain loops.
  *
  * A bfloat16 row is widened 2 x lanes elements at a time with one load, a shift (the even
@@ -40,6 +41,8 @@
 #define TL_GS 3
 /* Most parts a small batch splits a sequence's context into. */
 #define TL_MAX_PARTS 16
+/* Most threads the work is split between by cost (more: by count). */
+#define TL_MAX_THREADS 512
 /* A bfloat16 model's decode goes through its context in chunks of this many rows (whole blocks),
  * as torch's fused SDPA kernel does (its key split for long contexts), so that it rounds the
  * probabilities to bfloat16 against the same running max; see kv_chunk_fn. */
@@ -125,20 +128,56 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
     }
 }
 
+/* Prefetches of the rows an item reads next (the next block, all the item's heads: one
+ * contiguous range), spread over the steps of the current block's loops: each step issues the
+ * next `per` bytes' lines. Blocks are scattered in memory, so without software prefetches the
+ * kernel stalls at every block; but a whole block's prefetches issued at once stalled the core
+ * until most of it had arrived, so that loading and computing took turns
+ * (benchmarks/README.md, "Decode attention at batch 64"), and in the order of the range they
+ * also train the hardware's streaming prefetcher. */
+typedef struct { const char *p, *end; int64_t per; } pf_stream;
+
+static inline void pf_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
+    s->p = (const char *)p;
+    s->end = p ? s->p + bytes : s->p;
+    s->per = ((bytes + 63) / 64 + steps - 1) / (steps > 0 ? steps : 1) * 64;
+}
+
+static inline __attribute__((always_inline)) void pf_run(pf_stream *s) {
+    const char *e = s->p + s->per < s->end ? s->p + s->per : s->end;
+    for (; s->p < e; s->p += 64) __builtin_prefetch(s->p);
+}
+
 /* Heads g0 .. g0 + gn - 1 of an item (one KV head's) over n rows of a block: kb, vb point at
- * the first row's K and V of that KV head, rows tok_stride elements apart. */
+ * the first row's K and V of that KV head, rows tok_stride elements apart. pk, pv (NULL: none):
+ * the prefetch streams of the rows read next, advanced as Q.K and P.V go. */
 typedef void (*kv_block_fn)(item_state *st, int g0, int gn, const void *kb, const void *vb,
-                            int n, int64_t tok_stride, int D);
-/* The same over a chunk of nb blocks (K and V row pointers and row counts per block), for a
- * bfloat16 model, where the reference (transformers in bfloat16: torch's fused SDPA kernel)
- * computes the scores of up to TL_CHUNK_ROWS keys, exponentiates them against their max in
- * float32, sums those, and multiplies V by the probabilities rounded to bfloat16. Rounding there
- * as it does keeps the outputs bit for bit equal to the reference's on most elements, where
- * float32 probabilities differed in ~15% of them by one bfloat16 step. The softmax of the
- * whole chunk at once is no slower than per block: the same passes over the same rows. */
-typedef void (*kv_chunk_fn)(item_state *st, int g0, int gn, const void *const *kbs,
+                            int n, int64_t tok_stride, int D, pf_stream *pk, pf_stream *pv);
+/* An item's query heads by KV head, up to TL_GS at a time: group i is heads g0[i] ..
+ * g0[i] + gn[i] - 1 of the KV head whose columns start off[i] bytes into a cache row. */
+typedef struct {
+    int n, g0[TL_GC], gn[TL_GC];
+    int64_t off[TL_GC];
+} item_groups;
+/* The item's head groups over a chunk of nb blocks (K and V pointers at each block's first row
+ * the item reads, and row counts), for a bfloat16 model, where the reference (transformers in
+ * bfloat16: torch's fused SDPA kernel) computes the scores of up to TL_CHUNK_ROWS keys,
+ * exponentiates them against their max in float32, sums those, and multiplies V by the
+ * probabilities rounded to bfloat16. Rounding there as it does keeps the outputs bit for bit
+ * equal to the reference's on most elements, where float32 probabilities differed in ~15% of
+ * them by one bfloat16 step. The softmax of the whole chunk at once is no slower than per block:
+ * the same passes over the same rows. nxt: the block (nxtn rows) the item, or the next one,
+ * reads after this chunk (NULL: none), prefetched during the last V block. */
+typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *const *kbs,
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
-                            int D);
+                            int D, const void *nxt, int nxtn);
+
+/* Rows r0 .. r1 - 1 (len bytes each, row_bytes apart) at p, prefetched at once (the plain
+ * loops). */
+static inline void prefetch_rows(const void *p, int r0, int r1, int64_t row_bytes, int64_t len) {
+    for (int r = r0; r < r1; r++)
+        for (int64_t i = 0; i < len; i += 64) __builtin_prefetch((const char *)p + r * row_bytes + i);
+}
 
 /* ---- 8 lanes (AVX2) */
 #if TL_HAVE_AVX2
@@ -303,8 +342,10 @@ static inline void reduce_rows_512(const VEC *a, float *s) {
 /* ---- plain loops, one head at a time (any head_dim <= 256) */
 #define TL_SCALAR_BLOCK(KV_T, KV_TO_F32, NAME)                                                  \
 static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vbv, int n,     \
-                 int64_t tok_stride, int D) {                                                  \
+                 int64_t tok_stride, int D, pf_stream *pk, pf_stream *pv) {                    \
     const KV_T *kb = (const KV_T *)kbv, *vb = (const KV_T *)vbv;                               \
+    if (pk) { pk->per = pk->end - pk->p; pf_run(pk); }                                         \
+    if (pv) { pv->per = pv->end - pv->p; pf_run(pv); }                                         \
     for (int g = g0; g < g0 + gn; g++) {                                                       \
         float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];                              \
         for (int t = 0; t < n; t++) {                                                          \
@@ -329,17 +370,23 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
     }                                                                                          \
 }
 /* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn). */
-static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *const *kbs,
+static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const void *const *kbs,
                                    const void *const *vbs, const int *ns, int nb,
-                                   int64_t tok_stride, int D) {
-    for (int g = g0; g < g0 + gn; g++) {
+                                   int64_t tok_stride, int D, const void *nxt, int nxtn) {
+    for (int b = 0; b < nb; b++) {  /* the plain loops are slow enough to take the chunk at once */
+        prefetch_rows(kbs[b], 0, ns[b], tok_stride * 2, tok_stride * 2);
+        prefetch_rows(vbs[b], 0, ns[b], tok_stride * 2, tok_stride * 2);
+    }
+    if (nxt) prefetch_rows(nxt, 0, nxtn, tok_stride * 2, tok_stride * 2);
+    for (int i = 0; i < gr->n; i++)
+    for (int g = gr->g0[i]; g < gr->g0[i] + gr->gn[i]; g++) {
         float *sg = st->s[g], *qg = st->qs[g], *acc = st->acc[g];
         int n = 0;
         for (int b = 0; b < nb; b++)
             for (int t = 0; t < ns[b]; t++, n++) {
-                const uint16_t *kr = (const uint16_t *)kbs[b] + t * tok_stride;
+                const uint16_t *kr = (const uint16_t *)((const char *)kbs[b] + gr->off[i]) + t * tok_stride;
                 float dot = 0.0f;
-                for (int i = 0; i < D; i++) dot += qg[i] * tl_bf16_to_f32(kr[i]);
+                for (int c = 0; c < D; c++) dot += qg[c] * tl_bf16_to_f32(kr[c]);
                 sg[n] = dot;
             }
         float mx = st->m[g];
@@ -353,12 +400,12 @@ static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *c
         const float alpha = expf(st->m[g] - mx);
         st->l[g][0] = st->l[g][0] * alpha + sum;
         st->m[g] = mx;
-        for (int i = 0; i < D; i++) acc[i] *= alpha;
+        for (int c = 0; c < D; c++) acc[c] *= alpha;
         n = 0;
         for (int b = 0; b < nb; b++)
             for (int t = 0; t < ns[b]; t++, n++) {
-                const uint16_t *vr = (const uint16_t *)vbs[b] + t * tok_stride;
-                for (int i = 0; i < D; i++) acc[i] += sg[n] * tl_bf16_to_f32(vr[i]);
+                const uint16_t *vr = (const uint16_t *)((const char *)vbs[b] + gr->off[i]) + t * tok_stride;
+                for (int c = 0; c < D; c++) acc[c] += sg[n] * tl_bf16_to_f32(vr[c]);
             }
     }
 }
@@ -366,18 +413,6 @@ static void kv_chunk_scalar_bf16kv(item_state *st, int g0, int gn, const void *c
 #define TL_F32_ID(x) (x)
 TL_SCALAR_BLOCK(float, TL_F32_ID, kv_block_scalar_f32)
 TL_SCALAR_BLOCK(uint16_t, tl_bf16_to_f32, kv_block_scalar_bf16kv)
-
-/* The next block's rows (the item's columns of each) are prefetched while this one is
- * computed: blocks are scattered in memory, and without it the kernel stalls at every block
- * (~1.3x slower at batch 64 on a Zen 3, 1.4-1.6x on the Xeon with AMX, benchmarks/README.md). */
-static inline void prefetch_block(const char *kb, const char *vb, int n, int64_t row_bytes,
-                                  int64_t len) {
-    for (int t = 0; t < n; t++)
-        for (int64_t i = 0; i < len; i += 64) {
-            __builtin_prefetch(kb + t * row_bytes + i);
-            __builtin_prefetch(vb + t * row_bytes + i);
-        }
-}
 
 typedef struct {
     const char *q; int64_t q_stride;
@@ -392,76 +427,105 @@ typedef struct {
     kv_block_fn fn;
     kv_chunk_fn chunk_fn;  /* set for a bfloat16 model (io_bf16): see kv_chunk_fn */
     int chunk_blocks;      /* blocks per chunk there */
+    int qk_rows;           /* rows per Q.K step of fn's loops (its prefetch pace) */
 } decode_args;
+
+/* The blocks lo .. hi - 1 of sequence b that part `part` of it reads; its first block's rows
+ * start at row `first` - blk0 * block_size. */
+typedef struct { int L, first, blk0, lo, hi; } item_range;
+
+static item_range range_of(const decode_args *a, int b, int part) {
+    item_range r;
+    const int bs = a->block_size;
+    r.L = a->seq_lens[b];
+    r.first = a->window > 0 && r.L > a->window ? r.L - a->window : 0;
+    r.blk0 = r.first / bs;
+    const int nblk = (r.L + bs - 1) / bs - r.blk0;
+    /* The chunk path splits the context between parts at chunk boundaries only. */
+    const int unit = a->chunk_fn ? a->chunk_blocks : 1, nunit = (nblk + unit - 1) / unit;
+    r.lo = r.blk0 + (int)((int64_t)part * nunit / a->parts) * unit;
+    r.hi = r.blk0 + (int)((int64_t)(part + 1) * nunit / a->parts) * unit;
+    if (r.hi > r.blk0 + nblk) r.hi = r.blk0 + nblk;
+    return r;
+}
+
+/* Row r0 of block blk that the item reads first, and the rows it reads there. */
+static inline int range_r0(const item_range *r, int blk, int bs) {
+    return blk == r->blk0 ? r->first - blk * bs : 0;
+}
+static inline int range_rows(const item_range *r, int blk, int bs) {
+    return (r->L - blk * bs < bs ? r->L - blk * bs : bs) - range_r0(r, blk, bs);
+}
 
 /* One work item: query heads hq0 .. hq0 + nh - 1 of sequence b, over part `part` of its
  * context's blocks. With one part the result goes to `out`; otherwise the unnormalized
- * accumulators, max and sum go to `partial` ([nh][D + 2]). */
-static void run_item(const decode_args *a, int b, int hq0, int nh, int part, float *partial) {
+ * accumulators, max and sum go to `partial` ([nh][D + 2]). nb, npart: the item computed next
+ * on this thread (nb < 0: none), whose first block is prefetched during this one's last. */
+static void run_item(const decode_args *a, int b, int hq0, int nh, int part, float *partial,
+                     int nb, int npart) {
     item_state st;
-    const int D = a->D, bs = a->block_size, L = a->seq_lens[b];
+    const int D = a->D, bs = a->block_size;
     const int64_t qesz = a->io_bf16 ? 2 : 4;
     item_begin(&st, a->q + (b * a->q_stride + (int64_t)hq0 * D) * qesz, a->io_bf16, nh, D,
                a->scale, a->pair_w);
-    const int first = a->window > 0 && L > a->window ? L - a->window : 0;
-    const int blk0 = first / bs, nblk = (L + bs - 1) / bs - blk0;
-    /* The chunk path splits the context between parts at chunk boundaries only. */
-    const int unit = a->chunk_fn ? a->chunk_blocks : 1, nunit = (nblk + unit - 1) / unit;
-    const int lo = blk0 + (int)((int64_t)part * nunit / a->parts) * unit;
-    int hi = blk0 + (int)((int64_t)(part + 1) * nunit / a->parts) * unit;
-    if (hi > blk0 + nblk) hi = blk0 + nblk;
+    const item_range r = range_of(a, b, part);
+    const int lo = r.lo, hi = r.hi;
     const int32_t *bt = a->block_table + b * a->bt_stride;
-    const int64_t row_bytes = a->tok_stride * a->esz_kv;
-    const int64_t col0 = (int64_t)(hq0 / a->G) * D * a->esz_kv;
-    const int64_t cols = ((int64_t)((hq0 + nh - 1) / a->G + 1) * D) * a->esz_kv - col0;
+    const int64_t row_bytes = a->tok_stride * a->esz_kv, blk_bytes = a->blk_stride * a->esz_kv;
+    /* The item's heads, grouped by KV head, up to TL_GS at a time. */
+    item_groups gr = {.n = 0};
+    for (int g = 0; g < nh;) {
+        const int kvh = (hq0 + g) / a->G;
+        int gn = (kvh + 1) * a->G - (hq0 + g);
+        if (gn > nh - g) gn = nh - g;
+        if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;  /* 4 = 2 + 2, not 3 + 1 */
+        gr.g0[gr.n] = g;
+        gr.gn[gr.n] = gn;
+        gr.off[gr.n++] = (int64_t)kvh * D * a->esz_kv;
+        g += gn;
+    }
+    /* The next item's first block (at the row it starts from), or -1. */
+    int64_t after = -1;
+    int after_n = 0;
+    if (nb >= 0) {
+        const item_range rn = range_of(a, nb, npart);
+        if (rn.lo < rn.hi) {
+            after = (int64_t)a->block_table[nb * a->bt_stride + rn.lo] * blk_bytes +
+                    range_r0(&rn, rn.lo, bs) * row_bytes;
+            after_n = range_rows(&rn, rn.lo, bs);
+        }
+    }
     if (a->chunk_fn) {
         const void *kbs[TL_CHUNK_ROWS], *vbs[TL_CHUNK_ROWS];
         int ns[TL_CHUNK_ROWS];
-        for (int c0 = lo; c0 < hi; c0 += unit) {
-            const int c1 = c0 + unit < hi ? c0 + unit : hi;
-            for (int g = 0; g < nh;) {
-                const int kvh = (hq0 + g) / a->G;
-                int gn = (kvh + 1) * a->G - (hq0 + g);
-                if (gn > nh - g) gn = nh - g;
-                if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;
-                const int64_t off = (int64_t)kvh * D * a->esz_kv;
-                for (int blk = c0; blk < c1; blk++) {
-                    const int r0 = blk == blk0 ? first - blk * bs : 0;
-                    const int end = L - blk * bs < bs ? L - blk * bs : bs;
-                    const int64_t at = (int64_t)bt[blk] * a->blk_stride * a->esz_kv + r0 * row_bytes + off;
-                    kbs[blk - c0] = a->k_cache + at;
-                    vbs[blk - c0] = a->v_cache + at;
-                    ns[blk - c0] = end - r0;
-                    if (g == 0 && blk + 1 < hi) {
-                        const int64_t nxt = (int64_t)bt[blk + 1] * a->blk_stride * a->esz_kv + col0;
-                        prefetch_block(a->k_cache + nxt, a->v_cache + nxt, bs, row_bytes, cols);
-                    }
-                }
-                a->chunk_fn(&st, g, gn, kbs, vbs, ns, c1 - c0, a->tok_stride, D);
-                g += gn;
+        for (int c0 = lo; c0 < hi; c0 += a->chunk_blocks) {
+            const int c1 = c0 + a->chunk_blocks < hi ? c0 + a->chunk_blocks : hi;
+            for (int blk = c0; blk < c1; blk++) {
+                const int64_t at = (int64_t)bt[blk] * blk_bytes + range_r0(&r, blk, bs) * row_bytes;
+                kbs[blk - c0] = a->k_cache + at;
+                vbs[blk - c0] = a->v_cache + at;
+                ns[blk - c0] = range_rows(&r, blk, bs);
             }
+            const void *nxt = c1 < hi ? a->k_cache + (int64_t)bt[c1] * blk_bytes
+                                      : after >= 0 ? a->k_cache + after : NULL;
+            const int nxtn = c1 < hi ? range_rows(&r, c1, bs) : after_n;
+            a->chunk_fn(&st, &gr, kbs, vbs, ns, c1 - c0, a->tok_stride, D, nxt, nxtn);
         }
     }
     for (int blk = lo; blk < hi && !a->chunk_fn; blk++) {
-        const char *kb = a->k_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
-        const char *vb = a->v_cache + (int64_t)bt[blk] * a->blk_stride * a->esz_kv;
-        if (blk + 1 < hi) {
-            const int64_t nxt = (int64_t)bt[blk + 1] * a->blk_stride * a->esz_kv + col0;
-            prefetch_block(a->k_cache + nxt, a->v_cache + nxt, bs, row_bytes, cols);
-        }
-        const int r0 = blk == blk0 ? first - blk * bs : 0;
-        const int end = L - blk * bs < bs ? L - blk * bs : bs;
-        kb += r0 * row_bytes;
-        vb += r0 * row_bytes;
-        /* The item's heads, grouped by KV head, up to TL_GS at a time. */
-        for (int g = 0; g < nh;) {
-            const int kvh = (hq0 + g) / a->G;
-            int gn = (kvh + 1) * a->G - (hq0 + g);
-            if (gn > nh - g) gn = nh - g;
-            if (gn > TL_GS) gn = gn == TL_GS + 1 ? 2 : TL_GS;  /* 4 = 2 + 2, not 3 + 1 */
-            const int64_t off = (int64_t)kvh * D * a->esz_kv;
-            a->fn(&st, g, gn, kb + off, vb + off, end - r0, a->tok_stride, D);
-            g += gn;
+        const int64_t at = (int64_t)bt[blk] * blk_bytes + range_r0(&r, blk, bs) * row_bytes;
+        const int n = range_rows(&r, blk, bs);
+        /* the next block's rows (or the next item's first), prefetched as this one's are
+         * computed */
+        const int64_t nx = blk + 1 < hi ? (int64_t)bt[blk + 1] * blk_bytes : after;
+        const int64_t nbytes = (blk + 1 < hi ? range_rows(&r, blk + 1, bs) : after_n) * row_bytes;
+        pf_stream pk, pv;
+        pf_init(&pk, nx < 0 ? NULL : a->k_cache + nx, nbytes, gr.n * ((n + a->qk_rows - 1) / a->qk_rows));
+        pf_init(&pv, nx < 0 ? NULL : a->v_cache + nx, nbytes, gr.n * n);
+        for (int i = 0; i < gr.n; i++) {
+            const int64_t off = gr.off[i];
+            a->fn(&st, gr.g0[i], gr.gn[i], a->k_cache + at + off, a->v_cache + at + off, n,
+                  a->tok_stride, D, &pk, &pv);
         }
     }
     if (a->parts == 1) {
@@ -508,6 +572,34 @@ static void merge_parts(const decode_args *a, int b, int hq, const float *partia
     }
 }
 
+/* Splits the items (in their order) into nt contiguous runs of about equal work, bounds[t] ..
+ * bounds[t + 1] for thread t: an item's work is its blocks times its heads, plus one block's for
+ * its setup, so that a batch of mixed context lengths keeps both threads busy to the end (an
+ * equal count of items left the thread with the longer contexts working alone). */
+static void split_items(const decode_args *a, int64_t items, int nchunk, int hpc, int nt,
+                        int64_t *bounds) {
+    if (nt > TL_MAX_THREADS) return;  /* the caller splits by count */
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; it++) {
+        const int b = (int)(it / a->parts / nchunk), c = (int)(it / a->parts % nchunk);
+        const int nh = a->num_heads - c * hpc < hpc ? a->num_heads - c * hpc : hpc;
+        const item_range r = range_of(a, b, (int)(it % a->parts));
+        total += (int64_t)(r.hi - r.lo + 1) * nh;
+    }
+    int64_t cum = 0;
+    int t = 1;
+    bounds[0] = 0;
+    for (int64_t it = 0; it < items && t < nt; it++) {
+        while (t < nt && cum * nt >= total * t) bounds[t++] = it;
+        const int b = (int)(it / a->parts / nchunk), c = (int)(it / a->parts % nchunk);
+        const int nh = a->num_heads - c * hpc < hpc ? a->num_heads - c * hpc : hpc;
+        const item_range r = range_of(a, b, (int)(it % a->parts));
+        cum += (int64_t)(r.hi - r.lo + 1) * nh;
+    }
+    while (t < nt) bounds[t++] = items;
+    bounds[nt] = items;
+}
+
 /* q and out are float32, or bfloat16 when io_bf16; element strides. */
 static int decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                   const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
@@ -527,6 +619,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     };
     a.blk_stride = (int64_t)block_size * a.tok_stride;
     a.fn = kv_bf16 ? kv_block_scalar_bf16kv : kv_block_scalar_f32;
+    a.qk_rows = 1;
     if (io_bf16) {
         a.chunk_fn = kv_chunk_scalar_bf16kv;
         a.chunk_blocks = TL_CHUNK_ROWS / block_size;
@@ -537,6 +630,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     if (head_dim % 8 == 0) {
         a.fn = kv_bf16 ? kv_block_avx2_bf16kv : kv_block_avx2_f32;
         a.pair_w = kv_bf16 ? 8 : 0;
+        a.qk_rows = 4;  /* QK_ROWS there */
         if (io_bf16) a.chunk_fn = kv_chunk_avx2_bf16kv;
     }
 #endif
@@ -544,6 +638,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     if (head_dim % 16 == 0) {
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
+        a.qk_rows = 8;
         if (io_bf16) a.chunk_fn = kv_chunk_avx512_bf16kv;
     }
 #endif
@@ -575,15 +670,25 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     const int64_t step = (int64_t)hpc * (head_dim + 2);  /* one item's partial results */
     float *partials = NULL;
     if (a.parts > 1 && !(partials = malloc(sizeof(float) * items * step))) return -3;
+    int64_t bounds[TL_MAX_THREADS + 1];
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp single
+        split_items(&a, items, nchunk, hpc, nt, bounds);
+        /* Each thread its contiguous run of items, so that the next item it takes is the
+         * following one (whose first block run_item prefetches). */
+        const int64_t i0 = nt <= TL_MAX_THREADS ? bounds[t] : items * t / nt;
+        const int64_t i1 = nt <= TL_MAX_THREADS ? bounds[t + 1] : items * (t + 1) / nt;
+        for (int64_t it = i0; it < i1; it++) {
             const int part = (int)(it % a.parts);
             const int b = (int)(it / a.parts / nchunk), c = (int)(it / a.parts % nchunk);
             const int hq0 = c * hpc, nh = num_heads - hq0 < hpc ? num_heads - hq0 : hpc;
-            run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL);
+            const int64_t nx = it + 1 < i1 ? it + 1 : -1;
+            run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL,
+                     nx < 0 ? -1 : (int)(nx / a.parts / nchunk), nx < 0 ? 0 : (int)(nx % a.parts));
         }
+#pragma omp barrier
         if (partials) {
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < (int64_t)num_seqs * num_heads; bh++) {

@@ -50,7 +50,7 @@ TL_INLINE void TL_NAME(qk_rows)(const int gs, item_state *st, int g0, const KV_T
  * (nv = 1: one in-order chunk, the tail of a head; otherwise even, of KV_PAIR chunks). */
 TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int g0,
                                 const KV_T *vb, int64_t ts, int n, int c, const float *alpha,
-                                int off) {
+                                int off, pf_stream *pf) {
     VEC acc[TL_GS][4];
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++)
@@ -60,6 +60,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
     for (int u = 0; u < n; u++) {
         const KV_T *vr = vb + u * ts + c;
         VEC x[4];
+        if (pf) pf_run(pf);
         if (nv == 1) {
             x[0] = KV_ONE(vr);
         } else {
@@ -101,25 +102,38 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int r
     return VFIRST(alpha);
 }
 
-/* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]. */
+/* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]; the first
+ * pass over the rows advances the prefetch stream pf a step per row. */
 TL_INLINE void TL_NAME(pv_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
-                              int64_t ts, int D, const float *alpha, int off) {
+                              int64_t ts, int D, const float *alpha, int off, pf_stream *pf) {
     int c = 0;
-    for (; c + 4 * VW <= D; c += 4 * VW) {
+    for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
         if (PV_NV(gs) == 4) {
-            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha, off);
+            TL_NAME(pv_cols)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf);
         } else {
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off);
-            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off);
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+            TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off, NULL);
         }
     }
-    for (; c + 2 * VW <= D; c += 2 * VW) TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off);
-    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha, off);
+    for (; c + 2 * VW <= D; c += 2 * VW, pf = NULL)
+        TL_NAME(pv_cols)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+    if (c < D) TL_NAME(pv_cols)(gs, 1, st, g0, vb, ts, n, c, alpha, off, pf);
+}
+
+/* Q.K of heads g0 .. g0 + gs - 1 over n rows into s[off ..], the prefetch stream pf advanced
+ * a step per QK_ROWS rows. */
+TL_INLINE void TL_NAME(qk_gs)(const int gs, item_state *st, int g0, const KV_T *kb, int n,
+                              int64_t ts, int D, int off, pf_stream *pf) {
+    for (int t = 0; t < n; t += QK_ROWS) {
+        if (pf) pf_run(pf);
+        TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D, off);
+    }
 }
 
 TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const KV_T *kb,
-                                    const KV_T *vb, int n, int64_t ts, int D) {
-    for (int t = 0; t < n; t += QK_ROWS) TL_NAME(qk_rows)(gs, st, g0, kb, ts, n, t, D, 0);
+                                    const KV_T *vb, int n, int64_t ts, int D, pf_stream *pk,
+                                    pf_stream *pv) {
+    TL_NAME(qk_gs)(gs, st, g0, kb, n, ts, D, 0, pk);
     const int npad = (n + VW - 1) / VW * VW;
     float alpha[TL_GS];
 #pragma GCC unroll 8
@@ -127,54 +141,77 @@ TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const 
         for (int j = n; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;  /* exp gives 0 there */
         alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 0);
     }
-    TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0);
+    TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0, pv);
 }
 
-/* The chunk path (a bfloat16 model, see kv_chunk_fn in paged_decode.c): the scores of all the
- * chunk's blocks first, one softmax over them with the probabilities rounded to bfloat16, then
- * P.V block by block (the accumulator rescaled once, by the first). */
-TL_INLINE void TL_NAME(kv_chunk_gs)(const int gs, item_state *st, int g0,
-                                    const void *const *kbs, const void *const *vbs,
-                                    const int *ns, int nb, int64_t ts, int D) {
+/* qk_gs and pv_gs for a run-time head count gn (1 .. TL_GS). */
+TL_INLINE void TL_NAME(qk_any)(int gn, item_state *st, int g0, const KV_T *kb, int n, int64_t ts,
+                               int D, int off, pf_stream *pf) {
+    switch (gn) {
+    case 1: TL_NAME(qk_gs)(1, st, g0, kb, n, ts, D, off, pf); break;
+    case 2: TL_NAME(qk_gs)(2, st, g0, kb, n, ts, D, off, pf); break;
+    default: TL_NAME(qk_gs)(3, st, g0, kb, n, ts, D, off, pf); break;
+    }
+}
+
+TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, int n, int64_t ts,
+                               int D, const float *alpha, int off, pf_stream *pf) {
+    switch (gn) {
+    case 1: TL_NAME(pv_gs)(1, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    case 2: TL_NAME(pv_gs)(2, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    default: TL_NAME(pv_gs)(3, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    }
+}
+
+/* The kv_chunk_fn (a bfloat16 model, see paged_decode.c): the scores of all the chunk's blocks
+ * first, one softmax over them with the probabilities rounded to bfloat16, then P.V block by
+ * block (the accumulator rescaled once, by the first). Both passes go block by block and, within
+ * a block, through all the item's head groups, so that the cache is read in its order, each
+ * block once per pass, while the next block's rows are prefetched. */
+static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
+                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
+                              const void *nxt, int nxtn) {
+    const int64_t rb = ts * (int64_t)sizeof(KV_T);
     int off = 0;
-    for (int b = 0; b < nb; b++) {
-        const KV_T *kb = (const KV_T *)kbs[b];
-        for (int t = 0; t < ns[b]; t += QK_ROWS)
-            TL_NAME(qk_rows)(gs, st, g0, kb, ts, ns[b], t, D, off);
+    pf_stream pf;
+    for (int b = 0; b < nb; b++) {  /* block b's keys; the next block's (or V's first) fetched */
+        int steps = 0;
+        for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
+        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
+                steps);
+        for (int i = 0; i < gr->n; i++)
+            TL_NAME(qk_any)(gr->gn[i], st, gr->g0[i],
+                            (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts, D, off,
+                            &pf);
         off += ns[b];
     }
-    const int npad = (off + VW - 1) / VW * VW;
-    float alpha[TL_GS], one[TL_GS];
-#pragma GCC unroll 8
-    for (int g = 0; g < gs; g++) {
-        for (int j = off; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;
-        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 1);
+    const int npad = (off + VW - 1) / VW * VW, nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
+    float alpha[TL_GC], one[TL_GC];
+    for (int g = 0; g < nh; g++) {
+        for (int j = off; j < npad; j++) st->s[g][j] = -FLT_MAX;
+        alpha[g] = TL_NAME(block_softmax)(st, g, npad, 1);
         one[g] = 1.0f;
     }
     off = 0;
     for (int b = 0; b < nb; b++) {
-        TL_NAME(pv_gs)(gs, st, g0, (const KV_T *)vbs[b], ns[b], ts, D, b ? one : alpha, off);
+        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
+                gr->n * ns[b]);
+        for (int i = 0; i < gr->n; i++)
+            TL_NAME(pv_any)(gr->gn[i], st, gr->g0[i],
+                            (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts, D,
+                            (b ? one : alpha) + gr->g0[i], off, &pf);
         off += ns[b];
-    }
-}
-
-static void TL_NAME(kv_chunk)(item_state *st, int g0, int gn, const void *const *kbs,
-                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D) {
-    switch (gn) {
-    case 1: TL_NAME(kv_chunk_gs)(1, st, g0, kbs, vbs, ns, nb, ts, D); break;
-    case 2: TL_NAME(kv_chunk_gs)(2, st, g0, kbs, vbs, ns, nb, ts, D); break;
-    default: TL_NAME(kv_chunk_gs)(3, st, g0, kbs, vbs, ns, nb, ts, D); break;
     }
 }
 
 /* The kv_block_fn: gn (1 .. TL_GS) heads of one KV head over n rows of a block. */
 static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, const void *vb,
-                              int n, int64_t ts, int D) {
+                              int n, int64_t ts, int D, pf_stream *pk, pf_stream *pv) {
     const KV_T *k = (const KV_T *)kb, *v = (const KV_T *)vb;
     switch (gn) {
-    case 1: TL_NAME(kv_block_gs)(1, st, g0, k, v, n, ts, D); break;
-    case 2: TL_NAME(kv_block_gs)(2, st, g0, k, v, n, ts, D); break;
-    default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D); break;
+    case 1: TL_NAME(kv_block_gs)(1, st, g0, k, v, n, ts, D, pk, pv); break;
+    case 2: TL_NAME(kv_block_gs)(2, st, g0, k, v, n, ts, D, pk, pv); break;
+    default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D, pk, pv); break;
     }
 }
 
