@@ -42,10 +42,14 @@ def hf_smollm2(smollm2_path: str):
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path: str):
-    """transformers' own tokenizer built from the same GGUF (the reference for ours)."""
+    """transformers' own tokenizer built from the same GGUF (the reference for ours), parsed as
+    the HF model fixtures parse it (gguf_read_once: the same tokenizer, a third of the time)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    from tokenloom.entrypoints.bench.common import gguf_read_once
+
+    with gguf_read_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from typing import Any
 
 import pytest
 
@@ -14,17 +16,43 @@ from tokenloom.messages import SchedulerStats
 SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
 
 
-def _bench(*args: str, timeout: float = 600) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", *args, "--json", *SMALL_ENGINE],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout[-2000:]
+def _start_bench(*args: str) -> tuple[subprocess.Popen, Any, Any]:
+    # Output to files, not pipes: a command nobody reads yet must not block on a full pipe.
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "bench", *args, "--json", *SMALL_ENGINE]
+    return subprocess.Popen(cmd, stdout=out, stderr=err, text=True), out, err
+
+
+def _result(run: tuple[subprocess.Popen, Any, Any], timeout: float = 600) -> dict:
+    proc, out, err = run
+    proc.wait(timeout=timeout)
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, stdout[-2000:]
     # Progress goes to stderr, phase by phase, so the JSON on stdout stays one object.
-    assert "[bench" in proc.stderr and "timed" in proc.stderr, proc.stderr[-2000:]
+    assert "[bench" in stderr and "timed" in stderr, stderr[-2000:]
     return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def hf_baseline_runs():
+    """Both commands with a transformers baseline, started together: each spends most of its
+    start-up (imports, transformers' GGUF parse) on one core, so side by side they take little
+    longer than one. No timing is asserted, so sharing the machine changes no check."""
+    procs = {
+        "throughput": _start_bench("throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                                   "--baseline", "hf", "--hf-batch-size", "2", "--profile", "--num-iters", "2"),
+        "latency": _start_bench("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+                                "--num-iters", "2", "--warmup", "1", "--baseline", "hf", "--profile"),
+    }
+    yield procs
+    for proc, out, err in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.close(), err.close()
 
 
 def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
@@ -33,9 +61,8 @@ def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
         assert run[key] > 0, key
 
 
-def test_throughput_with_hf_baseline_and_profile():
-    r = _bench("throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
-               "--baseline", "hf", "--hf-batch-size", "2", "--profile", "--num-iters", "2")
+def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
+    r = _result(hf_baseline_runs["throughput"])
     assert (r["num_prompts"], r["input_len"], r["output_len"]) == (4, 8, 4)
     assert len(r["tokenloom"]["elapsed_runs_s"]) == len(r["baseline"]["elapsed_runs_s"]) == 2
     ours, base = r["tokenloom"], r["baseline"]
@@ -66,9 +93,8 @@ def test_throughput_with_hf_baseline_and_profile():
     assert ours["profile"]["decode_steps"]["num_steps"] >= 1
 
 
-def test_latency_with_hf_baseline():
-    r = _bench("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",
-               "--num-iters", "2", "--warmup", "1", "--baseline", "hf", "--profile")
+def test_latency_with_hf_baseline(hf_baseline_runs):
+    r = _result(hf_baseline_runs["latency"])
     assert (r["batch_size"], r["num_iters"], r["warmup"]) == (2, 2, 1)
     for run in (r["tokenloom"], r["baseline"]):
         for part in ("prefill", "decode_per_token", "e2e"):

@@ -4,28 +4,54 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+
+import pytest
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Callable[[], tuple[int, str, str]]]:
+    """The two commands that load the model, started together: each spends most of its run
+    (imports, loading) on one core, so side by side they take little longer than one. Output
+    goes to files, so that the one read second never blocks on a full pipe. name -> a function
+    waiting for that command: (exit status, stdout, stderr)."""
+    commands = {
+        # What `make run` executes.
+        "demo": ["-m", "tokenloom.entrypoints.demo"],
+        "generate": ["-m", "tokenloom.entrypoints.cli", "generate", "--json", "--max-tokens", "8", "--chat",
+                     "--kv-cache-memory-bytes", str(64 * 1024**2), "What is the capital of France?", "Hello!"],
+    }
+    out_dir = tmp_path_factory.mktemp("cli")
+    procs = {}
+    for name, args in commands.items():
+        with open(out_dir / f"{name}.out", "w") as out, open(out_dir / f"{name}.err", "w") as err:
+            procs[name] = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, text=True)
+
+    def waiter(name: str) -> Callable[[], tuple[int, str, str]]:
+        def wait() -> tuple[int, str, str]:
+            rc = procs[name].wait(timeout=300)
+            return rc, (out_dir / f"{name}.out").read_text(), (out_dir / f"{name}.err").read_text()
+        return wait
+
+    yield {name: waiter(name) for name in procs}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
-def test_make_run_demo_answers_sensibly():
-    # What `make run` executes.
-    proc = _run("-m", "tokenloom.entrypoints.demo")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Q: What is the capital of France?" in proc.stdout
-    answer = proc.stdout.split("Q: What is the capital of France?")[1].split("Q:")[0]
+def test_make_run_demo_answers_sensibly(runs):
+    rc, stdout, stderr = runs["demo"]()
+    assert rc == 0, stderr[-2000:]
+    assert "Q: What is the capital of France?" in stdout
+    answer = stdout.split("Q: What is the capital of France?")[1].split("Q:")[0]
     assert "Paris" in answer
 
 
-def test_generate_json_and_chat():
-    proc = _run(
-        "-m", "tokenloom.entrypoints.cli", "generate", "--json", "--max-tokens", "8", "--chat",
-        "--kv-cache-memory-bytes", str(64 * 1024**2), "What is the capital of France?", "Hello!",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def test_generate_json_and_chat(runs):
+    rc, stdout, stderr = runs["generate"]()
+    assert rc == 0, stderr[-2000:]
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert [l["prompt"] for l in lines] == ["What is the capital of France?", "Hello!"]
     assert "Paris" in lines[0]["text"]
     assert all(1 <= len(l["token_ids"]) <= 8 and l["finish_reason"] in ("stop", "length") for l in lines)

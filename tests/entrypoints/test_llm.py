@@ -88,23 +88,26 @@ def test_outputs_in_input_order_with_text(default_llm):
 
 
 @pytest.mark.parametrize(
-    "kwargs, counter",
+    "kwargs, counter, every",
     [
-        (dict(enable_chunked_prefill=True, max_num_batched_tokens=32), None),
-        (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024), None),
-        (dict(enable_prefix_caching=False), None),
-        (dict(max_num_seqs=1), None),
-        (dict(max_num_seqs=64, multiprocess=False), None),
+        (dict(enable_chunked_prefill=True, max_num_batched_tokens=32), None, 1),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024), None, 1),
+        (dict(enable_prefix_caching=False), None, 1),
+        # One sequence at a time: a third of the prompts (short to long) shows it as well.
+        (dict(max_num_seqs=1), None, 3),
+        (dict(max_num_seqs=64, multiprocess=True), None, 1),
         # 16 blocks of 16 tokens cannot hold 12 prompts of 30-130 tokens and their outputs at
         # once: running requests are preempted and recomputed.
-        (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions"),
+        (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions", 1),
     ],
-    ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "inprocess-64", "preemption"],
+    ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "multiprocess-64", "preemption"],
 )
-def test_greedy_identical_across_configs(kwargs, counter, prompt_ids, reference):
+def test_greedy_identical_across_configs(kwargs, counter, every, prompt_ids, reference):
+    """Scheduling configurations are the engine core's: it runs in this process (as with
+    multiprocess=False) but in one case, and `default_llm` runs in its own process too."""
     with LLM(**{"dtype": "float32", "kv_cache_memory_bytes": 128 * 1024**2, "quantization": None,
-                **kwargs}) as llm:
-        assert _greedy(llm, prompt_ids) == reference
+                "multiprocess": False, **kwargs}) as llm:
+        assert _greedy(llm, prompt_ids[::every]) == reference[::every]
         if counter:
             state = llm.llm_engine.engine_core.call_utility("get_state")
             assert state[counter] > 0, state

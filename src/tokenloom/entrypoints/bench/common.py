@@ -194,12 +194,34 @@ def gguf_read_once() -> Iterator[None]:
     for Gemma 3 that is 262k vocabulary strings each time) and rebuilds gguf-py's name table for
     every submodule of the model (hundreds of times). Both are pure functions of their arguments,
     so remembering them for the duration of one load gives the same tensors, config and tokenizer;
-    it takes SmolLM2's load from ~100 s to ~20 s on a busy 2-core machine."""
+    it takes SmolLM2's load from ~100 s to ~20 s on a busy 2-core machine. The reader also reads
+    through a plain ndarray view of its memmap (see `_plain_gguf_reader`)."""
     import gguf
 
-    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(_plain_gguf_reader())), \
             mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
         yield
+
+
+@functools.cache
+def _plain_gguf_reader() -> type:
+    """gguf-py's GGUFReader slicing a plain ndarray view of its memmap rather than the memmap
+    itself: it reads a file as millions of tiny slices (one per vocabulary string and its
+    length), and each slice of a `np.memmap` runs numpy's Python-level subclass hooks. Same
+    bytes, same fields and tensors (the view shares the mapping); ~3x faster to parse Gemma 3's
+    262k-token vocabulary."""
+    import gguf
+
+    class PlainGGUFReader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return PlainGGUFReader
 
 
 def load_hf_model(model: str | None, dtype: str, device: str) -> tuple[Any, torch.dtype]:
