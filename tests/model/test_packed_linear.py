@@ -35,14 +35,14 @@ def test_packed_linear_matches_f_linear(rows, bias):
                                rtol=1e-5, atol=1e-4)
 
 
-def _tiny_model(tied: bool):
+def _tiny_model(tied: bool, **shape):
     from tokenloom.model.config import ModelArchConfig
     from tokenloom.model.llama import LlamaForCausalLM
 
-    cfg = ModelArchConfig(architecture="llama", num_hidden_layers=2, hidden_size=64,
-                          intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, vocab_size=300, rms_norm_eps=1e-5, rope_theta=10000.0,
-                          max_position_embeddings=128, tie_word_embeddings=tied)
+    arch = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300) | shape
+    cfg = ModelArchConfig(architecture="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
+                          max_position_embeddings=128, tie_word_embeddings=tied, **arch)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():
@@ -120,22 +120,14 @@ def test_bf16_lm_head_rows_as_if_alone():
     """On the AMX bf16 path a prefill-sized matmul sums K in oneDNN's chunks (ops/amx), but the
     LM head gives every row the logits it would get alone, as transformers' generate computes
     them one row per sequence: a 48-row step's logits are the 1-row ones bit for bit."""
-    from tokenloom.model.config import ModelArchConfig
-    from tokenloom.model.llama import LlamaForCausalLM
     from tokenloom.ops import amx
 
     if not amx.available():
         pytest.skip("no AMX-BF16 on this CPU (or not granted)")
     # SmolLM2's hidden size (576: oneDNN sums it in two chunks from 33 rows), one small layer;
     # 48 x 4096 logits, of which the chunked order rounds a few differently
-    cfg = ModelArchConfig(architecture="llama", num_hidden_layers=1, hidden_size=576,
-                          intermediate_size=64, num_attention_heads=9, num_key_value_heads=3,
-                          head_dim=64, vocab_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-                          max_position_embeddings=128, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    for p in model.parameters():
-        p.data.normal_(0, 0.1)
+    model = _tiny_model(True, num_hidden_layers=1, hidden_size=576, intermediate_size=64,
+                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=4096)
     model = model.to(torch.bfloat16)
     pack_linear_weights(model)
     hidden = torch.randn(48, 576).bfloat16()

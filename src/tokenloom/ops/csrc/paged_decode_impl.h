@@ -168,6 +168,8 @@ TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, i
  * block (the accumulator rescaled once, by the first). Both passes go block by block and, within
  * a block, through all the item's head groups, so that the cache is read in its order, each
  * block once per pass, while the next block's rows are prefetched. */
+/* (Instantiated for both cache dtypes; only a bfloat16 model, whose cache is bfloat16, uses it.) */
+__attribute__((unused))
 static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
                               const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
                               const void *nxt, int nxtn) {
