@@ -114,18 +114,7 @@ static void store_block(const float *c, const float *c2, int rows, int cols, con
     const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-    if (stream && cols == 32 && !((uintptr_t)y & 63) && !((ldy * 2) & 63)) {
-        for (int r = 0; r < rows; r++) {
-            __m512 s0 = _mm512_load_ps(c + r * 32), s1 = _mm512_load_ps(c + r * 32 + 16);
-            if (c2) {
-                s0 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32), s0);
-                s1 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32 + 16), s1);
-            }
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(s1, b1), _mm512_add_ps(s0, b0));
-            _mm512_stream_si512((void *)(y + r * ldy), (__m512i)v);
-        }
-        return;
-    }
+    const int whole_lines = stream && cols == 32 && !((uintptr_t)y & 63) && !((ldy * 2) & 63);
     for (int r = 0; r < rows; r++) {
         const float *cr = c + r * 32;
         uint16_t *out = y + r * ldy;
@@ -134,12 +123,14 @@ static void store_block(const float *c, const float *c2, int rows, int cols, con
             s0 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32), s0);
             s1 = _mm512_add_ps(_mm512_load_ps(c2 + r * 32 + 16), s1);
         }
-        const __m256i v0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s0, b0));
-        _mm256_mask_storeu_epi16(out, m0, v0);
-        if (m1) {
-            const __m256i v1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s1, b1));
-            _mm256_mask_storeu_epi16(out + 16, m1, v1);
+        s0 = _mm512_add_ps(s0, b0);
+        s1 = _mm512_add_ps(s1, b1);
+        if (whole_lines) {
+            _mm512_stream_si512((void *)out, (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
+            continue;
         }
+        _mm256_mask_storeu_epi16(out, m0, (__m256i)_mm512_cvtneps_pbh(s0));
+        if (m1) _mm256_mask_storeu_epi16(out + 16, m1, (__m256i)_mm512_cvtneps_pbh(s1));
     }
 }
 
