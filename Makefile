@@ -28,8 +28,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m tokenloom.entrypoints.demo
 
+# -n auto: one pytest-xdist worker per core; tests/conftest.py keeps each module on one worker
+# and runs the `serial` tests alone.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/tokenloom bench throughput --baseline hf

@@ -5,6 +5,7 @@ loading costs more, so each is done once per session, in float32, and shared rea
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -79,3 +80,110 @@ def hf_gemma3(gemma3_path: str):
     from tokenloom.entrypoints.bench.common import load_hf_model
 
     return load_hf_model(gemma3_path, "float32", "cpu")[0]
+
+
+
+# `make test` runs the suite on pytest-xdist's workers (`-n auto`): while one test waits on a
+# server or an engine-core process, another can use the idle core. Every test module goes to
+# one worker whole, so its module fixtures (a server) start once; modules that would each load
+# the same transformers reference, or start a local Ray instance (a second local `ray.init()`
+# on the machine joins the first one's cluster), share a worker. (xdist's own `loadgroup` marks
+# do nothing under pytest 9: it renames node ids, which pytest 9 no longer reads.)
+XDIST_GROUPS = {
+    "tests/executor/test_ray_executor.py": "ray",
+    "tests/entrypoints/test_data_parallel.py": "ray",
+    "tests/entrypoints/test_llm.py": "hf-smollm2",
+    "tests/entrypoints/test_sampling_e2e.py": "hf-smollm2",
+    "tests/model/test_smollm2_parity.py": "hf-smollm2",
+}
+
+
+def _needs_group(item) -> str | None:
+    if item.get_closest_marker("ray"):
+        return "ray"
+    return "hf-smollm2" if "hf_smollm2" in item.fixturenames else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """A module that starts Ray or loads transformers' SmolLM2 must be in XDIST_GROUPS."""
+    missing = sorted({f"{item.nodeid.split('::', 1)[0]!r}: {group!r}" for item in items
+                      if (group := _needs_group(item)) and XDIST_GROUPS.get(item.nodeid.split("::", 1)[0]) != group})
+    if missing:
+        raise pytest.UsageError("tests/conftest.py XDIST_GROUPS lacks " + ", ".join(missing))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return XDIST_GROUPS.get(module, module)
+
+    return ModuleScheduling(config, log)
+
+
+class _Turnstile:
+    """Tests marked `serial` assert something about time or about other processes' use of the
+    CPU (a planted bottleneck's verdict, the thread governor's count), so under xdist each runs
+    alone: it waits until the other workers' current tests end, and they wait for it. Two flock
+    files shared by the run's workers: every test passes the turnstile and holds the main lock
+    shared; a serial test holds the turnstile while it waits for the main lock exclusively, so
+    tests that arrive later queue behind it instead of starving it."""
+
+    def __init__(self, stem: str) -> None:
+        self.paths = [f"{stem}.turnstile", f"{stem}.main"]
+        self.turnstile, self.main = (open(p, "a+") for p in self.paths)
+
+    def run(self, exclusive: bool):
+        import fcntl
+
+        @contextlib.contextmanager
+        def held():
+            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self.main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            finally:
+                if not exclusive:
+                    fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(self.main, fcntl.LOCK_UN)
+                if exclusive:
+                    fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+        return held()
+
+    def close(self) -> None:
+        for f, p in zip((self.turnstile, self.main), self.paths):
+            f.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+_TURNSTILE: _Turnstile | None = None
+
+
+def pytest_configure(config):
+    global _TURNSTILE
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        import tempfile
+
+        _TURNSTILE = _Turnstile(os.path.join(tempfile.gettempdir(), f"tokenloom-xdist-{worker['testrunuid']}"))
+
+
+def pytest_unconfigure(config):
+    if _TURNSTILE is not None:
+        _TURNSTILE.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Around setup, call and teardown: a module fixture's start-up (a server, a model load) is
+    # part of its first test, so it never overlaps a serial test either.
+    if _TURNSTILE is None:
+        return (yield)
+    with _TURNSTILE.run(exclusive=item.get_closest_marker("serial") is not None):
+        return (yield)

@@ -111,6 +111,7 @@ def test_dp2_processes_balance_and_survive_a_dead_replica():
         srv.stop()
 
 
+@pytest.mark.ray
 def test_dp2_ray_actors_balance_and_survive_a_dead_replica():
     pytest.importorskip("ray")
     # A Ray instance of its own (RAY_ADDRESS=local), never a cluster someone else started here.

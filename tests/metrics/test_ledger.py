@@ -201,6 +201,7 @@ PLANTED = {
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("verdict", list(PLANTED))
 def test_planted_bottleneck(verdict, make_llm, tmp_path, check_plot):
     config, prompts, params, causes = PLANTED[verdict]

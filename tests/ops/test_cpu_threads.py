@@ -46,6 +46,7 @@ def _step_beside_busy_process(gov: ThreadGovernor, prefix: list[str], seconds: f
         busy.wait()
 
 
+@pytest.mark.serial
 def test_gives_up_a_thread_to_a_busy_process(two_threads):
     gov = ThreadGovernor(interval_s=0.3)
     assert gov.enabled and gov.max_threads == 2 and "adaptive" in gov.describe()
@@ -54,6 +55,7 @@ def test_gives_up_a_thread_to_a_busy_process(two_threads):
     assert gov.threads == 1 and torch.get_num_threads() == 1
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) > 0,
                     reason="this process is niced itself, so niced processes compete equally")
 def test_keeps_its_threads_beside_a_niced_process(two_threads):
