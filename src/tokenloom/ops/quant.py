@@ -280,7 +280,9 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
         return None
     if any(p.out_features % TILE_N for p in parts[:-1]):
         return None
-    data = torch.cat([p.data for p in parts])
+    # numpy's concatenate: torch.cat of uint8 tensors takes a slow element-wise path here (12-16 ms
+    # for SmolLM2's 1.1 MB gate|up against 0.2-1 ms; 1.3 s of every engine start)
+    data = torch.from_numpy(np.concatenate([p.data.numpy() for p in parts]))
     return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
 
 

@@ -8,11 +8,21 @@ engine core's compile threads).
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr():
+    # Imported on first use: xgrammar pulls in torch and TVM's FFI (~1.5 s of CPU), which the
+    # caller's process (a server's front end, an `LLM`) needs only once a request asks for a
+    # structured output; the engine core imports it with its manager.
+    import xgrammar
+
+    return xgrammar
 
 # With free whitespace allowed, a small model can pad JSON with spaces and newlines until
 # max_tokens; a run of whitespace between two JSON tokens is capped at this many characters
@@ -74,6 +84,7 @@ def validate(params: StructuredOutputsParams) -> None:
     if key in _VALID:
         return
     kind, text, _ = key
+    xgr = _xgr()
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(text, **_whitespace(params))
@@ -100,7 +111,7 @@ def _compiler_message(e: BaseException) -> str:
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """The vocabulary as xgrammar sees it. `vocab_size` is the model's logits width, which may
     exceed the tokenizer's (padded embeddings): the ids past the tokenizer are never allowed."""
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

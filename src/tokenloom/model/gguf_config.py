@@ -1,0 +1,119 @@
+"""A GGUF file's architecture facts from its metadata (and a Llama 3.1 file's few-dozen rope
+frequency factors). No tensor library: the caller's process reads this (gguf_loader.py reads the
+weights in the engine core)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.errors import ModelLoadError
+from tokenloom.model.gguf_file import GGUFFile
+from tokenloom.model.config import GGUF_ARCHITECTURES
+
+
+def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
+    md, path = g.metadata, g.path
+    gguf_arch = g.architecture
+    arch = GGUF_ARCHITECTURES.get(gguf_arch)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {gguf_arch!r} "
+                             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+
+    def get(key: str, default=None, required: bool = False):
+        full = f"{gguf_arch}.{key}"
+        if full not in md:
+            if required:
+                raise ModelLoadError(f"{path}: missing GGUF metadata key {full!r}")
+            return default
+        return md[full]
+
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rot_dim = get("rope.dimension_count")
+    if rot_dim is not None and int(rot_dim) != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embedding ({gguf_arch}.rope.dimension_count="
+                             f"{rot_dim}, head_dim={head_dim}) is not supported")
+
+    vocab = get("vocab_size")
+    if vocab is None:
+        embd = g.tensors.get("token_embd.weight")
+        vocab = embd.shape[0] if embd is not None else len(md.get("tokenizer.ggml.tokens", []))
+
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = md.get(f"tokenizer.ggml.{key}")
+        if tid is not None and int(tid) not in eos_ids:
+            eos_ids.append(int(tid))
+    bos = md.get("tokenizer.ggml.bos_token_id")
+
+    n_layers = int(get("block_count", required=True))
+    return ModelArchConfig(
+        architecture=arch,
+        num_hidden_layers=n_layers,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", required=True)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        rope_scaling=_rope_scaling(g, get),
+        attention_bias="blk.0.attn_q.bias" in g.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        **(_gemma3_fields(get, n_layers, head_dim, hidden // heads) if arch == "gemma3" else {}),
+    )
+
+
+def _gemma3_fields(get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """What llama.cpp's Gemma 3 GGUF leaves to the architecture: one full-attention layer in six
+    (unless the file says otherwise), local RoPE base 10,000, and the attention scale: llama.cpp's
+    rule, query_pre_attn_scalar = head_dim, except hidden / heads for the 27B (62 layers), which
+    are the checkpoints' own values (256 for the 270M to 12B, 168 for the 27B)."""
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer converters: one flag per layer, true = sliding
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if pattern is not None else 6
+        sliding = [bool((i + 1) % period) for i in range(n_layers)]
+    window = get("attention.sliding_window")
+    softcap = get("final_logit_softcapping")
+    return dict(
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        rope_local_theta=float(get("rope.freq_base_swa", 10_000.0)),
+        query_pre_attn_scalar=float(hidden_per_head if n_layers == 62 else head_dim),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+
+
+def _rope_scaling(g: GGUFFile, get) -> dict | None:
+    # llama.cpp writes Llama 3.1's scaling as per-pair frequency divisors in a `rope_freqs`
+    # tensor rather than as metadata; 64-odd float32s, cheap to read here.
+    freqs = g.tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        values = dequantize(g.raw(freqs), Q(freqs.ggml_type)).astype(np.float32).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": values.tolist()}
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict = {"rope_type": str(kind)}
+    factor = get("rope.scaling.factor")
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    original = get("rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        value = get(f"rope.scaling.{key}")
+        if value is not None:
+            scaling[key] = float(value)
+    return scaling

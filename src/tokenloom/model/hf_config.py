@@ -1,0 +1,148 @@
+"""An HF model directory's architecture facts: `config.json` and the EOS ids of
+`generation_config.json`. No tensor library: the caller's process reads this (hf_loader.py
+reads the weights in the engine core)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.model.config import HF_ARCHITECTURES
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either layout: transformers 5's `rope_parameters` (theta inside) or
+    the older top-level `rope_theta` + `rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def hf_model_config(directory: str) -> ModelArchConfig:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"{directory}: no config.json (expected an HF model directory or a .gguf file)")
+    cfg = _read_json(path)
+    names = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {names or cfg.get('model_type')!r} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ModelLoadError(f"{path}: missing key {key!r}")
+        return cfg[key]
+
+    gemma = _gemma3_fields(cfg, path) if arch == "gemma3" else {}
+    act = cfg.get("hidden_act", "silu")
+    if arch != "gemma3" and act != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    # Qwen2 always has q/k/v biases (and config.json does not say so). Llama and Qwen3 with
+    # attention_bias=true also put a bias on o_proj, which our decoder does not have.
+    if arch != "qwen2" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {names[0]}")
+    if arch != "gemma3" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    theta, scaling = _rope(cfg) if arch != "gemma3" else (gemma.pop("rope_theta"), gemma.pop("rope_scaling"))
+    eos = _token_ids(cfg.get("eos_token_id"))
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos = _token_ids(_read_json(gen_path).get("eos_token_id")) or eos
+    return ModelArchConfig(
+        architecture=arch,
+        num_hidden_layers=int(need("num_hidden_layers")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(need("vocab_size")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(need("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        rope_scaling=scaling,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        **gemma,
+    )
+
+
+def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 3's fields of ModelArchConfig (and its RoPE, which differs per layer type) from a
+    `gemma3_text` config.json, in transformers 5's layout (`rope_parameters` per layer type) or
+    the older one (`rope_theta`, `rope_local_base_freq`, `rope_scaling`); the defaults are
+    transformers' `Gemma3TextConfig`'s."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{path}: unsupported hidden_activation {act!r} (expected 'gelu_pytorch_tanh')")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{path}: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention=true is not supported")
+    n = int(cfg.get("num_hidden_layers", 0))
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # the older config's pattern: every sixth layer is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        theta = float(full.pop("rope_theta", 1_000_000.0))
+        local_theta = float(local.get("rope_theta", 10_000.0))
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{path}: scaled RoPE on the sliding-window layers is not supported")
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta = float(cfg.get("rope_theta", 1_000_000.0))
+        local_theta = float(cfg.get("rope_local_base_freq", 10_000.0))
+        scaling = dict(cfg.get("rope_scaling") or {}) or None
+        if scaling is not None and "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling is not None and scaling.get("rope_type", "default") == "default":
+            scaling = None
+    window = cfg.get("sliding_window")
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple(layer_types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )

