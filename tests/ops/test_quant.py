@@ -31,10 +31,14 @@ CASES = [(t, *shape) for t in BLOCK_FORMATS for shape in BLOCK_SHAPES] + \
         [(t, *shape) for t in K_FORMATS for shape in K_SHAPES]
 
 
+INTEGER_KERNELS = ["c", "avx2", "avx512_vnni", "avx512_vnni+amx_int8"]
+AMX_BF16 = "avx512_vnni+amx_bf16"
+
+
 def _kernels() -> list[str]:
+    """The integer kernels this CPU can run (the bf16 tiles round differently: tested below)."""
     best = quant.limit_isa(None)
-    order = ["c", "avx2", "avx512_vnni", "avx512_vnni+amx_int8"]
-    return order[: order.index(best) + 1]
+    return INTEGER_KERNELS[: INTEGER_KERNELS.index(best) + 1] if best != AMX_BF16 else INTEGER_KERNELS
 
 
 @pytest.fixture(params=_kernels())
@@ -125,15 +129,17 @@ AMX = "avx512_vnni+amx_int8"
 AMX_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K]  # Q6_K stays on VNNI
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX,
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) not in (AMX, AMX_BF16),
                     reason="the CPU has no AMX int8 (amx_tile + amx_int8), or Linux refused its "
                            "tile state: the AMX kernel cannot run here")
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda t: t.name)
-def test_amx_kernel_matches_reference_and_vnni(qtype):
+def test_amx_kernel_matches_reference_and_vnni(qtype, request):
     """The AMX kernel (from 8 rows, 16 with one plane) against float64, and bit for bit against the VNNI kernel
     it replaces there (the same integer sums, scaled in the same order): row counts around its
     16-row tiles and 64-row blocks, N not a multiple of 16, K not a multiple of 64 (block
     formats), both activation plane counts."""
+    quant.limit_isa(AMX)  # without the bf16 tiles, which take over from 16 rows where the CPU has them
+    request.addfinalizer(lambda: quant.limit_isa(None))
     assert quant.kernel_isa(quant.GGML_FORMATS[int(qtype)]) == AMX
     k_quant = qtype in (Q.Q4_K, Q.Q5_K)
     N, K = (40, 512) if k_quant else (40, 96)
@@ -149,8 +155,49 @@ def test_amx_kernel_matches_reference_and_vnni(qtype):
                 quant.limit_isa("avx512_vnni")
                 vnni = quant.qlinear(x, tw, act_levels=levels)
             finally:
-                quant.limit_isa(None)
+                quant.limit_isa(AMX)
             assert torch.equal(amx, vnni), (M, levels)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX_BF16,
+                    reason="the CPU has no AMX-BF16 (amx_tile + amx_bf16 + avx512_bf16), or Linux "
+                           "refused its tile state: the bf16 tiles cannot run here")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_amx_bf16_tiles_match_bf16_reference(qtype):
+    """From 16 rows the weight's panels are dequantized to bfloat16 and multiplied on AMX-BF16
+    tiles: against float64 on bf16(x) @ bf16(dequantized w) (the same numbers, float32 sums
+    only), and within bfloat16 rounding of the exact product. Rows around the 16-row threshold,
+    the 32-row tile pairs and the 256-row blocks; N with a partial last column tile and an odd
+    number of 16-column tiles (a panel's second half past N); a bias. Below the threshold the
+    integer kernels run, as before."""
+    assert quant.kernel_isa(quant.GGML_FORMATS[int(qtype)]) == AMX_BF16
+    N, K = (40, 512) if qtype in K_FORMATS else (100, 96)
+    rng = np.random.default_rng(int(qtype))
+    raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    w = torch.from_numpy(quants.dequantize(raw, qtype))
+    w_bf16 = w.bfloat16().double()
+    bias = torch.from_numpy(rng.standard_normal(N, dtype=np.float32))
+    for M in (8, 16, 17, 33, 79, 300):
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+        got = quant.qlinear(x, tw, bias).double()
+        exact = x.double() @ w.double().T + bias.double()
+        scale = float(exact.abs().max())
+        if M < 16:  # the integer kernel: two activation planes, ~1e-5
+            assert float((got - exact).abs().max()) <= 5e-5 * scale
+            continue
+        same_numbers = x.bfloat16().double() @ w_bf16.T + bias.double()
+        assert float((got - same_numbers).abs().max()) <= 2e-6 * scale, M
+        assert float((got - exact).abs().max()) <= 2e-2 * scale, M
+    # The threshold moves, and 0 turns the tiles off (the integer kernels' results come back).
+    x = torch.from_numpy(rng.standard_normal((33, K), dtype=np.float32))
+    old = quant.set_amx_bf16_rows(0)
+    try:
+        ints = quant.qlinear(x, tw)
+    finally:
+        quant.set_amx_bf16_rows(old)
+    assert old == 16
+    assert float((ints - x.double() @ w.double().T).abs().max()) <= 5e-5 * float(ints.abs().max())
 
 
 def test_k_quant_shape_errors_name_the_tensor():

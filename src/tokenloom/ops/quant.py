@@ -40,8 +40,11 @@ GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q
 _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from 8 activation rows
 # (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
-# mostly padding); Q6_K stays on VNNI.
-ISA_NAMES = {3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2", 0: "c"}
+# mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from
+# `amx_bf16_rows()` rows (16) every format's weight dequantized to bfloat16 panels on AMX-BF16
+# tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding, ~3x the int8 tiles' speed).
+ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
+             0: "c"}
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
@@ -75,6 +78,8 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_limit_isa.argtypes = [_c_i32]
         lib.tl_q_amx_status.restype = _c_i32
         lib.tl_q_amx_status.argtypes = []
+        lib.tl_q_set_amx_bf16_rows.restype = _c_i32
+        lib.tl_q_set_amx_bf16_rows.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
@@ -95,6 +100,13 @@ def limit_isa(name: str | None) -> str:
     CPU has), for tests and benchmarks; returns the kernel level now in use."""
     levels = {v: k for k, v in ISA_NAMES.items()}
     return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
+
+
+def set_amx_bf16_rows(rows: int) -> int:
+    """Matmuls of at least `rows` activation rows run on the bf16 tiles where the kernel level
+    is avx512_vnni+amx_bf16 (0: never); returns the previous threshold (0 where this CPU or
+    process has no AMX-BF16). For tests and A/B measurements."""
+    return _lib().tl_q_set_amx_bf16_rows(rows)
 
 
 @dataclass(eq=False)
