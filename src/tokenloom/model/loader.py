@@ -28,6 +28,7 @@ from tokenloom.model.hf_loader import hf_model_config, iter_hf_weights
 from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+from tokenloom.ops import quant
 from tokenloom.ops.cpu_features import detect as detect_cpu_features
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
     return _DTYPES[dtype]
 
 
+def _quant_bf16_pays() -> bool:
+    try:
+        return quant.bf16_activations_pay()
+    except RuntimeError:  # no CPU kernels here
+        return False
+
+
 def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
                          device: str | torch.device) -> str:
     """"gguf", "int8" or "none" for the requested method (None means "none") and checkpoint
@@ -135,12 +143,18 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
                          f"got {method!r}")
-    on_cpu_f32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    on_cpu = torch.device(device).type == "cpu"
+    on_cpu_f32 = on_cpu and dtype == torch.float32
+    # A GGUF in bfloat16 (explicit dtype="bfloat16") where the CPU has AMX-BF16: its matmuls take
+    # bf16 activations on the tiles (ops/quant) and the rest runs as the bf16 float path.
+    gguf_bf16 = on_cpu and dtype == torch.bfloat16 and kind == "gguf" and _quant_bf16_pays()
     if method == "auto":
-        return "gguf" if kind == "gguf" and on_cpu_f32 else "none"
+        return "gguf" if kind == "gguf" and (on_cpu_f32 or gguf_bf16) else "none"
     if method == "gguf" and kind != "gguf":
         raise ValueError("quantization='gguf' computes a GGUF file's quantized tensors; this model "
                          "is an HF directory (use quantization='int8' or 'none')")
+    if method == "gguf" and gguf_bf16:
+        return method
     if method != "none" and not on_cpu_f32:
         raise ValueError(f"quantization={method!r} runs on the CPU with dtype float32 (got device "
                          f"{torch.device(device).type}, dtype {str(dtype).removeprefix('torch.')}); "

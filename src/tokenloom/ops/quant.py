@@ -78,6 +78,11 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_limit_isa.argtypes = [_c_i32]
         lib.tl_q_amx_status.restype = _c_i32
         lib.tl_q_amx_status.argtypes = []
+        lib.tl_q_linear_bf16.restype = _c_i32
+        lib.tl_q_linear_bf16.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
+                                         _c_i64, _c_p, _c_p, _c_i32, _c_i64]
+        lib.tl_q_bf16_scratch_bytes.restype = _c_i64
+        lib.tl_q_bf16_scratch_bytes.argtypes = [_c_i64, _c_i64, _c_i64]
         lib.tl_q_set_amx_bf16_rows.restype = _c_i32
         lib.tl_q_set_amx_bf16_rows.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
@@ -296,18 +301,29 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
     return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
 
 
+def bf16_activations_pay() -> bool:
+    """True where a quantized model may run in bfloat16 (`dtype="bfloat16"`): the CPU has the
+    bf16 tiles, so its matmuls from 16 rows take bf16 activations as they are and the rest of the
+    model (norms, attention, KV cache) runs in bf16 as the float path does there."""
+    return _lib().tl_q_isa(FMT_Q8) == 4
+
+
 def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = None,
-            act_levels: int | None = None) -> torch.Tensor:
+            act_levels: int | None = None, kchunk: int = 0) -> torch.Tensor:
     """x [..., K] float32 -> x @ W^T (+ bias), float32 [..., N]. The activations are quantized
     per 32 elements to int8 inside the call, in `act_levels` planes (default ACT_LEVELS): 1 is
     llama.cpp's Q8_0 activations; 2 adds the rounding error as a second int8 plane, in steps of
-    1/256 of the first's."""
+    1/256 of the first's. From 16 rows on a CPU with AMX-BF16 the weight is dequantized to
+    bfloat16 panels instead (see ISA_NAMES). A bfloat16 x gives a bfloat16 result, rounded once;
+    `kchunk` (bf16 on the tiles only): sum K in chunks of this many, as ops/amx.linear."""
     levels = ACT_LEVELS if act_levels is None else act_levels
     lib = _lib()
     K, N = w.in_features, w.out_features
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the quantized weight takes {K}")
     lead = x.shape[:-1]
+    if x.dtype == torch.bfloat16:
+        return _qlinear_bf16(lib, x.reshape(-1, K), w, bias, levels, kchunk).reshape(*lead, N)
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32:
         x2 = x2.float()
@@ -326,6 +342,23 @@ def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = No
         if rc != 0:
             raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
     return y.reshape(*lead, N)
+
+
+def _qlinear_bf16(lib: ctypes.CDLL, x2: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None,
+                  levels: int, kchunk: int) -> torch.Tensor:
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K, N = x2.shape[0], w.in_features, w.out_features
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    if M:
+        scratch = torch.empty(lib.tl_q_bf16_scratch_bytes(M, N, K), dtype=torch.uint8)
+        b = None if bias is None else bias.float().contiguous()
+        rc = lib.tl_q_linear_bf16(w.fmt, w.data.data_ptr(), N, K, x2.data_ptr(), x2.stride(0), M,
+                                  y.data_ptr(), N, None if b is None else b.data_ptr(),
+                                  scratch.data_ptr(), levels, kchunk)
+        if rc != 0:
+            raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
+    return y
 
 
 def dequant_rows(w: TiledQuantWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "vec_math.h" /* tl_bf16_to_f32, tl_f32_to_bf16 */
+
 enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2, TL_Q5_0 = 3, TL_Q4_K = 4, TL_Q5_K = 5, TL_Q6_K = 6,
        TL_NFMT = 7 };
 #define TILE_N 16
@@ -623,6 +625,41 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
         if (buf) amx_release();
 #endif
     }
+    return 0;
+}
+
+/* Scratch bytes of tl_q_linear_bf16 for M rows of K into N columns. */
+int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K) {
+    return tl_q_scratch_bytes(M, K) + 4 * M * (K + N) + 128;
+}
+
+/* tl_q_linear for a bfloat16 model: x and y bfloat16 (row strides ldx, ldy), y rounded once to
+ * nearest even. Where the bf16 tiles run (level 4, unless turned off) they take every row count:
+ * the activations go into the tiles as they are and the sums are rounded as a bf16 matmul's
+ * (kchunk: as tl_q_linear_amx_bf16), so a GGUF computed in bfloat16 gives the bf16 float path's
+ * results bit for bit (its weights are the same dequantized values rounded to bf16), and at one
+ * row the tiles were as fast as the VNNI kernel. Elsewhere the rows are widened to float32 for
+ * the integer kernels. */
+int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
+                         int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
+                         void *scratch, int32_t levels, int64_t kchunk) {
+    if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0)
+        return -1;
+    if (M == 0) return 0;
+#ifdef TL_HAVE_AMX
+    if (amx_bf16_min_rows > 0 && tl_q_isa(fmt) == 4 &&
+        tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) == 0)
+        return 0;
+#endif
+    char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xf = (float *)base, *yf = xf + M * K;
+    void *inner = (void *)(((uintptr_t)(yf + M * N) + 63) & ~(uintptr_t)63);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = tl_bf16_to_f32(x[m * ldx + k]);
+    const int32_t rc = tl_q_linear(fmt, w, N, K, xf, K, M, yf, N, bias, inner, levels);
+    if (rc) return rc;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * ldy + n] = tl_f32_to_bf16(yf[m * N + n]);
     return 0;
 }
 

@@ -39,6 +39,8 @@ static int amx_bf16_usable(void) {
         const int has = ((d >> 22) & 1) && ((d >> 24) & 1) && ((a1 >> 5) & 1) && /* AMX-BF16, TILE, AVX512-BF16 */
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
         amx_bf16_state = has && tl_q_amx_status() == 1;
+        const char *rows = getenv("TOKENLOOM_QUANT_BF16_ROWS"); /* the threshold; 0: off (A/B runs) */
+        if (rows && *rows) amx_bf16_min_rows = atoi(rows);
     }
     return amx_bf16_state;
 }
