@@ -94,10 +94,13 @@ def test_bfloat16_fused_decode_follows_the_eager_path(smollm2_path):
 
 
 @pytest.mark.skipif(not quant.bf16_activations_pay(), reason="a GGUF runs in bfloat16 on CPUs with AMX-BF16")
-def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path):
-    """The embedded GGUF computed in bfloat16 (its weights dequantized to bf16 panels on the
-    tiles, never resident) gives the dequantized float path in bfloat16 bit for bit: the same
-    greedy tokens and logprobs, prefills (oneDNN's K chunks) and fused decode steps alike."""
+def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path, request):
+    """The embedded GGUF computed in bfloat16 with every matmul on the tiles (its weights
+    dequantized to bf16 panels, never resident; by default from 16 rows, here from 1) gives the
+    dequantized float path in bfloat16 bit for bit: the same greedy tokens and logprobs,
+    prefills (oneDNN's K chunks) and fused decode steps alike."""
+    old = quant.set_amx_bf16_rows(1)
+    request.addfinalizer(lambda: quant.set_amx_bf16_rows(old))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
     runs = []

@@ -634,12 +634,13 @@ int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K) {
 }
 
 /* tl_q_linear for a bfloat16 model: x and y bfloat16 (row strides ldx, ldy), y rounded once to
- * nearest even. Where the bf16 tiles run (level 4, unless turned off) they take every row count:
- * the activations go into the tiles as they are and the sums are rounded as a bf16 matmul's
- * (kchunk: as tl_q_linear_amx_bf16), so a GGUF computed in bfloat16 gives the bf16 float path's
- * results bit for bit (its weights are the same dequantized values rounded to bf16), and at one
- * row the tiles were as fast as the VNNI kernel. Elsewhere the rows are widened to float32 for
- * the integer kernels. */
+ * nearest even. Where the bf16 tiles run (level 4, from amx_bf16_min_rows rows) the activations
+ * go into the tiles as they are and the sums are rounded as a bf16 matmul's (kchunk: as
+ * tl_q_linear_amx_bf16), so there a GGUF computed in bfloat16 gives the bf16 float path's
+ * results bit for bit (its weights are the same dequantized values rounded to bf16). Below it
+ * (and without the tiles) the rows are widened to float32 for the integer kernels: at one row
+ * the VNNI kernel made a decode step of SmolLM2 take half the CPU time of the tiles
+ * (benchmarks/README.md). */
 int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
                          int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
                          void *scratch, int32_t levels, int64_t kchunk) {
@@ -647,7 +648,7 @@ int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, co
         return -1;
     if (M == 0) return 0;
 #ifdef TL_HAVE_AMX
-    if (amx_bf16_min_rows > 0 && tl_q_isa(fmt) == 4 &&
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4 &&
         tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) == 0)
         return 0;
 #endif
