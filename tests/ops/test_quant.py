@@ -189,6 +189,15 @@ def test_amx_bf16_tiles_match_bf16_reference(qtype):
         same_numbers = x.bfloat16().double() @ w_bf16.T + bias.double()
         assert float((got - same_numbers).abs().max()) <= 2e-6 * scale, M
         assert float((got - exact).abs().max()) <= 2e-2 * scale, M
+    # An output past 4 MiB is written with streaming stores, whole lines only (the last column
+    # pair here is half a pair: masked stores); f32 and bf16 outputs.
+    raw_big = kquants.quantize(rng.standard_normal((1040, K), dtype=np.float32), qtype)
+    w_big = torch.from_numpy(quants.dequantize(raw_big, qtype)).bfloat16().double()
+    x = torch.from_numpy(rng.standard_normal((1100, K), dtype=np.float32)).bfloat16()
+    want = x.double() @ w_big.T
+    for xin in (x.float(), x):
+        got = quant.qlinear(xin, quant.tile_gguf(raw_big, qtype)).double()
+        assert float((got - want).abs().max()) <= (2e-6 if xin.dtype == torch.float32 else 1e-2) * float(want.abs().max())
     # The threshold moves, and 0 turns the tiles off (the integer kernels' results come back).
     x = torch.from_numpy(rng.standard_normal((33, K), dtype=np.float32))
     old = quant.set_amx_bf16_rows(0)

@@ -136,8 +136,9 @@ def _quant_bf16_pays() -> bool:
 def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
                          device: str | torch.device) -> str:
     """"gguf", "int8" or "none" for the requested method (None means "none") and checkpoint
-    kind ("gguf" | "hf"). The quantized kernels are CPU kernels with float32 activations: "auto"
-    picks them only there, an explicit method elsewhere is an error."""
+    kind ("gguf" | "hf"). The quantized kernels are CPU kernels with float32 activations, and
+    bfloat16 ones for a GGUF where the CPU has AMX-BF16 (ops/quant): "auto" picks them only
+    there, an explicit method elsewhere is an error."""
     if method is None:
         return "none"
     if method not in QUANTIZATION_METHODS:
@@ -185,6 +186,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
             and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
         # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
         # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
+        # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs at the bf16 float path's speed
+        # with its results, 10 of 16 chat replies as the float32 path's: benchmarks/README.md.)
         torch_dtype = torch.float32
     method = resolve_quantization(quantization, kind, torch_dtype, device)
     if kind == "gguf":

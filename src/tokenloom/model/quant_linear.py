@@ -88,7 +88,8 @@ class QuantSummary:
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_int8" (AMX tiles from 8 rows, VNNI below),
+        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_bf16" (bf16 tiles from 16 rows, AMX int8
+        from 8, VNNI below), "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_int8" (AMX int8 from 8 rows),
         "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2":
         the formats in use and the kernel that runs them (named per format where they differ)."""
         if not self.formats:

@@ -13,6 +13,11 @@ weights of a row, which is Q8_0). The matmul quantizes the activations per 32-el
 int8 (llama.cpp's Q8_0 activations) and runs integer dot products; see `qlinear`. The K-quants'
 32-weight sub-blocks (16 for Q6_K's scales) line up with those activation blocks, so their
 super-block scales are applied per block like any other format's.
+
+On CPUs with AMX-BF16, matmuls of 16 rows and more instead dequantize the weight panel by panel
+(32 columns x K, in a per-thread buffer, never resident) to bfloat16 and multiply on bf16 tiles
+(csrc/quant_gemm_amx_bf16.h): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
+rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there).
 """
 from __future__ import annotations
 

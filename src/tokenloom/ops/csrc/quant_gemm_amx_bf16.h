@@ -151,11 +151,14 @@ static uint16_t *amxb_panel(int64_t K) {
 /* A 32 x 32 float32 block (+ bias; c2: the earlier K chunks' sum, added first) -> rows x cols
  * of y, float32 or rounded to bfloat16 (nearest even). */
 INLINE_AMXB void amxb_store(const float *c, const float *c2, int rows, int cols, const float *bias,
-                            void *y, int64_t ldy, int y_bf16) {
+                            void *y, int64_t ldy, int y_bf16, int stream) {
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    const int64_t es = y_bf16 ? 2 : 4;
+    /* whole 64-byte lines per row: written around the caches (see the caller) */
+    const int lines = stream && cols == 32 && !((uintptr_t)y & 63) && !((ldy * es) & 63);
     for (int r = 0; r < rows; r++) {
         __m512 s0 = _mm512_load_ps(c + r * 32), s1 = _mm512_load_ps(c + r * 32 + 16);
         if (c2) {
@@ -164,7 +167,12 @@ INLINE_AMXB void amxb_store(const float *c, const float *c2, int rows, int cols,
         }
         s0 = _mm512_add_ps(s0, b0);
         s1 = _mm512_add_ps(s1, b1);
-        if (y_bf16) {
+        if (lines && y_bf16) {
+            _mm512_stream_si512((void *)((uint16_t *)y + r * ldy), (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
+        } else if (lines) {
+            _mm512_stream_ps((float *)y + r * ldy, s0);
+            _mm512_stream_ps((float *)y + r * ldy + 16, s1);
+        } else if (y_bf16) {
             uint16_t *out = (uint16_t *)y + r * ldy;
             _mm256_mask_storeu_epi16(out, m0, (__m256i)_mm512_cvtneps_pbh(s0));
             if (m1) _mm256_mask_storeu_epi16(out + 16, m1, (__m256i)_mm512_cvtneps_pbh(s1));
@@ -213,9 +221,16 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
             }
         }
     }
-    const int64_t mpairs = Mp / 32, block = 8; /* 256 rows per pass: their activations stay in L2 */
+    /* Rows per pass over the weight: as many as keep their activations within ~1 MiB of L2
+     * (at least 256), since each pass dequantizes every panel again (~20 ms for SmolLM2's 30
+     * layers on one thread): 896 rows at K = 576, 320 at K = 1536. */
+    const int64_t mpairs = Mp / 32, fit = ((int64_t)1 << 20) / (K * 2 * 32);
+    const int64_t block = fit > 8 ? fit : 8;
     const int64_t kbchunk = kchunk > 0 && kchunk < K && kchunk % 32 == 0 ? kchunk / 32 : nkb;
     const int64_t es = y_bf16 ? 2 : 4;
+    /* Outputs larger than L2 (prefills) leave it before their reader gets to them: streaming
+     * stores write their lines without fetching them first (as amx_gemm.c, 1.2-1.3x there). */
+    const int stream = M * N * es >= ((int64_t)4 << 20);
     int failed = 0;
     #pragma omp parallel
     {
@@ -280,10 +295,11 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
                         const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
                         const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
                         amxb_store(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
-                                   (char *)y + (m0 * ldy + n0) * es, ldy, y_bf16);
+                                   (char *)y + (m0 * ldy + n0) * es, ldy, y_bf16, stream);
                     }
                 }
             }
+            if (stream) _mm_sfence(); /* streamed lines visible before the region's barrier */
             _tile_release();
         }
     }
