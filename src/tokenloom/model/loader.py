@@ -186,8 +186,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
             and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
         # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
         # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
-        # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs at the bf16 float path's speed
-        # with its results, 10 of 16 chat replies as the float32 path's: benchmarks/README.md.)
+        # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs near the bf16 float path's
+        # speed with its results, 10-12 of 16 chat replies as the float32 path's: the quality bar
+        # of issue 14 is against float32, so not the default; benchmarks/README.md.)
         torch_dtype = torch.float32
     method = resolve_quantization(quantization, kind, torch_dtype, device)
     if kind == "gguf":

@@ -59,7 +59,7 @@ class QuantLinear(nn.Module):
         outs = [quant.qlinear(x, p, kchunk=kchunk) if isinstance(p, TiledQuantWeight)
                 else nn.functional.linear(x.to(p.dtype), p).to(x.dtype) for p in self.parts]
         y = torch.cat(outs, dim=-1)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
