@@ -361,6 +361,8 @@ def _qlinear_bf16(lib: ctypes.CDLL, x2: torch.Tensor, w: TiledQuantWeight, bias:
         rc = lib.tl_q_linear_bf16(w.fmt, w.data.data_ptr(), N, K, x2.data_ptr(), x2.stride(0), M,
                                   y.data_ptr(), N, None if b is None else b.data_ptr(),
                                   scratch.data_ptr(), levels, kchunk)
+        if rc == -2:
+            raise MemoryError("the bf16 tiles' per-thread panel buffer could not be allocated")
         if rc != 0:
             raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
     return y

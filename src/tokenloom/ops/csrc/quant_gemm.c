@@ -628,8 +628,13 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
     return 0;
 }
 
-/* Scratch bytes of tl_q_linear_bf16 for M rows of K into N columns. */
+/* Scratch bytes of tl_q_linear_bf16 for M rows of K into N columns (on the tiles only their
+ * activation copy; else float32 copies of x and y besides the integer kernels' scratch). */
 int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K) {
+#ifdef TL_HAVE_AMX
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(TL_Q8) == 4)
+        return tl_q_amx_bf16_scratch_bytes(M, K);
+#endif
     return tl_q_scratch_bytes(M, K) + 4 * M * (K + N) + 128;
 }
 
@@ -648,9 +653,8 @@ int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, co
         return -1;
     if (M == 0) return 0;
 #ifdef TL_HAVE_AMX
-    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4 &&
-        tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) == 0)
-        return 0;
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4) /* scratch sized for this alone */
+        return tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) ? -2 : 0;
 #endif
     char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xf = (float *)base, *yf = xf + M * K;
