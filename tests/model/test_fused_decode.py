@@ -11,7 +11,8 @@ import torch
 from model_helpers import byte_vocab, tiny_gguf
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.ops import amx, cpu_kernels
+from tokenloom.model.quant_linear import QuantLinear
+from tokenloom.ops import amx, cpu_kernels, quant
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 Q = gguf.GGMLQuantizationType
@@ -90,6 +91,26 @@ def test_bfloat16_fused_decode_follows_the_eager_path(smollm2_path):
             diffs = [abs(e[t].logprob - f[t].logprob) for t in e.keys() & f.keys()]
             assert diffs and max(diffs) < 0.3, (e, f)
     assert identical >= 3, (eager, fused)
+
+
+@pytest.mark.skipif(not quant.bf16_activations_pay(), reason="a GGUF runs in bfloat16 on CPUs with AMX-BF16")
+def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path, request):
+    """The embedded GGUF computed in bfloat16 with every matmul on the tiles (its weights
+    dequantized to bf16 panels, never resident; by default from 16 rows, here from 1) gives the
+    dequantized float path in bfloat16 bit for bit: the same greedy tokens and logprobs,
+    prefills (oneDNN's K chunks) and fused decode steps alike."""
+    old = quant.set_amx_bf16_rows(1)
+    request.addfinalizer(lambda: quant.set_amx_bf16_rows(old))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
+    runs = []
+    for quantization in ("gguf", None):
+        with LLM(smollm2_path, multiprocess=False, quantization=quantization, dtype="bfloat16",
+                 num_kv_blocks=64, max_num_batched_tokens=96, enable_prefix_caching=False) as llm:
+            runs.append(_run(llm, prompts, fused=True))
+            assert llm._fused_step is not None and llm._fused_step.steps > 0
+            assert (quantization is None) == (type(_model(llm).layers[0].mlp.down_proj) is not QuantLinear)
+    assert runs[0] == runs[1]
 
 
 def test_float32_path_and_qk_norm_stay_eager(tmp_path, smollm2_path):

@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from tokenloom.ops import cpu_kernels, quant
+from tokenloom.ops import amx, cpu_kernels, quant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))  # the K-quant quantizer
 import kquants  # noqa: E402
@@ -31,10 +31,14 @@ CASES = [(t, *shape) for t in BLOCK_FORMATS for shape in BLOCK_SHAPES] + \
         [(t, *shape) for t in K_FORMATS for shape in K_SHAPES]
 
 
+INTEGER_KERNELS = ["c", "avx2", "avx512_vnni", "avx512_vnni+amx_int8"]
+AMX_BF16 = "avx512_vnni+amx_bf16"
+
+
 def _kernels() -> list[str]:
+    """The integer kernels this CPU can run (the bf16 tiles round differently: tested below)."""
     best = quant.limit_isa(None)
-    order = ["c", "avx2", "avx512_vnni", "avx512_vnni+amx_int8"]
-    return order[: order.index(best) + 1]
+    return INTEGER_KERNELS[: INTEGER_KERNELS.index(best) + 1] if best != AMX_BF16 else INTEGER_KERNELS
 
 
 @pytest.fixture(params=_kernels())
@@ -125,15 +129,17 @@ AMX = "avx512_vnni+amx_int8"
 AMX_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K]  # Q6_K stays on VNNI
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX,
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) not in (AMX, AMX_BF16),
                     reason="the CPU has no AMX int8 (amx_tile + amx_int8), or Linux refused its "
                            "tile state: the AMX kernel cannot run here")
 @pytest.mark.parametrize("qtype", AMX_FORMATS, ids=lambda t: t.name)
-def test_amx_kernel_matches_reference_and_vnni(qtype):
+def test_amx_kernel_matches_reference_and_vnni(qtype, request):
     """The AMX kernel (from 8 rows, 16 with one plane) against float64, and bit for bit against the VNNI kernel
     it replaces there (the same integer sums, scaled in the same order): row counts around its
     16-row tiles and 64-row blocks, N not a multiple of 16, K not a multiple of 64 (block
     formats), both activation plane counts."""
+    quant.limit_isa(AMX)  # without the bf16 tiles, which take over from 16 rows where the CPU has them
+    request.addfinalizer(lambda: quant.limit_isa(None))
     assert quant.kernel_isa(quant.GGML_FORMATS[int(qtype)]) == AMX
     k_quant = qtype in (Q.Q4_K, Q.Q5_K)
     N, K = (40, 512) if k_quant else (40, 96)
@@ -149,8 +155,58 @@ def test_amx_kernel_matches_reference_and_vnni(qtype):
                 quant.limit_isa("avx512_vnni")
                 vnni = quant.qlinear(x, tw, act_levels=levels)
             finally:
-                quant.limit_isa(None)
+                quant.limit_isa(AMX)
             assert torch.equal(amx, vnni), (M, levels)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX_BF16,
+                    reason="the CPU has no AMX-BF16 (amx_tile + amx_bf16 + avx512_bf16), or Linux "
+                           "refused its tile state: the bf16 tiles cannot run here")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_amx_bf16_tiles_match_bf16_reference(qtype):
+    """From 16 rows the weight's panels are dequantized to bfloat16 and multiplied on AMX-BF16
+    tiles: against float64 on bf16(x) @ bf16(dequantized w) (the same numbers, float32 sums
+    only), and within bfloat16 rounding of the exact product. Rows around the 16-row threshold,
+    the 32-row tile pairs and the 256-row blocks; N with a partial last column tile and an odd
+    number of 16-column tiles (a panel's second half past N); a bias. Below the threshold the
+    integer kernels run, as before."""
+    assert quant.kernel_isa(quant.GGML_FORMATS[int(qtype)]) == AMX_BF16
+    N, K = (40, 512) if qtype in K_FORMATS else (100, 96)
+    rng = np.random.default_rng(int(qtype))
+    raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    w = torch.from_numpy(quants.dequantize(raw, qtype))
+    w_bf16 = w.bfloat16().double()
+    bias = torch.from_numpy(rng.standard_normal(N, dtype=np.float32))
+    for M in (8, 16, 17, 33, 79, 300):
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+        got = quant.qlinear(x, tw, bias).double()
+        exact = x.double() @ w.double().T + bias.double()
+        scale = float(exact.abs().max())
+        if M < 16:  # the integer kernel: two activation planes, ~1e-5
+            assert float((got - exact).abs().max()) <= 5e-5 * scale
+            continue
+        same_numbers = x.bfloat16().double() @ w_bf16.T + bias.double()
+        assert float((got - same_numbers).abs().max()) <= 2e-6 * scale, M
+        assert float((got - exact).abs().max()) <= 2e-2 * scale, M
+    # An output past 4 MiB is written with streaming stores, whole lines only (the last column
+    # pair here is half a pair: masked stores); f32 and bf16 outputs.
+    raw_big = kquants.quantize(rng.standard_normal((1040, K), dtype=np.float32), qtype)
+    w_big = torch.from_numpy(quants.dequantize(raw_big, qtype)).bfloat16().double()
+    x = torch.from_numpy(rng.standard_normal((1100, K), dtype=np.float32)).bfloat16()
+    want = x.double() @ w_big.T
+    for xin in (x.float(), x):
+        got = quant.qlinear(xin, quant.tile_gguf(raw_big, qtype)).double()
+        assert float((got - want).abs().max()) <= (2e-6 if xin.dtype == torch.float32 else 1e-2) * float(want.abs().max())
+    # The threshold moves, and 0 turns the tiles off (the integer kernels' results come back).
+    x = torch.from_numpy(rng.standard_normal((33, K), dtype=np.float32))
+    old = quant.set_amx_bf16_rows(0)
+    try:
+        ints = quant.qlinear(x, tw)
+    finally:
+        quant.set_amx_bf16_rows(old)
+    assert old == 16
+    assert float((ints - x.double() @ w.double().T).abs().max()) <= 5e-5 * float(ints.abs().max())
 
 
 def test_k_quant_shape_errors_name_the_tensor():
@@ -223,3 +279,29 @@ def test_fused_rows_and_unsupported_type():
     assert quant.concat_rows([parts[0], other]) is None
     with pytest.raises(ValueError, match="Q5_1"):
         quant.tile_gguf(quants.quantize(rng.standard_normal((16, 64), dtype=np.float32), Q.Q5_1), Q.Q5_1)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX_BF16,
+                    reason="bfloat16 activations take the bf16 tiles, which this CPU lacks")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_bf16_activations_are_the_bf16_float_matmul(qtype, request):
+    """A bfloat16 x (a GGUF computed in bfloat16) on the tiles gives the bf16 float path's matmul
+    (ops/amx on the dequantized weight rounded to bf16) bit for bit, in one sum over K or in
+    oneDNN's chunks; N with a partial last column tile. The tiles run from 16 rows (below, the
+    integer kernels: within bf16 rounding); the threshold moved to 1 here."""
+    N, K = (40, 512) if qtype in K_FORMATS else (40, 576)
+    rng = np.random.default_rng(int(qtype) + 100)
+    raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    packed = amx.pack(torch.from_numpy(quants.dequantize(raw, qtype)))
+    bias = torch.from_numpy(rng.standard_normal(N, dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((5, K), dtype=np.float32)).bfloat16()
+    ints, want = quant.qlinear(x, tw, bias), amx.linear(x, packed, bias)
+    assert ints.dtype == torch.bfloat16
+    assert float((ints.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
+    old = quant.set_amx_bf16_rows(1)
+    request.addfinalizer(lambda: quant.set_amx_bf16_rows(old))
+    for M, kchunk in ((1, 0), (5, 0), (16, 0), (33, 0), (33, K // 2), (79, 64)):
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32)).bfloat16()
+        got = quant.qlinear(x, tw, bias, kchunk=kchunk)
+        assert torch.equal(got, amx.linear(x, packed, bias, kchunk=kchunk)), (M, kchunk)

@@ -7,8 +7,9 @@ linear below), optional q/k/v bias, and either
 - quantized: every linear one tiled quantized weight (q|k|v and gate|up fused), float32 norms;
   the step returns the eager layers' results bit for bit; or
 - bfloat16: every linear a bf16 `Linear` whose weight the model runner packed for AMX
-  (model/packed_linear, ops/amx), on a CPU with AMX: the step multiplies the same packed copy
-  the eager layers use. Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
+  (model/packed_linear, ops/amx), or a tiled quantized weight in a bfloat16 model (ops/quant's
+  bf16 tiles), on a CPU with AMX: the step multiplies the same weights the eager layers use.
+  Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
@@ -72,7 +73,9 @@ class FusedDecode:
         if dtype == torch.float32:
             kind = _tiled
         elif dtype == torch.bfloat16 and amx.available():
-            kind = _bf16
+            # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
+            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | AmxPackedWeight | None:
+                return _bf16(m, bias_ok) or _tiled(m, bias_ok)
         else:
             return None
         layers = []
@@ -91,7 +94,8 @@ class FusedDecode:
                           num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                           head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
         logger.info("decode steps run as one C call per step (%s)",
-                    "quantized matmuls" if kind is _tiled else "bfloat16 on AMX tiles")
+                    f"{'quantized' if isinstance(layers[0].qkv, TiledQuantWeight) else 'bfloat16'} "
+                    f"matmuls, {str(dtype).removeprefix('torch.')} activations")
         return cls(step)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
         if self.quant_lm_head is not None:
-            logits = self.quant_lm_head(hidden)
+            logits = self.quant_lm_head(hidden).float()  # bfloat16 in a bf16 model
         else:
             # transformers' generate computes the logits of one row per sequence at a time, which
             # oneDNN sums in one go: so do we, however many rows a step has (ops/amx).

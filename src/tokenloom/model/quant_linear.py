@@ -27,7 +27,7 @@ from torch import nn
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.gguf_loader import _to_torch, _undo_llama_permute
-from tokenloom.ops import quant
+from tokenloom.ops import amx, quant
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -46,14 +46,20 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features if isinstance(p, TiledQuantWeight) else p.shape[0]
                                 for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # In a bfloat16 model (AMX-BF16 CPUs): sum every row as a one-row matmul does whatever
+        # the row count (the LM head, as the float path's), else as oneDNN would (ops/amx).
+        self.one_row_order = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kchunk = 0
+        if x.dtype == torch.bfloat16 and not self.one_row_order:
+            kchunk = amx.onednn_k_chunk(x.numel() // x.shape[-1], x.shape[-1])
         if len(self.parts) == 1 and isinstance(self.parts[0], TiledQuantWeight):
-            return quant.qlinear(x, self.parts[0], self.bias)
-        outs = [quant.qlinear(x, p) if isinstance(p, TiledQuantWeight)
-                else nn.functional.linear(x.to(p.dtype), p).float() for p in self.parts]
+            return quant.qlinear(x, self.parts[0], self.bias, kchunk=kchunk)
+        outs = [quant.qlinear(x, p, kchunk=kchunk) if isinstance(p, TiledQuantWeight)
+                else nn.functional.linear(x.to(p.dtype), p).to(x.dtype) for p in self.parts]
         y = torch.cat(outs, dim=-1)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
@@ -62,14 +68,15 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Embedding lookup that dequantizes only the looked-up rows."""
+    """Embedding lookup that dequantizes only the looked-up rows, into the model's dtype."""
 
-    def __init__(self, weight: TiledQuantWeight) -> None:
+    def __init__(self, weight: TiledQuantWeight, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.qweight = weight
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quant.dequant_rows(self.qweight, ids)
+        return quant.dequant_rows(self.qweight, ids).to(self.dtype)
 
 
 @dataclass
@@ -81,7 +88,8 @@ class QuantSummary:
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_int8" (AMX tiles from 8 rows, VNNI below),
+        """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_bf16" (bf16 tiles from 16 rows, AMX int8
+        from 8, VNNI below), "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_int8" (AMX int8 from 8 rows),
         "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2":
         the formats in use and the kernel that runs them (named per format where they differ)."""
         if not self.formats:
@@ -182,7 +190,7 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
         info = found[embed]
         w = parts.part(info)
         if isinstance(w, TiledQuantWeight):
-            model.embed_tokens = QuantEmbedding(w)
+            model.embed_tokens = QuantEmbedding(w, model.norm.weight.dtype)
             if config.tie_word_embeddings:
                 model.quant_lm_head = QuantLinear([w])
         else:  # dequantized fallback: a float embedding, as on the float path
@@ -192,6 +200,8 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
         model.quant_lm_head = parts.linear([found["lm_head.weight"]])
         model.lm_head = None
         consumed.add("lm_head.weight")
+    if model.quant_lm_head is not None:
+        model.quant_lm_head.one_row_order = True
     return consumed, summary
 
 

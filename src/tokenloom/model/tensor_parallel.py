@@ -245,7 +245,7 @@ def _shard_vocab_(model: nn.Module, cfg: ModelArchConfig, rank: int, tp: int) ->
     if isinstance(embed, QuantEmbedding):
         w = _take_rows_of(embed.qweight, start, end, "model.embed_tokens.weight")
         if isinstance(w, TiledQuantWeight):
-            inner: nn.Module = QuantEmbedding(w)
+            inner: nn.Module = QuantEmbedding(w, embed.dtype)
             if model.quant_lm_head is not None and cfg.tie_word_embeddings:
                 model.quant_lm_head = QuantLinear([w])
         else:  # a float slice (see _take_rows_of): a float embedding, as on the float path

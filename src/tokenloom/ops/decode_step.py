@@ -1,5 +1,6 @@
 """A whole decode step of a Llama-family decoder in one C call (csrc/decode_step.c), on
-quantized weights (float32 activations) or on bfloat16 weights (bfloat16 activations).
+quantized weights (float32 activations, or bfloat16 ones on AMX-BF16 CPUs) or on bfloat16
+weights (bfloat16 activations).
 
 Why: at batch 1 the quantized kernels stream a step's weights in a few milliseconds, and the
 eager decoder spent about as long again issuing its ~400 per-layer calls while the second OpenMP

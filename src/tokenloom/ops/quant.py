@@ -13,6 +13,11 @@ weights of a row, which is Q8_0). The matmul quantizes the activations per 32-el
 int8 (llama.cpp's Q8_0 activations) and runs integer dot products; see `qlinear`. The K-quants'
 32-weight sub-blocks (16 for Q6_K's scales) line up with those activation blocks, so their
 super-block scales are applied per block like any other format's.
+
+On CPUs with AMX-BF16, matmuls of 16 rows and more instead dequantize the weight panel by panel
+(32 columns x K, in a per-thread buffer, never resident) to bfloat16 and multiply on bf16 tiles
+(csrc/quant_gemm_amx_bf16.h): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
+rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there).
 """
 from __future__ import annotations
 
@@ -40,8 +45,11 @@ GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q
 _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from 8 activation rows
 # (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
-# mostly padding); Q6_K stays on VNNI.
-ISA_NAMES = {3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2", 0: "c"}
+# mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from
+# `amx_bf16_rows()` rows (16) every format's weight dequantized to bfloat16 panels on AMX-BF16
+# tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding, ~3x the int8 tiles' speed).
+ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
+             0: "c"}
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
@@ -75,6 +83,13 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_limit_isa.argtypes = [_c_i32]
         lib.tl_q_amx_status.restype = _c_i32
         lib.tl_q_amx_status.argtypes = []
+        lib.tl_q_linear_bf16.restype = _c_i32
+        lib.tl_q_linear_bf16.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
+                                         _c_i64, _c_p, _c_p, _c_i32, _c_i64]
+        lib.tl_q_bf16_scratch_bytes.restype = _c_i64
+        lib.tl_q_bf16_scratch_bytes.argtypes = [_c_i64, _c_i64, _c_i64]
+        lib.tl_q_set_amx_bf16_rows.restype = _c_i32
+        lib.tl_q_set_amx_bf16_rows.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
@@ -95,6 +110,13 @@ def limit_isa(name: str | None) -> str:
     CPU has), for tests and benchmarks; returns the kernel level now in use."""
     levels = {v: k for k, v in ISA_NAMES.items()}
     return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
+
+
+def set_amx_bf16_rows(rows: int) -> int:
+    """Matmuls of at least `rows` activation rows run on the bf16 tiles where the kernel level
+    is avx512_vnni+amx_bf16 (0: never); returns the previous threshold (0 where this CPU or
+    process has no AMX-BF16). For tests and A/B measurements."""
+    return _lib().tl_q_set_amx_bf16_rows(rows)
 
 
 @dataclass(eq=False)
@@ -286,18 +308,29 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
     return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
 
 
+def bf16_activations_pay() -> bool:
+    """True where a quantized model may run in bfloat16 (`dtype="bfloat16"`): the CPU has the
+    bf16 tiles, so its matmuls from 16 rows take bf16 activations as they are and the rest of the
+    model (norms, attention, KV cache) runs in bf16 as the float path does there."""
+    return _lib().tl_q_isa(FMT_Q8) == 4
+
+
 def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = None,
-            act_levels: int | None = None) -> torch.Tensor:
+            act_levels: int | None = None, kchunk: int = 0) -> torch.Tensor:
     """x [..., K] float32 -> x @ W^T (+ bias), float32 [..., N]. The activations are quantized
     per 32 elements to int8 inside the call, in `act_levels` planes (default ACT_LEVELS): 1 is
     llama.cpp's Q8_0 activations; 2 adds the rounding error as a second int8 plane, in steps of
-    1/256 of the first's."""
+    1/256 of the first's. From 16 rows on a CPU with AMX-BF16 the weight is dequantized to
+    bfloat16 panels instead (see ISA_NAMES). A bfloat16 x gives a bfloat16 result, rounded once;
+    `kchunk` (bf16 on the tiles only): sum K in chunks of this many, as ops/amx.linear."""
     levels = ACT_LEVELS if act_levels is None else act_levels
     lib = _lib()
     K, N = w.in_features, w.out_features
     if x.shape[-1] != K:
         raise ValueError(f"input has {x.shape[-1]} features, the quantized weight takes {K}")
     lead = x.shape[:-1]
+    if x.dtype == torch.bfloat16:
+        return _qlinear_bf16(lib, x.reshape(-1, K), w, bias, levels, kchunk).reshape(*lead, N)
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32:
         x2 = x2.float()
@@ -316,6 +349,25 @@ def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = No
         if rc != 0:
             raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
     return y.reshape(*lead, N)
+
+
+def _qlinear_bf16(lib: ctypes.CDLL, x2: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None,
+                  levels: int, kchunk: int) -> torch.Tensor:
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K, N = x2.shape[0], w.in_features, w.out_features
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    if M:
+        scratch = torch.empty(lib.tl_q_bf16_scratch_bytes(M, N, K), dtype=torch.uint8)
+        b = None if bias is None else bias.float().contiguous()
+        rc = lib.tl_q_linear_bf16(w.fmt, w.data.data_ptr(), N, K, x2.data_ptr(), x2.stride(0), M,
+                                  y.data_ptr(), N, None if b is None else b.data_ptr(),
+                                  scratch.data_ptr(), levels, kchunk)
+        if rc == -2:
+            raise MemoryError("the bf16 tiles' per-thread panel buffer could not be allocated")
+        if rc != 0:
+            raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
+    return y
 
 
 def dequant_rows(w: TiledQuantWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 /* One decode step of a Llama-family decoder, every layer in one call: on block-quantized weights
- * (float32 activations) or on bfloat16 weights (bfloat16 activations).
+ * (float32 or bfloat16 activations) or on bfloat16 weights (bfloat16 activations).
  *
  * Why: at batch 1 a quantized decode step of SmolLM2-135M reads ~96 MB of weights, which the
  * kernels stream in a few milliseconds, but the eager layer issues ~13 Python-level calls per
@@ -54,6 +54,10 @@ int tl_paged_decode_f32(TL_DECODE_PARAMS);
 int tl_paged_decode_f32_bf16kv(TL_DECODE_PARAMS);
 int tl_paged_decode_bf16(TL_DECODE_PARAMS);
 int64_t tl_amx_bf16_scratch_bytes(int64_t M, int64_t K);
+int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K);
+int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
+                         int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
+                         void *scratch, int32_t levels, int64_t kchunk);
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                            void *scratch, int64_t ksplit);
@@ -97,8 +101,12 @@ int64_t tl_llama_decode_workspace(const tl_model *m, int64_t T) {
     const int64_t H = m->hidden, qd = (int64_t)m->num_heads * m->head_dim;
     const int64_t nqkv = qd + 2 * (int64_t)m->num_kv_heads * m->head_dim, I = m->intermediate;
     const int64_t elems = T * (3 * H + nqkv + qd + 3 * I);
-    const int64_t kmax = max3(H, qd, I);
-    const int64_t extra = m->act_bf16 ? tl_amx_bf16_scratch_bytes(T, kmax) : tl_q_scratch_bytes(T, kmax);
+    const int64_t kmax = max3(H, qd, I), nmax = max3(nqkv, H, 2 * I);
+    int64_t extra = tl_q_scratch_bytes(T, kmax);
+    if (m->act_bf16) { /* bf16 weights, or quantized ones with bf16 activations */
+        const int64_t a = tl_amx_bf16_scratch_bytes(T, kmax), q = tl_q_bf16_scratch_bytes(T, nmax, kmax);
+        extra = a > q ? a : q;
+    }
     return align64(elems * 4) + 64 + extra;
 }
 
@@ -108,6 +116,9 @@ static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t
     if (w->fmt == TL_BF16)
         return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
                                   w->bias, (uint16_t *)y, w->n, tmp, 0);
+    if (m->act_bf16) /* a quantized weight in a bfloat16 model: one sum over K, as above */
+        return tl_q_linear_bf16(w->fmt, (const uint8_t *)w->w, w->n, K, (const uint16_t *)x, K, T,
+                                (uint16_t *)y, w->n, w->bias, tmp, m->act_levels, 0);
     return tl_q_linear(w->fmt, (const uint8_t *)w->w, w->n, K, (const float *)x, K, T,
                        (float *)y, w->n, w->bias, tmp, m->act_levels);
 }

@@ -45,6 +45,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "vec_math.h" /* tl_bf16_to_f32, tl_f32_to_bf16 */
+
 enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2, TL_Q5_0 = 3, TL_Q4_K = 4, TL_Q5_K = 5, TL_Q6_K = 6,
        TL_NFMT = 7 };
 #define TILE_N 16
@@ -459,8 +461,13 @@ AVX512_TARGET static void quantize_rows512(const float *x, int64_t ldx, int64_t 
 
 #include "quant_gemm_amx.h" /* amx_* and AMX_KERNELS[] */
 
+int32_t tl_q_amx_status(void);
+#include "quant_gemm_amx_bf16.h" /* tl_q_linear_amx_bf16: dequantized panels on bf16 tiles */
+
 /* ------------------------------------------------------------------------- dispatch */
-/* 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16), 2: AVX-512 VNNI, 1: AVX2, 0: portable */
+/* 4: as 3, and from amx_bf16_min_rows rows the weight dequantized to bf16 panels on AMX-BF16
+ * tiles (quant_gemm_amx_bf16.h), 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16),
+ * 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 static int isa_level = -1;
 static int amx_state = 2; /* amx_request()'s answer, asked once per process (2: not yet) */
 
@@ -474,7 +481,7 @@ int32_t tl_q_amx_status(void) {
 }
 
 static int detect_isa(void) {
-    const char *force = getenv("TOKENLOOM_QUANT_ISA"); /* pin a kernel: amx|avx512|avx2|c */
+    const char *force = getenv("TOKENLOOM_QUANT_ISA"); /* pin a kernel: amx_bf16|amx|avx512|avx2|c */
     __builtin_cpu_init();
     int best = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
@@ -482,11 +489,19 @@ static int detect_isa(void) {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         best = 2;
     if (force) {
-        int want = !strcmp(force, "amx") ? 3 : !strcmp(force, "avx512") ? 2 : !strcmp(force, "avx2") ? 1 : 0;
-        if (want < best) best = want;
-        if (want < 3) return best; /* pinned below AMX: never ask for the tile state */
+        int want = !strcmp(force, "amx_bf16") ? 4 : !strcmp(force, "amx") ? 3 :
+                   !strcmp(force, "avx512") ? 2 : !strcmp(force, "avx2") ? 1 : 0;
+        if (want < 3) return want < best ? want : best; /* below AMX: never ask for the tile state */
+        if (best == 2 && tl_q_amx_status() == 1) best = 3;
+#ifdef TL_HAVE_AMX
+        if (best == 3 && want == 4 && amx_bf16_usable()) best = 4;
+#endif
+        return best;
     }
     if (best == 2 && tl_q_amx_status() == 1) best = 3;
+#ifdef TL_HAVE_AMX
+    if (best == 3 && amx_bf16_usable()) best = 4;
+#endif
     return best;
 }
 
@@ -499,8 +514,9 @@ static int has_amx_kernel(int fmt) {
 #endif
 }
 
-/* The kernel that runs `fmt` here (3 AVX-512 VNNI + AMX int8 for larger batches, 2 AVX-512
- * VNNI, 1 AVX2, 0 portable C). */
+/* The kernel that runs `fmt` here (4: as 3, and bf16 tiles from amx_bf16_min_rows rows; 3
+ * AVX-512 VNNI + AMX int8 for larger batches, 2 AVX-512 VNNI, 1 AVX2, 0 portable C). Every
+ * format has a bf16-tile path; Q6_K has no AMX int8 one. */
 int32_t tl_q_isa(int32_t fmt) {
     if (isa_level < 0) isa_level = detect_isa();
     return isa_level == 3 && !has_amx_kernel(fmt) ? 2 : isa_level;
@@ -516,6 +532,7 @@ int32_t tl_q_limit_isa(int32_t level) {
 
 static tile_fn pick(int fmt) {
     switch (tl_q_isa(fmt)) {
+    case 4:
     case 3:
     case 2: return tile_avx512;
     case 1: return TILE2[fmt];
@@ -533,7 +550,13 @@ static int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
  * format's unit (32, or 256 for the K-quants) or another bad argument. */
 int64_t tl_q_scratch_bytes(int64_t M, int64_t K) {
     const int64_t Mp = padded_rows(M);
-    return 2 * Mp * K + 4 * Mp * (K / QK) * (int64_t)sizeof(float) + 64;
+    const int64_t ints = 2 * Mp * K + 4 * Mp * (K / QK) * (int64_t)sizeof(float) + 64;
+#ifdef TL_HAVE_AMX
+    const int64_t tiles = tl_q_amx_bf16_scratch_bytes(M, K); /* the bf16 tiles' activations */
+    return ints > tiles ? ints : tiles;
+#else
+    return ints;
+#endif
 }
 
 static void add_bias(float *yt, int64_t ldy, int64_t rows, int ncols, const float *b) {
@@ -547,6 +570,11 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
     if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0 || levels < 1 ||
         levels > 2)
         return -1;
+#ifdef TL_HAVE_AMX
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4 &&
+        tl_q_linear_amx_bf16(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0) == 0)
+        return 0;
+#endif
     const int64_t nb = K / QK, ntiles = (N + TILE_N - 1) / TILE_N, Mp = padded_rows(M);
     const int64_t tile_bytes = nb / UB(fmt) * UNIT_BYTES(fmt), xplane = Mp * K;
     int8_t *xq = (int8_t *)scratch;
@@ -555,7 +583,7 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
     const tile_fn kern = pick(fmt);
     const int64_t mblocks = (M + M_BLOCK - 1) / M_BLOCK;
 #ifdef TL_HAVE_AMX
-    const int use_amx = tl_q_isa(fmt) == 3 && M >= AMX_MIN_ROWS(levels);
+    const int use_amx = tl_q_isa(fmt) >= 3 && has_amx_kernel(fmt) && M >= AMX_MIN_ROWS(levels);
 #else
     const int use_amx = 0;
 #endif
@@ -597,6 +625,46 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
         if (buf) amx_release();
 #endif
     }
+    return 0;
+}
+
+/* Scratch bytes of tl_q_linear_bf16 for M rows of K into N columns (on the tiles only their
+ * activation copy; else float32 copies of x and y besides the integer kernels' scratch). */
+int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K) {
+#ifdef TL_HAVE_AMX
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(TL_Q8) == 4)
+        return tl_q_amx_bf16_scratch_bytes(M, K);
+#endif
+    return tl_q_scratch_bytes(M, K) + 4 * M * (K + N) + 128;
+}
+
+/* tl_q_linear for a bfloat16 model: x and y bfloat16 (row strides ldx, ldy), y rounded once to
+ * nearest even. Where the bf16 tiles run (level 4, from amx_bf16_min_rows rows) the activations
+ * go into the tiles as they are and the sums are rounded as a bf16 matmul's (kchunk: as
+ * tl_q_linear_amx_bf16), so there a GGUF computed in bfloat16 gives the bf16 float path's
+ * results bit for bit (its weights are the same dequantized values rounded to bf16). Below it
+ * (and without the tiles) the rows are widened to float32 for the integer kernels: at one row
+ * the VNNI kernel made a decode step of SmolLM2 take half the CPU time of the tiles
+ * (benchmarks/README.md). */
+int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
+                         int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
+                         void *scratch, int32_t levels, int64_t kchunk) {
+    if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0)
+        return -1;
+    if (M == 0) return 0;
+#ifdef TL_HAVE_AMX
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4) /* scratch sized for this alone */
+        return tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) ? -2 : 0;
+#endif
+    char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xf = (float *)base, *yf = xf + M * K;
+    void *inner = (void *)(((uintptr_t)(yf + M * N) + 63) & ~(uintptr_t)63);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = tl_bf16_to_f32(x[m * ldx + k]);
+    const int32_t rc = tl_q_linear(fmt, w, N, K, xf, K, M, yf, N, bias, inner, levels);
+    if (rc) return rc;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * ldy + n] = tl_f32_to_bf16(yf[m * N + n]);
     return 0;
 }
 
