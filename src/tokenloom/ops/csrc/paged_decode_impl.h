@@ -83,7 +83,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
 /* The online-softmax update of head g for a block's n scores (padded with -FLT_MAX to a
  * multiple of VW): the scores become probabilities under the new running max, the running sum
  * follows; returns the factor that rescales the head's accumulator. */
-TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int round) {
+TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
     float *sg = st->s[g];
     VEC mx = VSET1(st->m[g]);
     for (int j = 0; j < n; j += VW) mx = VMAX(mx, VLOAD(sg + j));
@@ -92,7 +92,7 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int r
     VEC sum = VZERO();
     for (int j = 0; j < n; j += VW) {
         const VEC p = VEXP_NONPOS(VSUB(VLOAD(sg + j), mv));
-        VSTORE(sg + j, round ? VROUND_BF16(p) : p);
+        VSTORE(sg + j, p);
         sum = VADD(sum, p);
     }
     const VEC alpha = VEXP_NONPOS(VSET1(st->m[g] - m));
@@ -100,6 +100,48 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int r
     VSTORE(st->l[g], VFMA(VLOAD(st->l[g]), alpha, sum));
     st->m[g] = m;
     return VFIRST(alpha);
+}
+
+/* The chunk path's softmax of head g over a chunk's n raw scores q.k, step for step as torch's
+ * flash kernel does it for bfloat16 (with vectors of VW lanes, as torch's build for this ISA
+ * has): the scores times the scale, their max with the running one; fexp_u20 of (score - max)
+ * two vectors at a time, then one, each summed per lane (the single vector's sum added to the
+ * first accumulator), the two accumulators added and their lanes reduced in torch's order; expf
+ * for the last n % VW scores, added one by one; the probabilities rounded to bfloat16 for P.V;
+ * the running sum rescaled by expf(old max - max). Returns that factor for the accumulator. The
+ * sum is kept in l[g][0] (the other lanes stay 0). */
+TL_INLINE float TL_NAME(chunk_softmax)(item_state *st, int g, int n) {
+    float *sg = st->s[g];
+    const int n2 = n / (2 * VW) * (2 * VW), n1 = n / VW * VW;
+    const VEC sc = VSET1(st->scale);
+    VEC mx = VSET1(st->m[g]);
+    for (int j = 0; j < n1; j += VW) {
+        const VEC x = VMUL(VLOAD(sg + j), sc);
+        VSTORE(sg + j, x);
+        mx = VMAX(mx, x);
+    }
+    float m = VHMAX(mx);
+    for (int j = n1; j < n; j++) {
+        sg[j] *= st->scale;
+        m = sg[j] > m ? sg[j] : m;
+    }
+    const VEC mv = VSET1(m);
+    VEC sum0 = VZERO(), sum1 = VZERO(), sum_tail = VZERO();
+    for (int j = 0; j < n2; j += 2 * VW) {
+        const VEC p0 = VEXP_FAST(VSUB(VLOAD(sg + j), mv));
+        const VEC p1 = VEXP_FAST(VSUB(VLOAD(sg + j + VW), mv));
+        sum0 = VADD(sum0, p0);
+        sum1 = VADD(sum1, p1);
+        VSTORE(sg + j, VROUND_BF16(p0));
+        VSTORE(sg + j + VW, VROUND_BF16(p1));
+    }
+    if (n2 < n1) {
+        const VEC p = VEXP_FAST(VSUB(VLOAD(sg + n2), mv));
+        sum_tail = p;
+        VSTORE(sg + n2, VROUND_BF16(p));
+    }
+    sum0 = VADD(sum0, sum_tail);
+    return tl_softmax_tail(st, g, sg + n1, n - n1, m, VHSUM_TORCH(VADD(sum0, sum1)));
 }
 
 /* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]; the first
@@ -139,7 +181,7 @@ TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const 
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) {
         for (int j = n; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;  /* exp gives 0 there */
-        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 0);
+        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad);
     }
     TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0, pv);
 }
@@ -187,11 +229,10 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
                             &pf);
         off += ns[b];
     }
-    const int npad = (off + VW - 1) / VW * VW, nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
+    const int nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
     float alpha[TL_GC], one[TL_GC];
     for (int g = 0; g < nh; g++) {
-        for (int j = off; j < npad; j++) st->s[g][j] = -FLT_MAX;
-        alpha[g] = TL_NAME(block_softmax)(st, g, npad, 1);
+        alpha[g] = TL_NAME(chunk_softmax)(st, g, off);
         one[g] = 1.0f;
     }
     off = 0;

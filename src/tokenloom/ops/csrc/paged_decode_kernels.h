@@ -45,6 +45,8 @@ static inline VEC round_bf16_256(VEC x) {
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 #define VROUND_BF16(x) round_bf16_256(x)
+#define VEXP_FAST(x) tl_fexp8(x)
+#define VHSUM_TORCH(x) tl_hsum8_torch(x)
 static inline float hmax_256(VEC v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -100,6 +102,8 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
 #undef PV_NV
 #undef VEXP_NONPOS
 #undef VROUND_BF16
+#undef VEXP_FAST
+#undef VHSUM_TORCH
 #undef VHMAX
 #undef REDUCE_ROWS
 #endif
@@ -128,6 +132,8 @@ static inline VEC exp_nonpos_512(VEC x) {
 }
 #define VEXP_NONPOS(x) exp_nonpos_512(x)
 #define VROUND_BF16(x) tl_round16_bf16(x)
+#define VEXP_FAST(x) tl_fexp16(x)
+#define VHSUM_TORCH(x) tl_hsum16_torch(x)
 #define VHMAX(x) _mm512_reduce_max_ps(x)
 /* s[0:8] = the lane sums of a[0:8]: pairs interleaved and added, then quadruples, then the four
  * 128-bit lanes folded (24 instructions for 8 rows). */
@@ -222,7 +228,7 @@ static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const 
                 const uint16_t *kr = (const uint16_t *)((const char *)kbs[b] + gr->off[i]) + t * tok_stride;
                 float dot = 0.0f;
                 for (int c = 0; c < D; c++) dot += qg[c] * tl_bf16_to_f32(kr[c]);
-                sg[n] = dot;
+                sg[n] = dot * st->scale;  /* the query is not pre-scaled on the chunk path */
             }
         float mx = st->m[g];
         for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
