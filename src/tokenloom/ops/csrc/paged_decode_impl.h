@@ -2,7 +2,8 @@
  * by paged_decode.c once per (ISA, type), with the vector macros (VEC, VW lanes, VLOAD, VFMA, ...,
  * QK_ROWS, PV_NV, REDUCE_ROWS), the cache's KV_T, KV_ONE(p) (VW elements widened to float32, in
  * order), KV_PAIR(p, lo, hi) (2 VW elements: a float32 cache's in order, a bfloat16 cache's
- * even and odd ones, see paged_decode.c), ISA and KV_SFX (the names' suffixes) defined.
+ * even and odd ones, see paged_decode.c), KV_BF16 (1 for a bfloat16 cache), ISA and KV_SFX (the
+ * names' suffixes) defined.
  *
  * The head count gs (1 .. TL_GS) is a constant in every call of the always-inline helpers, so
  * their (heads x rows) and (heads x columns) arrays live in registers. */
@@ -102,48 +103,6 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
     return VFIRST(alpha);
 }
 
-/* The chunk path's softmax of head g over a chunk's n raw scores q.k, step for step as torch's
- * flash kernel does it for bfloat16 (with vectors of VW lanes, as torch's build for this ISA
- * has): the scores times the scale, their max with the running one; fexp_u20 of (score - max)
- * two vectors at a time, then one, each summed per lane (the single vector's sum added to the
- * first accumulator), the two accumulators added and their lanes reduced in torch's order; expf
- * for the last n % VW scores, added one by one; the probabilities rounded to bfloat16 for P.V;
- * the running sum rescaled by expf(old max - max). Returns that factor for the accumulator. The
- * sum is kept in l[g][0] (the other lanes stay 0). */
-TL_INLINE float TL_NAME(chunk_softmax)(item_state *st, int g, int n) {
-    float *sg = st->s[g];
-    const int n2 = n / (2 * VW) * (2 * VW), n1 = n / VW * VW;
-    const VEC sc = VSET1(st->scale);
-    VEC mx = VSET1(st->m[g]);
-    for (int j = 0; j < n1; j += VW) {
-        const VEC x = VMUL(VLOAD(sg + j), sc);
-        VSTORE(sg + j, x);
-        mx = VMAX(mx, x);
-    }
-    float m = VHMAX(mx);
-    for (int j = n1; j < n; j++) {
-        sg[j] *= st->scale;
-        m = sg[j] > m ? sg[j] : m;
-    }
-    const VEC mv = VSET1(m);
-    VEC sum0 = VZERO(), sum1 = VZERO(), sum_tail = VZERO();
-    for (int j = 0; j < n2; j += 2 * VW) {
-        const VEC p0 = VEXP_FAST(VSUB(VLOAD(sg + j), mv));
-        const VEC p1 = VEXP_FAST(VSUB(VLOAD(sg + j + VW), mv));
-        sum0 = VADD(sum0, p0);
-        sum1 = VADD(sum1, p1);
-        VSTORE(sg + j, VROUND_BF16(p0));
-        VSTORE(sg + j + VW, VROUND_BF16(p1));
-    }
-    if (n2 < n1) {
-        const VEC p = VEXP_FAST(VSUB(VLOAD(sg + n2), mv));
-        sum_tail = p;
-        VSTORE(sg + n2, VROUND_BF16(p));
-    }
-    sum0 = VADD(sum0, sum_tail);
-    return tl_softmax_tail(st, g, sg + n1, n - n1, m, VHSUM_TORCH(VADD(sum0, sum1)));
-}
-
 /* P.V of heads g0 .. g0 + gs - 1 over n rows whose probabilities start at s[off]; the first
  * pass over the rows advances the prefetch stream pf a step per row. */
 TL_INLINE void TL_NAME(pv_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
@@ -205,48 +164,6 @@ TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, i
     }
 }
 
-/* The kv_chunk_fn (a bfloat16 model, see paged_decode.c): the scores of all the chunk's blocks
- * first, one softmax over them with the probabilities rounded to bfloat16, then P.V block by
- * block (the accumulator rescaled once, by the first). Both passes go block by block and, within
- * a block, through all the item's head groups, so that the cache is read in its order, each
- * block once per pass, while the next block's rows are prefetched. */
-/* (Instantiated for both cache dtypes; only a bfloat16 model, whose cache is bfloat16, uses it.) */
-__attribute__((unused))
-static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
-                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
-                              const void *nxt, int nxtn) {
-    const int64_t rb = ts * (int64_t)sizeof(KV_T);
-    int off = 0;
-    pf_stream pf;
-    for (int b = 0; b < nb; b++) {  /* block b's keys; the next block's (or V's first) fetched */
-        int steps = 0;
-        for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
-        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
-                steps);
-        for (int i = 0; i < gr->n; i++)
-            TL_NAME(qk_any)(gr->gn[i], st, gr->g0[i],
-                            (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts, D, off,
-                            &pf);
-        off += ns[b];
-    }
-    const int nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
-    float alpha[TL_GC], one[TL_GC];
-    for (int g = 0; g < nh; g++) {
-        alpha[g] = TL_NAME(chunk_softmax)(st, g, off);
-        one[g] = 1.0f;
-    }
-    off = 0;
-    for (int b = 0; b < nb; b++) {
-        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
-                gr->n * ns[b]);
-        for (int i = 0; i < gr->n; i++)
-            TL_NAME(pv_any)(gr->gn[i], st, gr->g0[i],
-                            (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts, D,
-                            (b ? one : alpha) + gr->g0[i], off, &pf);
-        off += ns[b];
-    }
-}
-
 /* The kv_block_fn: gn (1 .. TL_GS) heads of one KV head over n rows of a block. */
 static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, const void *vb,
                               int n, int64_t ts, int D, pf_stream *pk, pf_stream *pv) {
@@ -257,6 +174,11 @@ static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, co
     default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D, pk, pv); break;
     }
 }
+
+/* The chunk path (kv_chunk_fn), for a bfloat16 cache only. */
+#if KV_BF16
+#include "paged_decode_chunk.h"
+#endif
 
 #undef TL_NAME
 #undef TL_INLINE
