@@ -183,13 +183,12 @@ typedef struct {
 } item_groups;
 /* The item's head groups over a chunk of nb blocks (K and V pointers at each block's first row
  * the item reads, and row counts), for a bfloat16 model, where the reference (transformers in
- * bfloat16: torch's fused SDPA kernel) computes the scores of up to TL_CHUNK_ROWS keys,
- * exponentiates them against their max in float32, sums those, and multiplies V by the
- * probabilities rounded to bfloat16. Rounding there as it does keeps the outputs bit for bit
- * equal to the reference's on most elements, where float32 probabilities differed in ~15% of
- * them by one bfloat16 step. The softmax of the whole chunk at once is no slower than per block:
- * the same passes over the same rows. nxt: the block (nxtn rows) the item, or the next one,
- * reads after this chunk (NULL: none), prefetched during the last V block. */
+ * bfloat16: torch's fused SDPA kernel) takes up to TL_CHUNK_ROWS keys at a time: this path
+ * computes what it computes, bit for bit -- its softmax (exp approximation, sums, probabilities
+ * rounded to bfloat16) and its matmuls' summation order (paged_decode_chunk.h). The softmax of
+ * the whole chunk at once is no slower than per block: the same passes over the same rows.
+ * nxt: the block (nxtn rows) the item, or the next one, reads after this chunk (NULL: none),
+ * prefetched during the last V block. */
 typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *const *kbs,
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
                             int D, const void *nxt, int nxtn);

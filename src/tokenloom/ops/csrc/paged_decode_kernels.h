@@ -243,7 +243,8 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
         }                                                                                      \
     }                                                                                          \
 }
-/* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn). */
+/* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn): expf and sums in order, so
+ * transformers' outputs to rounding, not bit for bit as the vector loops (paged_decode_chunk.h). */
 static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const void *const *kbs,
                                    const void *const *vbs, const int *ns, int nb,
                                    int64_t tok_stride, int D, const void *nxt, int nxtn) {
