@@ -186,7 +186,8 @@ TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const 
                                     pf_stream *pf) {
     int c = 0;
     for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
-        if (PV_NV(gs) == 4) {
+        /* the group sums double the registers P.V holds: 8 lanes take 2 x VW columns a pass */
+        if (PV_NV(gs) == 4 && VW == 16) {
             TL_NAME(pv_cols_mkl)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf);
         } else {
             TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
