@@ -98,6 +98,48 @@ def test_decode_bf16_queries_and_cache(hq, hkv, head_dim):
     assert err < 2 ** -7 * ref.abs().max().item() + 1e-3, err
 
 
+def test_bf16_decode_is_transformers_sdpa_bit_for_bit():
+    """A bfloat16 model's decode attention is, bit for bit, what transformers in bfloat16 gets
+    from torch's SDPA (4-D bfloat16, one query, enable_gqa): the kernel follows its flash
+    kernel's softmax (fexp_u20, its sums, bfloat16 probabilities) and the order of MKL's bf16
+    gemm sums (csrc/paged_decode_chunk.h), so greedy decoding follows transformers
+    (tests/entrypoints/test_llm.py). Contexts within one 512-key split and across three. MKL's
+    order was read on CPUs with AVX512-BF16, and the softmax follows torch's vector width: on
+    other machines the two agree to rounding only (test_decode_bf16_queries_and_cache)."""
+    from tokenloom.ops.cpu_features import detect
+
+    lib = cpu_kernels.load()
+    widths = {"avx512": "AVX512", "avx2": "AVX2"}
+    if not detect().avx512_bf16 or widths.get(cpu_kernels.isa()) != torch.backends.cpu.get_cpu_capability():
+        pytest.skip("MKL's bf16 order is known for AVX512-BF16 CPUs, with torch at the kernel's width")
+    hq, hkv, d, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(15)
+    for lens in ([5, 17, 40, 121], [300, 513, 1100, 64]):
+        b = len(lens)
+        q = (torch.randn(b, hq, d, generator=g) * 2).bfloat16()
+        k = [(torch.randn(1, hkv, n, d, generator=g) * 2).bfloat16() for n in lens]
+        v = [torch.randn(1, hkv, n, d, generator=g).bfloat16() for n in lens]
+        nblk = [(n + bs - 1) // bs for n in lens]
+        cache = torch.zeros(2, sum(nblk), bs, hkv, d, dtype=torch.bfloat16)
+        table = torch.zeros(b, max(nblk), dtype=torch.int32)
+        perm, at = torch.randperm(sum(nblk), generator=g), 0
+        for i, n in enumerate(lens):
+            blocks = perm[at:at + nblk[i]]
+            at += nblk[i]
+            table[i, :nblk[i]] = blocks.int()
+            for kv, src in ((0, k[i]), (1, v[i])):
+                rows = torch.zeros(nblk[i] * bs, hkv, d, dtype=torch.bfloat16)
+                rows[:n] = src[0].transpose(0, 1)
+                cache[kv, blocks] = rows.view(nblk[i], bs, hkv, d)
+        out = torch.empty(b, hq, d, dtype=torch.bfloat16)
+        cpu_kernels.paged_decode(lib, q, cache, table, torch.tensor(lens, dtype=torch.int32), out,
+                                 d ** -0.5)
+        for i in range(b):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[i][None, :, None], k[i], v[i], scale=d ** -0.5, enable_gqa=True)[0, :, 0]
+            assert torch.equal(out[i].view(torch.int16), ref.view(torch.int16)), (lens[i], i)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 36])
 def test_bfloat16_cache_under_float32_queries(head_dim, monkeypatch):
     """kv_cache_dtype=bfloat16 with a float32 model: the kernel widens the cached K/V as it reads

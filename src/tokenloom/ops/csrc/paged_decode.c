@@ -56,9 +56,29 @@ typedef struct {
     float acc[TL_GC][256] __attribute__((aligned(64)));
     float s[TL_GC][TL_CHUNK_ROWS + 32] __attribute__((aligned(64)));
     float m[TL_GC], l[TL_GC][16] __attribute__((aligned(64)));  /* l: the sum of lane i in l[g][i] */
+    float scale;  /* the chunk path's: it scales the scores, not the query (see kv_chunk_fn) */
 } item_state;
 
 #include "vec_math.h"
+
+/* The end of the chunk path's softmax of head g (see chunk_softmax in paged_decode_impl.h): the
+ * last n scores at s, which do not fill a vector of torch's, exponentiated with expf (glibc's,
+ * as torch's scalar loop calls it) against the max m and added one by one to `sum` (the vector
+ * part's), the probabilities rounded to bfloat16; then the running max and sum updated, the old
+ * sum rescaled by expf(old max - m) in one fused multiply-add. Compiled without -ffast-math, which
+ * would vectorize the loop with another expf and reorder the sum. Returns the rescaling factor. */
+__attribute__((noinline, optimize("no-fast-math"), unused))
+static float tl_softmax_tail(item_state *st, int g, float *s, int n, float m, float sum) {
+    for (int j = 0; j < n; j++) {
+        const float p = expf(s[j] - m);
+        sum += p;
+        s[j] = tl_round_bf16(p);
+    }
+    const float alpha = expf(st->m[g] - m);  /* 0 on the first chunk (m[g] = -FLT_MAX) */
+    st->l[g][0] = fmaf(alpha, st->l[g][0], sum);
+    st->m[g] = m;
+    return alpha;
+}
 
 #define TL_CAT3_(a, b, c) a##_##b##_##c
 #define TL_CAT3(a, b, c) TL_CAT3_(a, b, c)
@@ -91,10 +111,12 @@ static void reorder(float *dst, const float *src, int D, int pw, float scale, in
 }
 
 /* q0 and o0 are float32, or bfloat16 when io_bf16 (a bfloat16 model's queries and outputs; the
- * arithmetic stays float32). */
+ * arithmetic stays float32). The block path scales the query once; the chunk path (chunk) keeps
+ * it as it is and scales the scores, as torch's kernel does. */
 static void item_begin(item_state *st, const void *q0, int io_bf16, int nh, int D, float scale,
-                       int pw) {
+                       int pw, int chunk) {
     float row[256];
+    st->scale = scale;
     for (int g = 0; g < nh; g++) {
         st->m[g] = -FLT_MAX;
         for (int i = 0; i < 16; i++) st->l[g][i] = 0.0f;
@@ -103,7 +125,7 @@ static void item_begin(item_state *st, const void *q0, int io_bf16, int nh, int 
             for (int i = 0; i < D; i++) row[i] = tl_bf16_to_f32(((const uint16_t *)q0)[g * D + i]);
             q = row;
         }
-        reorder(st->qs[g], q, D, pw, scale, 0);
+        reorder(st->qs[g], q, D, pw, chunk ? 1.0f : scale, 0);
         for (int i = 0; i < D; i++) st->acc[g][i] = 0.0f;
     }
 }
@@ -161,13 +183,12 @@ typedef struct {
 } item_groups;
 /* The item's head groups over a chunk of nb blocks (K and V pointers at each block's first row
  * the item reads, and row counts), for a bfloat16 model, where the reference (transformers in
- * bfloat16: torch's fused SDPA kernel) computes the scores of up to TL_CHUNK_ROWS keys,
- * exponentiates them against their max in float32, sums those, and multiplies V by the
- * probabilities rounded to bfloat16. Rounding there as it does keeps the outputs bit for bit
- * equal to the reference's on most elements, where float32 probabilities differed in ~15% of
- * them by one bfloat16 step. The softmax of the whole chunk at once is no slower than per block:
- * the same passes over the same rows. nxt: the block (nxtn rows) the item, or the next one,
- * reads after this chunk (NULL: none), prefetched during the last V block. */
+ * bfloat16: torch's fused SDPA kernel) takes up to TL_CHUNK_ROWS keys at a time: this path
+ * computes what it computes, bit for bit -- its softmax (exp approximation, sums, probabilities
+ * rounded to bfloat16) and its matmuls' summation order (paged_decode_chunk.h). The softmax of
+ * the whole chunk at once is no slower than per block: the same passes over the same rows.
+ * nxt: the block (nxtn rows) the item, or the next one, reads after this chunk (NULL: none),
+ * prefetched during the last V block. */
 typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *const *kbs,
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
                             int D, const void *nxt, int nxtn);
@@ -228,7 +249,7 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
     const int D = a->D, bs = a->block_size;
     const int64_t qesz = a->io_bf16 ? 2 : 4;
     item_begin(&st, a->q + (b * a->q_stride + (int64_t)hq0 * D) * qesz, a->io_bf16, nh, D,
-               a->scale, a->pair_w);
+               a->scale, a->pair_w, a->chunk_fn != NULL);
     const item_range r = range_of(a, b, part);
     const int lo = r.lo, hi = r.hi;
     const int32_t *bt = a->block_table + b * a->bt_stride;

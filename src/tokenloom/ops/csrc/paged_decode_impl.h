@@ -2,7 +2,8 @@
  * by paged_decode.c once per (ISA, type), with the vector macros (VEC, VW lanes, VLOAD, VFMA, ...,
  * QK_ROWS, PV_NV, REDUCE_ROWS), the cache's KV_T, KV_ONE(p) (VW elements widened to float32, in
  * order), KV_PAIR(p, lo, hi) (2 VW elements: a float32 cache's in order, a bfloat16 cache's
- * even and odd ones, see paged_decode.c), ISA and KV_SFX (the names' suffixes) defined.
+ * even and odd ones, see paged_decode.c), KV_BF16 (1 for a bfloat16 cache), ISA and KV_SFX (the
+ * names' suffixes) defined.
  *
  * The head count gs (1 .. TL_GS) is a constant in every call of the always-inline helpers, so
  * their (heads x rows) and (heads x columns) arrays live in registers. */
@@ -83,7 +84,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
 /* The online-softmax update of head g for a block's n scores (padded with -FLT_MAX to a
  * multiple of VW): the scores become probabilities under the new running max, the running sum
  * follows; returns the factor that rescales the head's accumulator. */
-TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int round) {
+TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n) {
     float *sg = st->s[g];
     VEC mx = VSET1(st->m[g]);
     for (int j = 0; j < n; j += VW) mx = VMAX(mx, VLOAD(sg + j));
@@ -92,7 +93,7 @@ TL_INLINE float TL_NAME(block_softmax)(item_state *st, int g, int n, const int r
     VEC sum = VZERO();
     for (int j = 0; j < n; j += VW) {
         const VEC p = VEXP_NONPOS(VSUB(VLOAD(sg + j), mv));
-        VSTORE(sg + j, round ? VROUND_BF16(p) : p);
+        VSTORE(sg + j, p);
         sum = VADD(sum, p);
     }
     const VEC alpha = VEXP_NONPOS(VSET1(st->m[g] - m));
@@ -139,7 +140,7 @@ TL_INLINE void TL_NAME(kv_block_gs)(const int gs, item_state *st, int g0, const 
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) {
         for (int j = n; j < npad; j++) st->s[g0 + g][j] = -FLT_MAX;  /* exp gives 0 there */
-        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad, 0);
+        alpha[g] = TL_NAME(block_softmax)(st, g0 + g, npad);
     }
     TL_NAME(pv_gs)(gs, st, g0, vb, n, ts, D, alpha, 0, pv);
 }
@@ -163,49 +164,6 @@ TL_INLINE void TL_NAME(pv_any)(int gn, item_state *st, int g0, const KV_T *vb, i
     }
 }
 
-/* The kv_chunk_fn (a bfloat16 model, see paged_decode.c): the scores of all the chunk's blocks
- * first, one softmax over them with the probabilities rounded to bfloat16, then P.V block by
- * block (the accumulator rescaled once, by the first). Both passes go block by block and, within
- * a block, through all the item's head groups, so that the cache is read in its order, each
- * block once per pass, while the next block's rows are prefetched. */
-/* (Instantiated for both cache dtypes; only a bfloat16 model, whose cache is bfloat16, uses it.) */
-__attribute__((unused))
-static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
-                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
-                              const void *nxt, int nxtn) {
-    const int64_t rb = ts * (int64_t)sizeof(KV_T);
-    int off = 0;
-    pf_stream pf;
-    for (int b = 0; b < nb; b++) {  /* block b's keys; the next block's (or V's first) fetched */
-        int steps = 0;
-        for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
-        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
-                steps);
-        for (int i = 0; i < gr->n; i++)
-            TL_NAME(qk_any)(gr->gn[i], st, gr->g0[i],
-                            (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts, D, off,
-                            &pf);
-        off += ns[b];
-    }
-    const int npad = (off + VW - 1) / VW * VW, nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
-    float alpha[TL_GC], one[TL_GC];
-    for (int g = 0; g < nh; g++) {
-        for (int j = off; j < npad; j++) st->s[g][j] = -FLT_MAX;
-        alpha[g] = TL_NAME(block_softmax)(st, g, npad, 1);
-        one[g] = 1.0f;
-    }
-    off = 0;
-    for (int b = 0; b < nb; b++) {
-        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
-                gr->n * ns[b]);
-        for (int i = 0; i < gr->n; i++)
-            TL_NAME(pv_any)(gr->gn[i], st, gr->g0[i],
-                            (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts, D,
-                            (b ? one : alpha) + gr->g0[i], off, &pf);
-        off += ns[b];
-    }
-}
-
 /* The kv_block_fn: gn (1 .. TL_GS) heads of one KV head over n rows of a block. */
 static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, const void *vb,
                               int n, int64_t ts, int D, pf_stream *pk, pf_stream *pv) {
@@ -216,6 +174,11 @@ static void TL_NAME(kv_block)(item_state *st, int g0, int gn, const void *kb, co
     default: TL_NAME(kv_block_gs)(3, st, g0, k, v, n, ts, D, pk, pv); break;
     }
 }
+
+/* The chunk path (kv_chunk_fn), for a bfloat16 cache only. */
+#if KV_BF16
+#include "paged_decode_chunk.h"
+#endif
 
 #undef TL_NAME
 #undef TL_INLINE

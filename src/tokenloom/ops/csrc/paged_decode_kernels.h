@@ -45,6 +45,8 @@ static inline VEC round_bf16_256(VEC x) {
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 #define VROUND_BF16(x) round_bf16_256(x)
+#define VEXP_FAST(x) tl_fexp8(x)
+#define VHSUM_TORCH(x) tl_hsum8_torch(x)
 static inline float hmax_256(VEC v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -58,17 +60,22 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
     _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
 #define REDUCE_ROWS(a, s) reduce_rows_256(a, s)
+/* MKL's tree for one row's 8 lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), is the one above
+ * (see paged_decode_chunk.h). */
+#define REDUCE_ROWS_MKL(a, s) reduce_rows_256(a, s)
 
 #define ISA avx2
 #define KV_T float
 #define KV_ONE(p) _mm256_loadu_ps(p)
 #define KV_PAIR(p, lo, hi) do { (lo) = _mm256_loadu_ps(p); (hi) = _mm256_loadu_ps((p) + 8); } while (0)
 #define KV_SFX f32
+#define KV_BF16 0
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef KV_ONE
 #undef KV_PAIR
 #undef KV_SFX
+#undef KV_BF16
 #define KV_T uint16_t
 #define KV_ONE(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -78,11 +85,13 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
     (hi) = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xFFFF0000u))); \
 } while (0)
 #define KV_SFX bf16kv
+#define KV_BF16 1
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef KV_ONE
 #undef KV_PAIR
 #undef KV_SFX
+#undef KV_BF16
 #undef ISA
 #undef VEC
 #undef VW
@@ -100,8 +109,11 @@ static inline void reduce_rows_256(const VEC *a, float *s) {
 #undef PV_NV
 #undef VEXP_NONPOS
 #undef VROUND_BF16
+#undef VEXP_FAST
+#undef VHSUM_TORCH
 #undef VHMAX
 #undef REDUCE_ROWS
+#undef REDUCE_ROWS_MKL
 #endif
 
 /* ---- 16 lanes (AVX-512) */
@@ -128,6 +140,8 @@ static inline VEC exp_nonpos_512(VEC x) {
 }
 #define VEXP_NONPOS(x) exp_nonpos_512(x)
 #define VROUND_BF16(x) tl_round16_bf16(x)
+#define VEXP_FAST(x) tl_fexp16(x)
+#define VHSUM_TORCH(x) tl_hsum16_torch(x)
 #define VHMAX(x) _mm512_reduce_max_ps(x)
 /* s[0:8] = the lane sums of a[0:8]: pairs interleaved and added, then quadruples, then the four
  * 128-bit lanes folded (24 instructions for 8 rows). */
@@ -147,17 +161,40 @@ static inline void reduce_rows_512(const VEC *a, float *s) {
     _mm256_storeu_ps(s, _mm512_castps512_ps256(w));
 }
 #define REDUCE_ROWS(a, s) reduce_rows_512(a, s)
+/* s[0:8] = the sums of a[0:8] in the order of MKL's bf16 dot products (paged_decode_chunk.h):
+ * lanes 0-7 (its first accumulator) plus lanes 8-15 (its second), then, of those eight,
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) -- transposed across the rows as reduce_rows_512. */
+static inline void reduce_rows_mkl_512(const VEC *a, float *s) {
+    __m512 w[4], x[2];
+    for (int i = 0; i < 4; i++)  /* [row 2i's A + B | row 2i + 1's], 8 lanes each */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* adjacent lanes: (0 + 1), (2 + 3), ... of two w at once */
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xDD));
+    /* again: 128-bit lane 0 = rows 0, 2, 4, 6's (0+1)+(2+3), lane 1 their (4+5)+(6+7), lanes 2
+     * and 3 the same of rows 1, 3, 5, 7 */
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88),
+                                   _mm512_shuffle_ps(x[0], x[1], 0xDD));
+    const __m512 z = _mm512_add_ps(y, _mm512_shuffle_f32x4(y, y, 0xB1));
+    const __m512 r = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), z);
+    _mm256_storeu_ps(s, _mm512_castps512_ps256(r));
+}
+#define REDUCE_ROWS_MKL(a, s) reduce_rows_mkl_512(a, s)
 
 #define ISA avx512
 #define KV_T float
 #define KV_ONE(p) _mm512_loadu_ps(p)
 #define KV_PAIR(p, lo, hi) do { (lo) = _mm512_loadu_ps(p); (hi) = _mm512_loadu_ps((p) + 16); } while (0)
 #define KV_SFX f32
+#define KV_BF16 0
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef KV_ONE
 #undef KV_PAIR
 #undef KV_SFX
+#undef KV_BF16
 #define KV_T uint16_t
 #define KV_ONE(p) tl_load16_bf16(p)
 #define KV_PAIR(p, lo, hi) do { \
@@ -166,11 +203,13 @@ static inline void reduce_rows_512(const VEC *a, float *s) {
     (hi) = _mm512_castsi512_ps(_mm512_and_si512(x_, _mm512_set1_epi32((int)0xFFFF0000u))); \
 } while (0)
 #define KV_SFX bf16kv
+#define KV_BF16 1
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef KV_ONE
 #undef KV_PAIR
 #undef KV_SFX
+#undef KV_BF16
 #undef ISA
 #endif
 
@@ -204,7 +243,8 @@ static void NAME(item_state *st, int g0, int gn, const void *kbv, const void *vb
         }                                                                                      \
     }                                                                                          \
 }
-/* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn). */
+/* The chunk path's plain loops (bfloat16 cache; see kv_chunk_fn): expf and sums in order, so
+ * transformers' outputs to rounding, not bit for bit as the vector loops (paged_decode_chunk.h). */
 static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const void *const *kbs,
                                    const void *const *vbs, const int *ns, int nb,
                                    int64_t tok_stride, int D, const void *nxt, int nxtn) {
@@ -222,7 +262,7 @@ static void kv_chunk_scalar_bf16kv(item_state *st, const item_groups *gr, const 
                 const uint16_t *kr = (const uint16_t *)((const char *)kbs[b] + gr->off[i]) + t * tok_stride;
                 float dot = 0.0f;
                 for (int c = 0; c < D; c++) dot += qg[c] * tl_bf16_to_f32(kr[c]);
-                sg[n] = dot;
+                sg[n] = dot * st->scale;  /* the query is not pre-scaled on the chunk path */
             }
         float mx = st->m[g];
         for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;

@@ -48,6 +48,49 @@ static inline float tl_hsum8(__m256 v) {
     m = _mm_add_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
+/* torch's flash-attention CPU kernel (the SDPA that transformers calls) exponentiates a
+ * bfloat16 model's scores with a fast approximation, "fexp_u20" (Malossi et al., "Fast
+ * Exponential Computation on SIMD Architectures"), whose results the decode kernel's bfloat16
+ * path reproduces bit for bit (paged_decode.c, kv_chunk_fn): t = x log2(e); f = t - floor(t);
+ * 2^f ~ 1 + f - c(f) with a cubic c; the bits of the float32 result are then
+ * trunc(2^23 (t - c(f)) + 127 * 2^23) read as an integer -- the exponent field gets
+ * floor(t) + 127 and the mantissa the fraction. Good to about bfloat16's precision: its float32
+ * bits differ from expf's, and so, now and then, does their bfloat16 rounding. 0 below
+ * ln(FLT_MIN); +inf above ln(FLT_MAX) (never reached here: the arguments are <= 0). Here for the
+ * 8-lane build, below for the 16-lane one, the same steps in the same order. */
+#define TL_FEXP_LO 0xc2aeac50u  /* ln(FLT_MIN) ~ -87.34 */
+#define TL_FEXP_HI 0x42b17218u  /* ln(FLT_MAX) ~ 88.72 */
+#define TL_FEXP_LOG2E 0x3fb8aa3bu
+#define TL_FEXP_C0 ((float)0.00010703434948458272)
+#define TL_FEXP_C1 ((float)0.30354260500649682)
+#define TL_FEXP_C2 ((float)-0.22433836478672356)
+#define TL_FEXP_C3 ((float)-0.079204240219773236)
+#define TL_FEXP_A 8388608.0f     /* 2^23 */
+#define TL_FEXP_B 1065353216.0f  /* 127 * 2^23 */
+static inline __m256 tl_fexp8(__m256 x) {
+    const __m256 below = _mm256_cmp_ps(
+        x, _mm256_castsi256_ps(_mm256_set1_epi32((int)TL_FEXP_LO)), _CMP_LT_OS);
+    const __m256 above = _mm256_cmp_ps(
+        x, _mm256_castsi256_ps(_mm256_set1_epi32((int)TL_FEXP_HI)), _CMP_GT_OS);
+    __m256 t = _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)TL_FEXP_LOG2E)));
+    const __m256 f = _mm256_sub_ps(t, _mm256_floor_ps(t));
+    __m256 c = _mm256_fmadd_ps(f, _mm256_set1_ps(TL_FEXP_C3), _mm256_set1_ps(TL_FEXP_C2));
+    c = _mm256_fmadd_ps(f, c, _mm256_set1_ps(TL_FEXP_C1));
+    c = _mm256_fmadd_ps(f, c, _mm256_set1_ps(TL_FEXP_C0));
+    t = _mm256_sub_ps(t, c);
+    __m256 y = _mm256_castsi256_ps(_mm256_cvttps_epi32(
+        _mm256_fmadd_ps(_mm256_set1_ps(TL_FEXP_A), t, _mm256_set1_ps(TL_FEXP_B))));
+    y = _mm256_andnot_ps(below, y);
+    return _mm256_blendv_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000)), above);
+}
+/* The sum of the eight lanes in torch's order for a float vector (its vec_reduce_all): lanes i
+ * and i ^ 4 first, then i ^ 2, then i ^ 1. */
+static inline float tl_hsum8_torch(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+    return _mm256_cvtss_f32(v);
+}
 #define TL_HAVE_AVX2 1
 #else
 #define TL_HAVE_AVX2 0
@@ -69,6 +112,32 @@ static inline __m512 tl_exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+/* torch's fexp_u20, sixteen at a time (see tl_fexp8). */
+static inline __m512 tl_fexp16(__m512 x) {
+    const __mmask16 below = _mm512_cmp_ps_mask(
+        x, _mm512_castsi512_ps(_mm512_set1_epi32((int)TL_FEXP_LO)), _CMP_LT_OS);
+    const __mmask16 above = _mm512_cmp_ps_mask(
+        x, _mm512_castsi512_ps(_mm512_set1_epi32((int)TL_FEXP_HI)), _CMP_GT_OS);
+    __m512 t = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32((int)TL_FEXP_LOG2E)));
+    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
+    __m512 c = _mm512_fmadd_ps(f, _mm512_set1_ps(TL_FEXP_C3), _mm512_set1_ps(TL_FEXP_C2));
+    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(TL_FEXP_C1));
+    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(TL_FEXP_C0));
+    t = _mm512_sub_ps(t, c);
+    __m512i y = _mm512_cvttps_epi32(
+        _mm512_fmadd_ps(_mm512_set1_ps(TL_FEXP_A), t, _mm512_set1_ps(TL_FEXP_B)));
+    y = _mm512_mask_mov_epi32(y, below, _mm512_setzero_si512());
+    y = _mm512_mask_mov_epi32(y, above, _mm512_set1_epi32(0x7F800000));
+    return _mm512_castsi512_ps(y);
+}
+/* The sum of the sixteen lanes in torch's order (lanes i and i ^ 8, then i ^ 4, i ^ 2, i ^ 1). */
+static inline float tl_hsum16_torch(__m512 v) {
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+    return _mm512_cvtss_f32(v);
 }
 /* Sixteen bfloat16 (one 256-bit load) widened to float32. */
 static inline __m512 tl_load16_bf16(const uint16_t *p) {

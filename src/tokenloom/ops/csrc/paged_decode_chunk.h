@@ -1,0 +1,301 @@
+/* The chunk path (kv_chunk_fn, a bfloat16 model over its bfloat16 cache) of one vector width:
+ * included by paged_decode_impl.h inside its instantiation for a bfloat16 cache, with its macros
+ * and TL_NAME.
+ *
+ * This path reproduces, bit for bit, what transformers in bfloat16 computes for a decode query:
+ * torch's SDPA, whose CPU flash kernel takes the keys in splits of up to 512 (TL_CHUNK_ROWS) and
+ * per split computes
+ *   s = K q                    MKL's bf16 gemm (cblas_gemm_bf16bf16f32, float32 sums), single
+ *                              threaded inside torch's parallel loop;
+ *   s *= scale; m = max(m, max s);
+ *   p = fexp_u20(s - m), l = l e^(m_old - m) + sum p    (chunk_softmax below);
+ *   acc = acc e^(m_old - m) + bf16(p) V                   MKL again;
+ * and at the end out = bf16(acc * (1 / l)). The order of MKL's sums is not documented; on CPUs
+ * with AVX-512-BF16 (its vdpbf16ps kernels) it was read off its results with probes (a 2^24 and
+ * two ones in a row: the ones survive only if they meet each other first) and checked against
+ * it on random inputs of every length 1-600 and head sizes 32-256:
+ *   K q, per key: 8 lanes, lane i taking the pair (2i, 2i + 1) of each 16 elements, odd product
+ *     first; the 16-element blocks alternate between two accumulators, added lane by lane at the
+ *     end; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+ *   P V, per output column: keys in groups of 8 from the split's start, each group summed from 0
+ *     in the order 1, 0, 3, 2, 5, 4, 7, 6 and then added to the (rescaled) total.
+ * MKL on other CPUs (AVX2 only) sums in other orders; there the outputs still agree to rounding. */
+
+/* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + QK_ROWS - 1 in MKL's order (above). With
+ * 16 lanes a 32-element step holds block 2k in lanes 0-7 (the first accumulator) and block
+ * 2k + 1 in lanes 8-15 (the second), and KV_PAIR's even/odd split is MKL's pair split; with 8
+ * lanes the even blocks are summed first, then the odd ones. */
+TL_INLINE void TL_NAME(qk_rows_mkl)(const int gs, item_state *st, int g0, const KV_T *kb,
+                                    int64_t ts, int n, int t, int D, int off) {
+    VEC acc[TL_GS][QK_ROWS];
+    const KV_T *rows[QK_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < QK_ROWS; r++) rows[r] = kb + (t + r < n ? t + r : n - 1) * ts;
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS; r++) acc[g][r] = VZERO();
+#if VW == 16
+    int c = 0;
+    for (; c + 32 <= D; c += 32) {
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS; r++) {
+            VEC lo, hi;
+            KV_PAIR(rows[r] + c, lo, hi);
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++) {
+                acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c + VW), hi, acc[g][r]);
+                acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c), lo, acc[g][r]);
+            }
+        }
+    }
+    if (c < D) {  /* a last block of 16 (D % 32 == 16): an even block, so lanes 0-7 */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+        VEC qe[TL_GS], qo[TL_GS];
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) {  /* the query's tail is in column order (reorder()) */
+            qe[g] = _mm512_permutexvar_ps(ev, VLOAD(st->qs[g0 + g] + c));
+            qo[g] = _mm512_permutexvar_ps(od, VLOAD(st->qs[g0 + g] + c));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(rows[r] + c));
+            const VEC lo = _mm512_castps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+            const VEC hi = _mm512_castps256_ps512(_mm256_castsi256_ps(
+                _mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u))));
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++) {
+                acc[g][r] = _mm512_mask3_fmadd_ps(qo[g], hi, acc[g][r], 0x00FF);
+                acc[g][r] = _mm512_mask3_fmadd_ps(qe[g], lo, acc[g][r], 0x00FF);
+            }
+        }
+    }
+#else
+    VEC first[TL_GS][QK_ROWS];  /* the even blocks' sums */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int c = pass * 2 * VW; c + 2 * VW <= D; c += 4 * VW) {
+#pragma GCC unroll 8
+            for (int r = 0; r < QK_ROWS; r++) {
+                VEC lo, hi;
+                KV_PAIR(rows[r] + c, lo, hi);
+#pragma GCC unroll 8
+                for (int g = 0; g < gs; g++) {
+                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c + VW), hi, acc[g][r]);
+                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c), lo, acc[g][r]);
+                }
+            }
+        }
+        if ((D / (2 * VW)) % 2 == pass && D % (2 * VW)) {  /* a last half block, in column
+                                                              * order (not MKL's: rare sizes) */
+            const int c = D / (2 * VW) * 2 * VW;
+#pragma GCC unroll 8
+            for (int r = 0; r < QK_ROWS; r++) {
+                const VEC x = KV_ONE(rows[r] + c);
+#pragma GCC unroll 8
+                for (int g = 0; g < gs; g++)
+                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c), x, acc[g][r]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+            for (int r = 0; r < QK_ROWS; r++) {
+                if (pass == 0) {
+                    first[g][r] = acc[g][r];
+                    acc[g][r] = VZERO();
+                } else {
+                    acc[g][r] = VADD(first[g][r], acc[g][r]);
+                }
+            }
+    }
+#endif
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) REDUCE_ROWS_MKL(acc[g], st->s[g0 + g] + off + t);
+}
+
+TL_INLINE void TL_NAME(qk_chunk_gs)(const int gs, item_state *st, int g0, const KV_T *kb, int n,
+                                    int64_t ts, int D, int off, pf_stream *pf) {
+    for (int t = 0; t < n; t += QK_ROWS) {
+        if (pf) pf_run(pf);
+        TL_NAME(qk_rows_mkl)(gs, st, g0, kb, ts, n, t, D, off);
+    }
+}
+
+/* part += p[u] * V[u] for the heads and columns of pv_cols_mkl. */
+TL_INLINE void TL_NAME(pv_row_mkl)(const int gs, const int nv, item_state *st, int g0,
+                                   const KV_T *vb, int64_t ts, int c, int off, int u,
+                                   pf_stream *pf, VEC part[TL_GS][4]) {
+    const KV_T *vr = vb + u * ts + c;
+    VEC x[4];
+    if (pf) pf_run(pf);
+    if (nv == 1) {
+        x[0] = KV_ONE(vr);
+    } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v += 2) KV_PAIR(vr + v * VW, x[v], x[v + 1]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        const VEC p = VSET1(st->s[g0 + g][off + u]);
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v++) part[g][v] = VFMA(p, x[v], part[g][v]);
+    }
+}
+
+/* acc[:, c .. c + nv * VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows
+ * 0 .. n - 1 in MKL's order (above): the accumulator rescaled first, then each group of 8 rows
+ * (counted from the split's start: off, a block's first row there, is a multiple of 8 when the
+ * block size is) summed from 0 and added to it. */
+TL_INLINE void TL_NAME(pv_cols_mkl)(const int gs, const int nv, item_state *st, int g0,
+                                    const KV_T *vb, int64_t ts, int n, int c, const float *alpha,
+                                    int off, pf_stream *pf) {
+    VEC acc[TL_GS][4], part[TL_GS][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v++)
+            acc[g][v] = VMUL(VLOAD(st->acc[g0 + g] + c + v * VW), VSET1(alpha[g]));
+    for (int u0 = 0; u0 < n; u0 += 8) {
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; v++) part[g][v] = VZERO();
+        if (u0 + 8 <= n) {  /* a whole group, unrolled */
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+                TL_NAME(pv_row_mkl)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
+        } else {
+            for (int k = 0; k < 8; k++)  /* 1, 0, 3, 2, ... of the rows there are */
+                if (u0 + (k ^ 1) < n)
+                    TL_NAME(pv_row_mkl)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; v++) acc[g][v] = VADD(acc[g][v], part[g][v]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v++) VSTORE(st->acc[g0 + g] + c + v * VW, acc[g][v]);
+}
+
+TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
+                                    int64_t ts, int D, const float *alpha, int off,
+                                    pf_stream *pf) {
+    int c = 0;
+    for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
+        /* the group sums double the registers P.V holds: 8 lanes take 2 x VW columns a pass */
+        if (PV_NV(gs) == 4 && VW == 16) {
+            TL_NAME(pv_cols_mkl)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf);
+        } else {
+            TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+            TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c + 2 * VW, alpha, off, NULL);
+        }
+    }
+    for (; c + 2 * VW <= D; c += 2 * VW, pf = NULL)
+        TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
+    if (c < D) TL_NAME(pv_cols_mkl)(gs, 1, st, g0, vb, ts, n, c, alpha, off, pf);
+}
+
+/* qk_chunk_gs and pv_chunk_gs for a run-time head count gn (1 .. TL_GS). */
+TL_INLINE void TL_NAME(qk_chunk_any)(int gn, item_state *st, int g0, const KV_T *kb, int n,
+                                     int64_t ts, int D, int off, pf_stream *pf) {
+    switch (gn) {
+    case 1: TL_NAME(qk_chunk_gs)(1, st, g0, kb, n, ts, D, off, pf); break;
+    case 2: TL_NAME(qk_chunk_gs)(2, st, g0, kb, n, ts, D, off, pf); break;
+    default: TL_NAME(qk_chunk_gs)(3, st, g0, kb, n, ts, D, off, pf); break;
+    }
+}
+
+TL_INLINE void TL_NAME(pv_chunk_any)(int gn, item_state *st, int g0, const KV_T *vb, int n,
+                                     int64_t ts, int D, const float *alpha, int off,
+                                     pf_stream *pf) {
+    switch (gn) {
+    case 1: TL_NAME(pv_chunk_gs)(1, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    case 2: TL_NAME(pv_chunk_gs)(2, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    default: TL_NAME(pv_chunk_gs)(3, st, g0, vb, n, ts, D, alpha, off, pf); break;
+    }
+}
+
+/* The chunk path's softmax of head g over a chunk's n raw scores q.k, step for step as torch's
+ * flash kernel does it for bfloat16 (with vectors of VW lanes, as torch's build for this ISA
+ * has): the scores times the scale, their max with the running one; fexp_u20 of (score - max)
+ * two vectors at a time, then one, each summed per lane (the single vector's sum added to the
+ * first accumulator), the two accumulators added and their lanes reduced in torch's order; expf
+ * for the last n % VW scores, added one by one; the probabilities rounded to bfloat16 for P.V;
+ * the running sum rescaled by expf(old max - max). Returns that factor for the accumulator. The
+ * sum is kept in l[g][0] (the other lanes stay 0). */
+TL_INLINE float TL_NAME(chunk_softmax)(item_state *st, int g, int n) {
+    float *sg = st->s[g];
+    const int n2 = n / (2 * VW) * (2 * VW), n1 = n / VW * VW;
+    const VEC sc = VSET1(st->scale);
+    VEC mx = VSET1(st->m[g]);
+    for (int j = 0; j < n1; j += VW) {
+        const VEC x = VMUL(VLOAD(sg + j), sc);
+        VSTORE(sg + j, x);
+        mx = VMAX(mx, x);
+    }
+    float m = VHMAX(mx);
+    for (int j = n1; j < n; j++) {
+        sg[j] *= st->scale;
+        m = sg[j] > m ? sg[j] : m;
+    }
+    const VEC mv = VSET1(m);
+    VEC sum0 = VZERO(), sum1 = VZERO(), sum_tail = VZERO();
+    for (int j = 0; j < n2; j += 2 * VW) {
+        const VEC p0 = VEXP_FAST(VSUB(VLOAD(sg + j), mv));
+        const VEC p1 = VEXP_FAST(VSUB(VLOAD(sg + j + VW), mv));
+        sum0 = VADD(sum0, p0);
+        sum1 = VADD(sum1, p1);
+        VSTORE(sg + j, VROUND_BF16(p0));
+        VSTORE(sg + j + VW, VROUND_BF16(p1));
+    }
+    if (n2 < n1) {
+        const VEC p = VEXP_FAST(VSUB(VLOAD(sg + n2), mv));
+        sum_tail = p;
+        VSTORE(sg + n2, VROUND_BF16(p));
+    }
+    sum0 = VADD(sum0, sum_tail);
+    return tl_softmax_tail(st, g, sg + n1, n - n1, m, VHSUM_TORCH(VADD(sum0, sum1)));
+}
+
+/* The kv_chunk_fn: the scores of all the chunk's blocks first, the chunk's softmax, then P.V
+ * block by block (the accumulator rescaled once, by the first). Both passes go block by block
+ * and, within a block, through all the item's head groups, so that the cache is read in its
+ * order, each block once per pass, while the next block's rows are prefetched. */
+static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
+                              const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
+                              const void *nxt, int nxtn) {
+    const int64_t rb = ts * (int64_t)sizeof(KV_T);
+    int off = 0;
+    pf_stream pf;
+    for (int b = 0; b < nb; b++) {  /* block b's keys; the next block's (or V's first) fetched */
+        int steps = 0;
+        for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
+        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
+                steps);
+        for (int i = 0; i < gr->n; i++)
+            TL_NAME(qk_chunk_any)(gr->gn[i], st, gr->g0[i],
+                                  (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts,
+                                  D, off, &pf);
+        off += ns[b];
+    }
+    const int nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
+    float alpha[TL_GC], one[TL_GC];
+    for (int g = 0; g < nh; g++) {
+        alpha[g] = TL_NAME(chunk_softmax)(st, g, off);
+        one[g] = 1.0f;
+    }
+    off = 0;
+    for (int b = 0; b < nb; b++) {
+        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
+                gr->n * ns[b]);
+        for (int i = 0; i < gr->n; i++)
+            TL_NAME(pv_chunk_any)(gr->gn[i], st, gr->g0[i],
+                                  (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts,
+                                  D, (b ? one : alpha) + gr->g0[i], off, &pf);
+        off += ns[b];
+    }
+}
