@@ -93,7 +93,8 @@ def test_bfloat16_fused_decode_follows_the_eager_path(smollm2_path):
     assert identical >= 3, (eager, fused)
 
 
-@pytest.mark.skipif(not quant.bf16_activations_pay(), reason="a GGUF runs in bfloat16 on CPUs with AMX-BF16")
+@pytest.mark.skipif(not (quant.bf16_activations_pay() and amx.available()),
+                    reason="a GGUF runs in bfloat16 (and its decode steps fused) on CPUs with AMX-BF16")
 def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path, request):
     """The embedded GGUF computed in bfloat16 with every matmul on the tiles (its weights
     dequantized to bf16 panels, never resident; by default from 16 rows, here from 1) gives the
