@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as quant_gemm_amx_bf16.h */
 #endif
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -134,12 +136,6 @@ static void store_block(const float *c, const float *c2, int rows, int cols, con
     }
 }
 
-/* acc += c, 32 x 32 float32 */
-static void add_block(float *acc, const float *c) {
-    for (int i = 0; i < 32 * 32; i += 16)
-        _mm512_store_ps(acc + i, _mm512_add_ps(_mm512_load_ps(acc + i), _mm512_load_ps(c + i)));
-}
-
 #endif
 
 /* y[M, N] (row stride ldy, bfloat16) = x[M, K] (row stride ldx, bfloat16) W^T (+ bias, float32),
@@ -207,27 +203,7 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                     for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
                         for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
                             _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
-                        if (kb == kflush) { /* c2 (+)= the chunk just summed */
-                            kflush += kbchunk;
-                            _tile_stored(0, c, 128);
-                            _tile_stored(1, c + 16, 128);
-                            _tile_stored(2, c + 512, 128);
-                            _tile_stored(3, c + 528, 128);
-                            if (kb == kbchunk) memcpy(c2, c, sizeof c);
-                            else add_block(c2, c);
-                            _tile_zero(0);
-                            _tile_zero(1);
-                            _tile_zero(2);
-                            _tile_zero(3);
-                        }
-                        _tile_loadd(4, a0 + kb * 512, 64);
-                        _tile_loadd(5, a1 + kb * 512, 64);
-                        _tile_loadd(6, b0 + kb * 512, 64);
-                        _tile_loadd(7, b1 + kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                     }
                     _tile_stored(0, c, 128);
                     _tile_stored(1, c + 16, 128);

@@ -22,6 +22,7 @@
  * row kk, lane n = (w[n][2kk], w[n][2kk + 1]). The tiled quantized layout's block is 8 groups of
  * 4 k x 16 columns, so group g gives tile rows 2g and 2g + 1. */
 #ifdef TL_HAVE_AMX
+#include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as amx_gemm.c */
 #define AMXB_TARGET __attribute__((target( \
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
 #define INLINE_AMXB static inline __attribute__((always_inline)) AMXB_TARGET
@@ -260,32 +261,7 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
                         _tile_zero(2);
                         _tile_zero(3);
                         for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
-                            if (kb == kflush) { /* c2 (+)= the chunk just summed */
-                                kflush += kbchunk;
-                                _tile_stored(0, c, 128);
-                                _tile_stored(1, c + 16, 128);
-                                _tile_stored(2, c + 512, 128);
-                                _tile_stored(3, c + 528, 128);
-                                if (kb == kbchunk) {
-                                    memcpy(c2, c, sizeof c);
-                                } else {
-                                    for (int i = 0; i < 32 * 32; i += 16)
-                                        _mm512_store_ps(c2 + i, _mm512_add_ps(_mm512_load_ps(c2 + i),
-                                                                              _mm512_load_ps(c + i)));
-                                }
-                                _tile_zero(0);
-                                _tile_zero(1);
-                                _tile_zero(2);
-                                _tile_zero(3);
-                            }
-                            _tile_loadd(4, a0 + kb * 512, 64);
-                            _tile_loadd(5, a1 + kb * 512, 64);
-                            _tile_loadd(6, b0 + kb * 512, 64);
-                            _tile_loadd(7, b1 + kb * 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
+                            amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                         }
                         _tile_stored(0, c, 128);
                         _tile_stored(1, c + 16, 128);
