@@ -28,13 +28,26 @@ def test_two_ranks_match_one(kind, tiny_model_dir):
 CHAT = ["Who wrote Hamlet?", "Give me a haiku about autumn leaves."]
 
 
-def test_smollm2_three_ranks_same_greedy_answers(smollm2_path):
+def test_smollm2_three_ranks_same_greedy_answers(smollm2_path, monkeypatch):
     """SmolLM2-135M (9 query heads, 3 KV heads: one KV head per rank) on its shipped Q4_1
-    weights: the quantized tiles are cut per rank, and the answers do not change."""
+    weights: the quantized tiles are cut per rank, and the answers do not change.
+
+    On the int8 kernels: a split K reorders float additions on either kernel, but the int8 ones
+    add only each output's ~18 block terms in float (a block's own sum is an exact integer),
+    while the bf16 tiles (AMX-BF16 CPUs, from 16 rows) add every pair of products in float32;
+    with theirs a near-tie of these prompts went the other way. tests/ops/test_quant.py checks
+    the tiles against a float64 reference."""
+    from tokenloom.ops import quant
+
+    monkeypatch.setenv("TOKENLOOM_QUANT_BF16_ROWS", "0")  # the ranks' processes
+    old = quant.set_amx_bf16_rows(0)  # this one
     params = SamplingParams(max_tokens=24, temperature=0)
     messages = [[{"role": "user", "content": q}] for q in CHAT]
-    with LLM(smollm2_path, multiprocess=False) as whole:
-        want = [o.outputs[0].token_ids for o in whole.chat(messages, params, use_tqdm=False)]
+    try:
+        with LLM(smollm2_path, multiprocess=False) as whole:
+            want = [o.outputs[0].token_ids for o in whole.chat(messages, params, use_tqdm=False)]
+    finally:
+        quant.set_amx_bf16_rows(old)
     with LLM(smollm2_path, tensor_parallel_size=3) as split:
         assert split.llm_engine.engine_core.info.quantization.startswith("gguf Q4_1")
         got = [o.outputs[0].token_ids for o in split.chat(messages, params, use_tqdm=False)]

@@ -122,27 +122,6 @@ TL_INLINE void TL_NAME(qk_chunk_gs)(const int gs, item_state *st, int g0, const 
     }
 }
 
-/* part += p[u] * V[u] for the heads and columns of pv_cols_mkl. */
-TL_INLINE void TL_NAME(pv_row_mkl)(const int gs, const int nv, item_state *st, int g0,
-                                   const KV_T *vb, int64_t ts, int c, int off, int u,
-                                   pf_stream *pf, VEC part[TL_GS][4]) {
-    const KV_T *vr = vb + u * ts + c;
-    VEC x[4];
-    if (pf) pf_run(pf);
-    if (nv == 1) {
-        x[0] = KV_ONE(vr);
-    } else {
-#pragma GCC unroll 8
-        for (int v = 0; v < nv; v += 2) KV_PAIR(vr + v * VW, x[v], x[v + 1]);
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < gs; g++) {
-        const VEC p = VSET1(st->s[g0 + g][off + u]);
-#pragma GCC unroll 8
-        for (int v = 0; v < nv; v++) part[g][v] = VFMA(p, x[v], part[g][v]);
-    }
-}
-
 /* acc[:, c .. c + nv * VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows
  * 0 .. n - 1 in MKL's order (above): the accumulator rescaled first, then each group of 8 rows
  * (counted from the split's start: off, a block's first row there, is a multiple of 8 when the
@@ -164,11 +143,11 @@ TL_INLINE void TL_NAME(pv_cols_mkl)(const int gs, const int nv, item_state *st, 
         if (u0 + 8 <= n) {  /* a whole group, unrolled */
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++)
-                TL_NAME(pv_row_mkl)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
+                TL_NAME(pv_row)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
         } else {
             for (int k = 0; k < 8; k++)  /* 1, 0, 3, 2, ... of the rows there are */
                 if (u0 + (k ^ 1) < n)
-                    TL_NAME(pv_row_mkl)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
+                    TL_NAME(pv_row)(gs, nv, st, g0, vb, ts, c, off, u0 + (k ^ 1), pf, part);
         }
 #pragma GCC unroll 8
         for (int g = 0; g < gs; g++)

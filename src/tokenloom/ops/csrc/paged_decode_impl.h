@@ -47,6 +47,29 @@ TL_INLINE void TL_NAME(qk_rows)(const int gs, item_state *st, int g0, const KV_T
     for (int g = 0; g < gs; g++) REDUCE_ROWS(acc[g], st->s[g0 + g] + off + t);
 }
 
+/* part += p[u] * V[u] (row u of the block) for heads g0 .. g0 + gs - 1 and nv vectors of
+ * columns from c (pv_cols, and pv_cols_mkl in paged_decode_chunk.h). */
+TL_INLINE void TL_NAME(pv_row)(const int gs, const int nv, item_state *st, int g0,
+                                   const KV_T *vb, int64_t ts, int c, int off, int u,
+                                   pf_stream *pf, VEC part[TL_GS][4]) {
+    const KV_T *vr = vb + u * ts + c;
+    VEC x[4];
+    if (pf) pf_run(pf);
+    if (nv == 1) {
+        x[0] = KV_ONE(vr);
+    } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v += 2) KV_PAIR(vr + v * VW, x[v], x[v + 1]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        const VEC p = VSET1(st->s[g0 + g][off + u]);
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v++) part[g][v] = VFMA(p, x[v], part[g][v]);
+    }
+}
+
+
 /* acc[:, c .. c + nv * VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows 0 .. n - 1
  * (nv = 1: one in-order chunk, the tail of a head; otherwise even, of KV_PAIR chunks). */
 TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int g0,
@@ -58,23 +81,7 @@ TL_INLINE void TL_NAME(pv_cols)(const int gs, const int nv, item_state *st, int 
 #pragma GCC unroll 8
         for (int v = 0; v < nv; v++)
             acc[g][v] = VMUL(VLOAD(st->acc[g0 + g] + c + v * VW), VSET1(alpha[g]));
-    for (int u = 0; u < n; u++) {
-        const KV_T *vr = vb + u * ts + c;
-        VEC x[4];
-        if (pf) pf_run(pf);
-        if (nv == 1) {
-            x[0] = KV_ONE(vr);
-        } else {
-#pragma GCC unroll 8
-            for (int v = 0; v < nv; v += 2) KV_PAIR(vr + v * VW, x[v], x[v + 1]);
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < gs; g++) {
-            const VEC p = VSET1(st->s[g0 + g][off + u]);
-#pragma GCC unroll 8
-            for (int v = 0; v < nv; v++) acc[g][v] = VFMA(p, x[v], acc[g][v]);
-        }
-    }
+    for (int u = 0; u < n; u++) TL_NAME(pv_row)(gs, nv, st, g0, vb, ts, c, off, u, pf, acc);
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++)
 #pragma GCC unroll 8
