@@ -135,25 +135,22 @@ class _Turnstile:
         self.paths = [f"{stem}.turnstile", f"{stem}.main"]
         self.turnstile, self.main = (open(p, "a+") for p in self.paths)
 
+    @contextlib.contextmanager
     def run(self, exclusive: bool):
         import fcntl
 
-        @contextlib.contextmanager
-        def held():
-            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
-            try:
-                fcntl.flock(self.main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            finally:
-                if not exclusive:
-                    fcntl.flock(self.turnstile, fcntl.LOCK_UN)
-            try:
-                yield
-            finally:
-                fcntl.flock(self.main, fcntl.LOCK_UN)
-                if exclusive:
-                    fcntl.flock(self.turnstile, fcntl.LOCK_UN)
-
-        return held()
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.main, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
 
     def close(self) -> None:
         for f, p in zip((self.turnstile, self.main), self.paths):

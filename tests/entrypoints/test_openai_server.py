@@ -351,3 +351,17 @@ def test_bench_serve_json(server):
         for stat in ("mean", "median", "p90", "p99"):
             assert result[f"{stat}_{metric}_ms"] >= 0
     assert result["mean_e2el_ms"] >= result["mean_ttft_ms"] > 0
+
+
+def test_front_end_imports_neither_torch_nor_xgrammar():
+    """The server's front end reads the model's config and tokenizer from metadata and validates
+    structured-output specs lazily: importing it pulls in neither torch nor xgrammar (~1 s of CPU
+    and ~250 MB per server; only the engine core needs them)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tokenloom.entrypoints.openai.api_server, tokenloom.entrypoints.cli; "
+            "print(sorted(m for m in ('torch', 'xgrammar') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
