@@ -47,7 +47,8 @@ _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
 # mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from
 # `amx_bf16_rows()` rows (16) every format's weight dequantized to bfloat16 panels on AMX-BF16
-# tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding, ~3x the int8 tiles' speed).
+# tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding, 2-3x the int8 tiles' speed at
+# 64-512 rows).
 ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
              0: "c"}
 
