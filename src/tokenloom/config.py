@@ -11,9 +11,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    # The KV cache's element type: "auto" is the model dtype. "bfloat16" under a float32 model
-    # (CPU only) halves the cache's memory and the bytes decode attention reads, at the cost of
-    # rounding K and V to 8 significant bits (vLLM's kv_cache_dtype).
+    # The KV cache's element type: "auto" is the model dtype, except on the quantized CPU path
+    # (bfloat16, see worker/model_runner.resolve_kv_cache_dtype). "bfloat16" under a float32
+    # model (CPU only) halves the cache's memory and the bytes decode attention reads, at the
+    # cost of rounding K and V to 8 significant bits (vLLM's kv_cache_dtype).
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length

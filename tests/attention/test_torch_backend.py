@@ -172,3 +172,30 @@ def test_window_longer_than_every_context_is_full_attention():
     assert plan.decode.sliding_window is None  # planned as full attention: nothing to pay
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), plan, batch.scale)
     assert (out[:6].double() - ref).abs().max() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_in_a_bfloat16_caches_dtype(mode):
+    """Float32 queries over a bfloat16 cache (the quantized CPU path's default): with
+    `prefill_in_cache_dtype` the prefill rows are attended in bfloat16 (within bfloat16's error
+    of the float64 reference, and not the float32 result), the decode rows as before (the C
+    kernel, float32 queries), and the cache holds the same rounded K/V either way."""
+    batch = make_batch([1, 9, 1, 20, 6], [40, 9, 17, 20, 30], 9, 3, 64, 16, seed=3)
+    ref, ref_cache = reference_attention(batch)
+    T = batch.meta.num_actual_tokens
+    outs, caches = [], []
+    for flag in (False, True):
+        backend = TorchAttentionBackend(prefill_mode=mode)
+        backend.prefill_in_cache_dtype = flag
+        cache = batch.kv_cache.to(torch.bfloat16)
+        out = backend.forward(batch.query, batch.key, batch.value, cache,
+                              backend.prepare(batch.meta), batch.scale)
+        assert out.dtype == torch.float32
+        assert (out[:T].double() - ref).abs().max().item() < TOL[torch.bfloat16]
+        outs.append(out[:T])
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], ref_cache.to(torch.bfloat16))
+    decode_rows = torch.tensor([0, 10])  # the two decodes' rows (query lengths 1, 9, 1, ...)
+    prefill_rows = torch.tensor([i for i in range(T) if i not in (0, 10)])
+    assert torch.equal(outs[0][decode_rows], outs[1][decode_rows])
+    assert not torch.equal(outs[0][prefill_rows], outs[1][prefill_rows])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.ops import cpu_kernels
 
 MAX_TOKENS = 24
 
@@ -156,6 +157,13 @@ def test_kv_cache_dtype_checked():
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"))
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    # "auto" on the quantized CPU path (float32 activations): bfloat16 K/V where the C decode
+    # kernel reads them; the float path keeps its own dtype, and a named dtype is what it says.
+    cpu = torch.device("cpu")
+    quantized_auto = torch.bfloat16 if cpu_kernels.load() is not None else torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=True) == quantized_auto
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, cpu, quantized=True) == torch.float32
 
 
 def test_reset_prefix_cache_forgets_cached_blocks(default_llm):

@@ -43,9 +43,10 @@ def _compare(llm: LLM, prompts: list[list[int]]) -> None:
     assert fused == eager
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
 def test_smollm2_gguf_fused_decode_is_the_eager_path(smollm2_path, kv_cache_dtype):
-    """Also over a bfloat16 KV cache (written rounded to nearest even, as `.to(bfloat16)`)."""
+    """Over the quantized path's default bfloat16 KV cache (written rounded to nearest even, as
+    `.to(bfloat16)`) and over a float32 one."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (1, 37, 130, 8)]
     with LLM(smollm2_path, multiprocess=False, num_kv_blocks=64, max_num_batched_tokens=96,

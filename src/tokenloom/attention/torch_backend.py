@@ -161,6 +161,12 @@ class TorchAttentionBackend(AttentionBackend):
         self.prefill_mode = prefill_mode
         # The C decode kernel (cpu_kernels), None where it cannot be built or is switched off.
         self._cpu_kernel = cpu_kernels.load() if use_cpu_kernel else None
+        # Whether float32 queries over a 16-bit cache are attended in the cache's dtype during
+        # prefill (the model runner sets it where the CPU multiplies that dtype natively): the
+        # keys are rounded to it in the cache anyway, and SDPA's bfloat16 kernel ran 3x its
+        # float32 one at a 128-token prompt's shapes (benchmarks/README.md). Decodes always read
+        # the cache with float32 queries (the C kernel widens K/V as it loads them).
+        self.prefill_in_cache_dtype = False
 
     # ------------------------------------------------------------------ plan (once per step)
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
@@ -240,6 +246,12 @@ class TorchAttentionBackend(AttentionBackend):
                 padded = P > 1
             elif self.prefill_mode == "per_request":
                 padded = False
+            elif self.prefill_in_cache_dtype:
+                # SDPA's bfloat16 kernel sums a padded batch's rows in chunks that depend on the
+                # padding, so one request's result would depend on its neighbours (a greedy
+                # reply flipped between DP=1 and DP=2): one batched call only when it pads
+                # nothing (uniform prompts without context; bit-identical to per request).
+                padded = P > 1 and exact == P * Lq * Lk and Lq == Lk
             else:
                 padded = P > 1 and P * Lq * Lk <= _PADDED_PREFILL_MAX_WASTE * exact
             if padded:
@@ -351,11 +363,14 @@ class TorchAttentionBackend(AttentionBackend):
                 self._decode_kernel(query, kv_cache, plan.decode, scale, out)
             else:
                 self._decode(query, kv_cache, plan, scale, out)
+        # The dtype prefill attention computes in (see prefill_in_cache_dtype).
+        cdt = (kv_cache.dtype if self.prefill_in_cache_dtype and query.dtype == torch.float32
+               and kv_cache.element_size() == 2 else query.dtype)
         if plan.padded_prefill is not None:
             self._padded_prefill(query, key, value, k_flat, v_flat, plan.padded_prefill, scale,
-                                out)
+                                out, cdt)
         for rp in plan.request_prefills:
-            self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out)
+            self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out, cdt)
         return out
 
     def _decode_kernel(self, query, kv_cache, dp: _DecodePlan, scale: float,
@@ -409,7 +424,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _padded_prefill(query, key, value, k_flat, v_flat, pp: _PaddedPrefillPlan, scale,
-                        out) -> None:
+                        out, cdt: torch.dtype) -> None:
         P, Lq, Lk = pp.num_prefills, pp.max_query_len, pp.max_seq_len
         Hq, D = query.shape[1], query.shape[2]
         Hkv = k_flat.shape[1]
@@ -427,7 +442,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             k = k_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
             v = v_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
-        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), pp.mask, scale).transpose(1, 2)  # [P, Lq, Hq, D]
+        o = _sdpa(q.to(cdt), k.to(cdt), v.to(cdt), pp.mask, scale).to(query.dtype)
+        o = o.transpose(1, 2)  # [P, Lq, Hq, D]
         if pp.valid_rows is None and pp.token_slice is not None:
             out[pp.token_slice].view(P, Lq, Hq, D).copy_(o)
             return
@@ -438,7 +454,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale,
-                         out) -> None:
+                         out, cdt: torch.dtype) -> None:
         # [1, H, len, D]: SDPA runs its fused (flash) CPU kernel only on 4-D inputs; 3-D ones go
         # to the math path, which in bfloat16 rounds where transformers (4-D, flash) does not.
         q = query[rp.start:rp.end].transpose(0, 1).unsqueeze(0)
@@ -447,6 +463,6 @@ class TorchAttentionBackend(AttentionBackend):
             k, v = key[rp.start:rp.end], value[rp.start:rp.end]
         else:
             k, v = k_flat.index_select(0, rp.context_slots), v_flat.index_select(0, rp.context_slots)
-        o = _sdpa(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                  v.transpose(0, 1).unsqueeze(0).to(q.dtype), rp.mask, scale)
+        o = _sdpa(q.to(cdt), k.transpose(0, 1).unsqueeze(0).to(cdt),
+                  v.transpose(0, 1).unsqueeze(0).to(cdt), rp.mask, scale)
         out[rp.start:rp.end] = o[0].transpose(0, 1)

@@ -21,10 +21,10 @@ class LLM:
     """An engine for offline batched inference.
 
     `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file or a
-    Hugging Face directory. `dtype="auto"` is float32 on CPU (this CPU has no AMX: bfloat16
-    matmuls run at about half float32 speed) and bfloat16 on CUDA; `kv_cache_dtype="bfloat16"`
+    Hugging Face directory. `dtype="auto"` is bfloat16 on CUDA and on CPUs that multiply it
+    natively (AVX-512 BF16, AMX), else float32 (model/loader.resolve_dtype); `kv_cache_dtype="bfloat16"`
     keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
-    K/V rounded to bfloat16). `quantization="auto"` computes a GGUF with its quantized weights
+    K/V rounded to bfloat16); "auto" does so on the quantized path (as llama.cpp's 16-bit cache). `quantization="auto"` computes a GGUF with its quantized weights
     (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; as llama.cpp does), `"int8"` quantizes any
     model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `tensor_parallel_size=N` splits the model across N ranks
     (`distributed_executor_backend`: "mp" worker processes, the default for N > 1, or "ray"

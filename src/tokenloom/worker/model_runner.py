@@ -23,7 +23,7 @@ from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.fused_decode import FusedDecode
 from tokenloom.model.packed_linear import prepare_cpu_weights
-from tokenloom.ops import cpu_memory
+from tokenloom.ops import cpu_features, cpu_kernels, cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenloom.sample.grammar import GrammarMask
 from tokenloom.sample.sampler import Sampler, SamplerOutput
@@ -35,11 +35,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype for `EngineConfig.kv_cache_dtype` ("auto": the model's). Another
-    dtype than the model's is for the CPU: the torch backend casts on write and read (the C decode
-    kernel reads bfloat16 K/V under float32 queries directly); the Triton kernels do not."""
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
+                           quantized: bool = False) -> torch.dtype:
+    """The KV cache's dtype for `EngineConfig.kv_cache_dtype`. "auto" is the model's, except on
+    the quantized CPU path (a GGUF's blocks, or int8), whose float32 model keeps K and V in
+    bfloat16 as llama.cpp keeps them in float16 by default: half the bytes a batch's decode
+    attention reads, which bounds it (1.10x end to end at 64 x 128 x 128, the answers as good:
+    benchmarks/README.md); float32 stays one `kv_cache_dtype="float32"` away. That needs the C
+    decode kernel, which reads bfloat16 K/V under float32 queries directly (without it the torch
+    path would cast every gathered context). Another dtype than the model's is for the CPU: the
+    torch backend casts on write (and on read without the kernel); the Triton kernels do not."""
     if name == "auto":
+        if (quantized and device.type == "cpu" and model_dtype == torch.float32
+                and cpu_kernels.load() is not None):
+            return torch.bfloat16
         return model_dtype
     kv_dtype = getattr(torch, name)
     if kv_dtype != model_dtype and device.type != "cpu":
@@ -99,7 +108,8 @@ class ModelRunner:
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device,
+                                                     quantized=loaded.quantization != "none")
         if self.device.type == "cpu" and not config.compile:
             prepare_cpu_weights(self.model)
             # A Llama-family model's decode steps as one C call (the eager layers for every
@@ -113,6 +123,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        if (self.device.type == "cpu" and self.kv_cache_dtype == torch.bfloat16
+                and self.dtype == torch.float32 and hasattr(self.attn_backend, "prefill_in_cache_dtype")
+                and cpu_features.detect().native_bf16):
+            # A bfloat16 cache under float32 activations: prefill attends in bfloat16 too where
+            # the CPU multiplies it natively (see TorchAttentionBackend.prefill_in_cache_dtype).
+            setattr(self.attn_backend, "prefill_in_cache_dtype", True)
         # KV cache groups (kv_cache_spec.py): one block table, slot mapping and attention plan
         # per group each step. A model with full attention only has one group of every layer.
         self.kv_cache_groups: list[KVCacheGroupSpec] = kv_cache_groups(loaded.config)
