@@ -129,6 +129,13 @@ class CpuMeter:
         self.result["caller_cpu_util"] = caller / wall if wall > 0 else 0.0
 
 
+def memory_cell(run: dict[str, Any], key: str, width: int) -> str:
+    """A report cell: a run's memory figure (`process_memory_mib`'s keys) in MiB, or "-" for a
+    baseline that reports none (vLLM's engine process is not ours to read)."""
+    value = run.get("memory", {}).get(key)
+    return f"{value:>{width}.0f}" if value is not None else f"{'-':>{width}}"
+
+
 def step_profile(stats: Sequence[SchedulerStats]) -> dict[str, Any]:
     """Aggregates the core's per-step timings: seconds and share of step time per phase, for all
     steps and for the decode-only steps (the steady state). Engine overhead is everything but

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, result_runs
+    from tokenloom.entrypoints.bench.common import format_profile, memory_cell, result_runs
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
@@ -257,8 +257,8 @@ def _print_report(result: dict[str, Any]) -> None:
     if "weight_bytes_per_token" in result["tokenloom"]:
         print(f"{'weights read / token (MB)':<28}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>22.1f}" for r in runs))
     if result["tokenloom"].get("memory"):
-        print(f"{'resident memory (MiB)':<28}" + "".join(f"{r.get('memory', {}).get('rss_mib', 0):>22.0f}" for r in runs))
-        print(f"{'peak resident (MiB)':<28}" + "".join(f"{r.get('memory', {}).get('peak_rss_mib', 0):>22.0f}" for r in runs))
+        print(f"{'resident memory (MiB)':<28}" + "".join(memory_cell(r, 'rss_mib', 22) for r in runs))
+        print(f"{'peak resident (MiB)':<28}" + "".join(memory_cell(r, 'peak_rss_mib', 22) for r in runs))
     for key, label in (("prefill", "prefill"), ("decode_per_token", "decode per token"), ("e2e", "end to end"),
                        ("cpu_per_iteration", "CPU per iteration")):
         for stat in ("median_ms", "p90_ms"):

@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile
+    from tokenloom.entrypoints.bench.common import format_profile, memory_cell
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench throughput ':=^72}")
@@ -255,7 +255,7 @@ def _print_report(result: dict[str, Any]) -> None:
     if any("weight_bytes_per_token" in r for r in runs):
         print(f"{'weights read / token (MB)':<24}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>24.1f}" for r in runs))
     if any("memory" in r for r in runs):
-        print(f"{'resident memory (MiB)':<24}" + "".join(f"{r.get('memory', {}).get('rss_mib', 0):>24.0f}" for r in runs))
+        print(f"{'resident memory (MiB)':<24}" + "".join(memory_cell(r, 'rss_mib', 24) for r in runs))
     if result["num_iters"] > 1:
         print(f"median of {result['num_iters']} timed runs per engine, each on fresh prompts")
     ours = result["tokenloom"]
