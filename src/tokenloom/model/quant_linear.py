@@ -61,6 +61,14 @@ class QuantLinear(nn.Module):
         y = torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate|up layer: silu(gate) * up from one fused matmul (ops/quant
+        .qlinear_silu_and_mul; the same bits as `ops.silu_and_mul(self(x))`), or None where it
+        does not apply (parts kept apart, bfloat16, fewer rows than the bf16 tiles take)."""
+        if len(self.parts) != 1 or not isinstance(self.parts[0], TiledQuantWeight):
+            return None
+        return quant.qlinear_silu_and_mul(x, self.parts[0], self.bias)
+
     def extra_repr(self) -> str:
         kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
                          for p in self.parts)

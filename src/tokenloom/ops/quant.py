@@ -91,6 +91,11 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_bf16_scratch_bytes.argtypes = [_c_i64, _c_i64, _c_i64]
         lib.tl_q_set_amx_bf16_rows.restype = _c_i32
         lib.tl_q_set_amx_bf16_rows.argtypes = [_c_i32]
+        lib.tl_q_linear_silu.restype = _c_i32
+        lib.tl_q_linear_silu.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
+                                         _c_i64, _c_p, _c_p]
+        lib.tl_q_amx_bf16_rows.restype = _c_i32
+        lib.tl_q_amx_bf16_rows.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
@@ -110,6 +115,7 @@ def limit_isa(name: str | None) -> str:
     """Use at most kernel `name` (avx512_vnni+amx_int8, avx512_vnni, avx2, c; None: the best this
     CPU has), for tests and benchmarks; returns the kernel level now in use."""
     levels = {v: k for k, v in ISA_NAMES.items()}
+    _tile_rows.clear()
     return ISA_NAMES[_lib().tl_q_limit_isa(-1 if name is None else levels[name])]
 
 
@@ -117,7 +123,20 @@ def set_amx_bf16_rows(rows: int) -> int:
     """Matmuls of at least `rows` activation rows run on the bf16 tiles where the kernel level
     is avx512_vnni+amx_bf16 (0: never); returns the previous threshold (0 where this CPU or
     process has no AMX-BF16). For tests and A/B measurements."""
+    _tile_rows.clear()
     return _lib().tl_q_set_amx_bf16_rows(rows)
+
+
+_tile_rows: dict[int, int] = {}  # format -> amx_bf16_rows(format), until the limits change
+
+
+def amx_bf16_rows(fmt: int = FMT_Q8) -> int:
+    """Rows from which `fmt`'s matmuls run on the bf16 tiles here (0: never). Asked of the C
+    library once per format and kept, so that a step that stays below it pays a dict lookup."""
+    rows = _tile_rows.get(fmt)
+    if rows is None:
+        rows = _tile_rows[fmt] = _lib().tl_q_amx_bf16_rows(fmt)
+    return rows
 
 
 @dataclass(eq=False)
@@ -350,6 +369,41 @@ def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = No
         if rc != 0:
             raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
     return y.reshape(*lead, N)
+
+
+def qlinear_silu_and_mul(x: torch.Tensor, w: TiledQuantWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up, float32 [..., I], of [gate | up] = x @ W^T (+ bias) for a fused gate|up
+    weight (its first I rows the gate's, the next I the up's), in one matmul whose epilogue
+    applies the SiLU (csrc/quant_gemm_amx_bf16.h): the [M, 2I] product is never written and
+    read back. Bit for bit `elementwise.silu_and_mul(qlinear(x, w, bias))`. None where the
+    fused kernel does not apply (x not float32, fewer rows than `amx_bf16_rows()`, no AMX-BF16,
+    I not a multiple of 16): the caller then runs those two ops."""
+    N, K = w.out_features, w.in_features
+    if x.dtype != torch.float32 or N % (2 * TILE_N) or x.shape[-1] != K:
+        return None
+    rows = amx_bf16_rows(w.fmt)
+    M = x.numel() // K
+    if rows <= 0 or M < rows:
+        return None
+    lib = _lib()
+    lead = x.shape[:-1]
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(M, N // 2, dtype=torch.float32)
+    scratch = torch.empty(lib.tl_q_scratch_bytes(M, K), dtype=torch.uint8)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.tl_q_linear_silu(w.fmt, w.data.data_ptr(), N, K, x2.data_ptr(), x2.stride(0), M,
+                              y.data_ptr(), N // 2, None if b is None else b.data_ptr(),
+                              scratch.data_ptr())
+    if rc == 1:
+        return None
+    if rc == -2:
+        raise MemoryError("the bf16 tiles' per-thread panel buffer could not be allocated")
+    if rc != 0:
+        raise ValueError(f"quantized matmul rejected the shapes: N={N}, K={K}")
+    return y.reshape(*lead, N // 2)
 
 
 def _qlinear_bf16(lib: ctypes.CDLL, x2: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None,

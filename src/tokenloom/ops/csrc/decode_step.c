@@ -44,6 +44,9 @@ void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
                   int64_t cs_stride);
 void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
                          int32_t T, int32_t I);
+int32_t tl_q_linear_silu(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                         void *scratch);
 void tl_rope_f32(float *x, int64_t row_stride, int32_t T, int32_t num_heads, int32_t head_dim,
                  const int64_t *positions, const float *cos_sin, int64_t cs_stride);
 #define TL_DECODE_PARAMS const void *q, int64_t q_stride, const void *k_cache, \
@@ -188,11 +191,19 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
         if (rc) return rc;
         if ((rc = linear(m, &L->o, attn, qd, T, y, tmp))) return rc;
         norm(m, y, residual, L->post_norm, x, T);
-        if ((rc = linear(m, &L->gate_up, x, H, T, gu, tmp))) return rc;
-        if (m->act_bf16)
-            tl_silu_and_mul_bf16((const uint16_t *)gu, 2 * I, (uint16_t *)act, I, T, (int32_t)I);
-        else
-            tl_silu_and_mul_f32((const float *)gu, 2 * I, (float *)act, I, T, (int32_t)I);
+        /* float32 on a quantized gate|up: SiLU-and-mul in the matmul's epilogue where the bf16
+         * tiles run (1: they do not, two passes as below), the same bits as the two passes */
+        rc = m->act_bf16 || L->gate_up.fmt < 0 ? 1
+             : tl_q_linear_silu(L->gate_up.fmt, (const uint8_t *)L->gate_up.w, L->gate_up.n, H,
+                                (const float *)x, H, T, (float *)act, I, L->gate_up.bias, tmp);
+        if (rc < 0) return rc;
+        if (rc) {
+            if ((rc = linear(m, &L->gate_up, x, H, T, gu, tmp))) return rc;
+            if (m->act_bf16)
+                tl_silu_and_mul_bf16((const uint16_t *)gu, 2 * I, (uint16_t *)act, I, T, (int32_t)I);
+            else
+                tl_silu_and_mul_f32((const float *)gu, 2 * I, (float *)act, I, T, (int32_t)I);
+        }
         if ((rc = linear(m, &L->down, act, I, T, y, tmp))) return rc;
     }
     norm(m, y, residual, m->final_norm, out, T);

@@ -197,13 +197,8 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
         float *o = out + t * out_stride;
         int i = 0;
 #if TL_HAVE_AVX512
-        const __m512 one16 = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = _mm512_loadu_ps(g + i);
-            const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one16, e)),
-                                                  _mm512_loadu_ps(u + i)));
-        }
+        for (; i + 16 <= I; i += 16)
+            _mm512_storeu_ps(o + i, tl_silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
 #if TL_HAVE_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);

@@ -20,7 +20,13 @@
  *
  * Layout of the panel: as amx_gemm.c's packed weight, per 16 columns and 32 k one 1 KiB tile,
  * row kk, lane n = (w[n][2kk], w[n][2kk + 1]). The tiled quantized layout's block is 8 groups of
- * 4 k x 16 columns, so group g gives tile rows 2g and 2g + 1. */
+ * 4 k x 16 columns, so group g gives tile rows 2g and 2g + 1.
+ *
+ * SiLU-and-mul in the epilogue (tl_q_linear_silu): an MLP's fused gate|up matmul wrote [M, 2I]
+ * float32 (25 MB at a 2048-token prefill step of SmolLM2, beyond L2) for tl_silu_and_mul_f32 to
+ * read back into [M, I]; 7 % of a batch-64 prefill went to that pass alone. Pairing gate tile j
+ * with up tile j + I/16 in one panel puts silu(gate) and up of the same columns in one 32 x 32
+ * block, so the epilogue writes the MLP's activation directly (the weight's layout unchanged). */
 #ifdef TL_HAVE_AMX
 #include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as amx_gemm.c */
 #define AMXB_TARGET __attribute__((target( \
@@ -185,25 +191,49 @@ INLINE_AMXB void amxb_store(const float *c, const float *c2, int rows, int cols,
     }
 }
 
+#if TL_HAVE_AVX512
+/* The glu epilogue: a 32 x 32 block whose columns 0-15 are gate columns and 16-31 the up columns
+ * of the same index (+ their bias) -> rows x 16 float32 of silu(gate) * up. The sums are formed
+ * as amxb_store forms them (c2 first, then the bias, a zero vector for none) and the product is
+ * tl_silu_and_mul_f32's own routine, so the output is the two-pass path's bit for bit. */
+INLINE_AMXB void amxb_store_glu(const float *c, const float *c2, int rows, const float *bias_g,
+                                const float *bias_u, float *y, int64_t ldy, int stream) {
+    const __m512 bg = bias_g ? _mm512_loadu_ps(bias_g) : _mm512_setzero_ps();
+    const __m512 bu = bias_u ? _mm512_loadu_ps(bias_u) : _mm512_setzero_ps();
+    const int lines = stream && !((uintptr_t)y & 63) && !((ldy * 4) & 63);
+    for (int r = 0; r < rows; r++) {
+        __m512 g = _mm512_load_ps(c + r * 32), u = _mm512_load_ps(c + r * 32 + 16);
+        if (c2) {
+            g = _mm512_add_ps(_mm512_load_ps(c2 + r * 32), g);
+            u = _mm512_add_ps(_mm512_load_ps(c2 + r * 32 + 16), u);
+        }
+        const __m512 v = tl_silu_mul16(_mm512_add_ps(g, bg), _mm512_add_ps(u, bu));
+        if (lines) _mm512_stream_ps(y + r * ldy, v);
+        else _mm512_storeu_ps(y + r * ldy, v);
+    }
+}
+#endif
+
 /* Bytes of scratch for M rows of K (the activations in tile order, bfloat16). */
 int64_t tl_q_amx_bf16_scratch_bytes(int64_t M, int64_t K) {
     return ((M + 31) & ~(int64_t)31) * K * 2 + 64;
 }
 
-/* y[M, N] = x[M, K] W^T (+ bias) with W tiled quantized (fmt), on bf16 tiles: x float32 (x_bf16
- * = 0) or bfloat16, y float32 (y_bf16 = 0) or bfloat16. kchunk: 0, or sum K in chunks of this
- * many (a multiple of 32 below K), each from zero, added in order (as amx_gemm.c, so that a
- * bf16 model's matmuls can round as oneDNN's). Returns 0, or -1 where this CPU or process has
- * no AMX-BF16 or the arguments are bad. */
-AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K,
-                                         const void *x, int32_t x_bf16, int64_t ldx, int64_t M,
-                                         void *y, int32_t y_bf16, int64_t ldy, const float *bias,
-                                         void *scratch, int64_t kchunk) {
+/* The matmul on bf16 tiles below both entries. glu = 0: y[M, N] = x W^T (+ bias), panel np
+ * the column tiles 2np and 2np + 1. glu = 1 (N = 2I, I a multiple of 16: a fused gate|up weight,
+ * the gate's rows then the up's): panel j pairs gate tile j with up tile j + I/16, and the
+ * epilogue writes y[M, I] = silu(gate) * up (float32), so the [M, 2I] product never reaches
+ * memory and no second pass reads it back. */
+AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K,
+                                       const void *x, int32_t x_bf16, int64_t ldx, int64_t M,
+                                       void *y, int32_t y_bf16, int64_t ldy, const float *bias,
+                                       void *scratch, int64_t kchunk, int glu) {
     if (!amx_bf16_usable() || fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0)
         return -1;
     if (M <= 0) return 0;
     const int64_t nkb = K / QK, Mp = (M + 31) & ~(int64_t)31, ntiles = (N + TILE_N - 1) / TILE_N;
-    const int64_t npairs = (ntiles + 1) / 2, tile_bytes = nkb / UB(fmt) * UNIT_BYTES(fmt);
+    const int64_t half = glu ? ntiles / 2 : 0; /* glu: the up tiles' offset */
+    const int64_t npairs = glu ? half : (ntiles + 1) / 2, tile_bytes = nkb / UB(fmt) * UNIT_BYTES(fmt);
     const amxb_dequant_fn dequant = AMXB_DEQUANT[fmt];
     uint16_t *a = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     /* The activations in tile order, bfloat16, zero-padded: [Mp/16][K/32] tiles of 16 rows x 32 k. */
@@ -231,7 +261,7 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
     const int64_t es = y_bf16 ? 2 : 4;
     /* Outputs larger than L2 (prefills) leave it before their reader gets to them: streaming
      * stores write their lines without fetching them first (as amx_gemm.c, 1.2-1.3x there). */
-    const int stream = M * N * es >= ((int64_t)4 << 20);
+    const int stream = M * (glu ? N / 2 : N) * es >= ((int64_t)4 << 20);
     int failed = 0;
     #pragma omp parallel
     {
@@ -250,16 +280,20 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
                 #pragma omp for schedule(static)
                 for (int64_t np = 0; np < npairs; np++) {
                     const uint16_t *b0 = panel, *b1 = panel + nkb * 512;
-                    dequant(w + 2 * np * tile_bytes, nkb, panel);
-                    dequant(2 * np + 1 < ntiles ? w + (2 * np + 1) * tile_bytes : NULL, nkb,
-                            panel + nkb * 512);
+                    const int64_t t0 = glu ? np : 2 * np, t1 = glu ? np + half : 2 * np + 1;
+                    dequant(w + t0 * tile_bytes, nkb, panel);
+                    dequant(t1 < ntiles ? w + t1 * tile_bytes : NULL, nkb, panel + nkb * 512);
                     /* The next panel's quantized bytes (this thread's next np under the static
-                     * schedule; its two tiles are one contiguous range) are prefetched a few
-                     * lines per K step of this panel's products: without it the dequantization
-                     * waited on memory (~30 % of its samples on its loads at 64 rows). */
-                    const char *pf = np + 1 < npairs ? (const char *)(w + 2 * (np + 1) * tile_bytes) : NULL;
-                    const char *pf_end = pf ? pf + (2 * (np + 1) + 1 < ntiles ? 2 : 1) * tile_bytes : NULL;
-                    const int64_t pf_per = pf ? ((pf_end - pf + 63) / 64 + mcount * nkb - 1) / (mcount * nkb) * 64 : 0;
+                     * schedule: its two tiles, one after the other, in one range unless glu) are
+                     * prefetched a few lines per K step of this panel's products: without it the
+                     * dequantization waited on memory (~30 % of its samples on its loads at 64
+                     * rows). */
+                    const int64_t u0 = t0 + (glu ? 1 : 2), u1 = t1 + (glu ? 1 : 2);
+                    const char *pf = np + 1 < npairs ? (const char *)(w + u0 * tile_bytes) : NULL;
+                    const char *pf_end = pf ? pf + tile_bytes : NULL;
+                    const char *pf2 = pf && u1 < ntiles ? (const char *)(w + u1 * tile_bytes) : NULL;
+                    const int64_t pf_bytes = (pf2 ? 2 : 1) * tile_bytes;
+                    const int64_t pf_per = pf ? ((pf_bytes + 63) / 64 + mcount * nkb - 1) / (mcount * nkb) * 64 : 0;
                     for (int64_t mi = 0; mi < mcount; mi++) {
                         const int64_t mp = mstart + mi;
                         const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
@@ -268,8 +302,14 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
                         _tile_zero(2);
                         _tile_zero(3);
                         for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
-                            for (int64_t i = 0; i < pf_per && pf < pf_end; i += 64, pf += 64)
+                            for (int64_t i = 0; i < pf_per && pf < pf_end; i += 64) {
                                 _mm_prefetch(pf, _MM_HINT_T0);
+                                if ((pf += 64) >= pf_end && pf2) { /* on to the second tile */
+                                    pf = pf2;
+                                    pf_end = pf2 + tile_bytes;
+                                    pf2 = NULL;
+                                }
+                            }
                             amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                         }
                         _tile_stored(0, c, 128);
@@ -278,6 +318,15 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
                         _tile_stored(3, c + 528, 128);
                         const int64_t m0 = mp * 32, n0 = np * 32;
                         const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+#if TL_HAVE_AVX512
+                        if (glu) {
+                            amxb_store_glu(c, kbchunk < nkb ? c2 : NULL, rows,
+                                           bias ? bias + 16 * np : NULL,
+                                           bias ? bias + 16 * (np + half) : NULL,
+                                           (float *)y + m0 * ldy + 16 * np, ldy, stream);
+                            continue;
+                        }
+#endif
                         const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
                         amxb_store(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
                                    (char *)y + (m0 * ldy + n0) * es, ldy, y_bf16, stream);
@@ -290,4 +339,46 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
     }
     return failed ? -1 : 0;
 }
+
+/* y[M, N] = x[M, K] W^T (+ bias) with W tiled quantized (fmt), on bf16 tiles: x float32 (x_bf16
+ * = 0) or bfloat16, y float32 (y_bf16 = 0) or bfloat16. kchunk: 0, or sum K in chunks of this
+ * many (a multiple of 32 below K), each from zero, added in order (as amx_gemm.c, so that a
+ * bf16 model's matmuls can round as oneDNN's). Returns 0, or -1 where this CPU or process has
+ * no AMX-BF16 or the arguments are bad. */
+AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K,
+                                         const void *x, int32_t x_bf16, int64_t ldx, int64_t M,
+                                         void *y, int32_t y_bf16, int64_t ldy, const float *bias,
+                                         void *scratch, int64_t kchunk) {
+    return amxb_linear(fmt, w, N, K, x, x_bf16, ldx, M, y, y_bf16, ldy, bias, scratch, kchunk, 0);
+}
 #endif
+
+/* y[M, N/2] = silu(g) * u with [g | u] = x[M, K] W^T (+ bias), W a fused gate|up weight (N/2 gate
+ * rows, then N/2 up rows; tiled quantized, fmt), x and y float32 (row strides ldx, ldy), scratch
+ * as tl_q_linear's: the MLP's first half in one pass on the bf16 tiles, bit for bit
+ * tl_silu_and_mul_f32 of tl_q_linear's output. Returns 0; 1 where it does not apply and nothing
+ * was written (no AMX-BF16 or a build without AVX-512, fewer rows than the tiles' threshold, N/2
+ * not a multiple of 16): the caller runs the two passes; -1 for bad arguments, -2 where the
+ * panel buffer could not be allocated. */
+int32_t tl_q_linear_silu(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
+                         void *scratch) {
+    if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0) return -1;
+#if defined(TL_HAVE_AMX) && TL_HAVE_AVX512
+    if (N % 32 == 0 && amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4)
+        return amxb_linear(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0, 1) ? -2 : 0;
+#endif
+    (void)w; (void)x; (void)ldx; (void)y; (void)ldy; (void)bias; (void)scratch;
+    return 1;
+}
+
+/* Rows from which tl_q_linear and tl_q_linear_silu run on the bf16 tiles for format fmt here; 0
+ * where they never do (no AMX-BF16, or turned off). */
+int32_t tl_q_amx_bf16_rows(int32_t fmt) {
+#ifdef TL_HAVE_AMX
+    return fmt >= 0 && fmt < TL_NFMT && tl_q_isa(fmt) == 4 ? amx_bf16_min_rows : 0;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
