@@ -174,3 +174,29 @@ def test_int8_path_for_a_float_checkpoint(tmp_path):
     got = run_flat_batch(int8, prompts)
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
     assert np.mean((got.argmax(-1) == want.argmax(-1)).numpy()) >= 0.75
+
+
+def test_silu_epilogue_keeps_the_greedy_output(smollm2_path):
+    """The embedded GGUF with SiLU-and-mul in the gate|up matmul's epilogue (from the bf16
+    tiles' 16 rows: the eager prefill's MLP and, with 20 requests, the fused decode step's) gives
+    the same tokens and logprobs as with the two separate passes."""
+    from tokenloom import LLM, SamplingParams
+
+    if quant.silu_epilogue_rows(quant.FMT_Q4_1) == 0:
+        pytest.skip("no SiLU epilogue here (it runs on the AMX-BF16 tiles)")
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (n,), generator=g).tolist()}
+               for n in range(20, 60, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = []
+    with LLM(smollm2_path, multiprocess=False, num_kv_blocks=128,
+             enable_prefix_caching=False) as llm:
+        for on in (True, False):
+            old = quant.set_silu_epilogue(on)
+            try:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                quant.set_silu_epilogue(old)
+            runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs])
+                         for o in outs])
+    assert runs[0] == runs[1]

@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from tokenloom.ops import amx, cpu_kernels, quant
+from tokenloom.ops import amx, cpu_kernels, elementwise, quant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))  # the K-quant quantizer
 import kquants  # noqa: E402
@@ -305,3 +305,45 @@ def test_bf16_activations_are_the_bf16_float_matmul(qtype, request):
         x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32)).bfloat16()
         got = quant.qlinear(x, tw, bias, kchunk=kchunk)
         assert torch.equal(got, amx.linear(x, packed, bias, kchunk=kchunk)), (M, kchunk)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX_BF16,
+                    reason="the SiLU epilogue runs on the bf16 tiles, which this CPU lacks")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_silu_epilogue_is_silu_and_mul_of_the_matmul(qtype):
+    """The MLP's gate|up matmul with SiLU-and-mul in its epilogue gives exactly what the two ops
+    give (the model's greedy output must not move): rows around the tiles' 32-row blocks, an odd
+    number of 16-column tiles per half (I = 48), a bias, and an output past 4 MiB (streaming
+    stores). Where it does not apply (below the tiles' threshold, I not a multiple of 16,
+    bfloat16, turned off) it says so with None and the caller runs the two ops."""
+    K = 256 if qtype in K_FORMATS else 96
+    rng = np.random.default_rng(int(qtype) + 7)
+
+    def gate_up(inter: int) -> quant.TiledQuantWeight:
+        halves = [quant.tile_gguf(kquants.quantize(rng.standard_normal((inter, K), dtype=np.float32),
+                                                   qtype), qtype) for _ in range(2)]
+        return quant.concat_rows(halves)
+
+    w = gate_up(48)
+    bias = torch.from_numpy(rng.standard_normal(96, dtype=np.float32))
+    for M in (16, 33, 64, 300):
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+        for b in (None, bias):
+            got = quant.qlinear_silu_and_mul(x, w, b)
+            assert got is not None and got.shape == (M, 48)
+            assert torch.equal(got, elementwise.silu_and_mul(quant.qlinear(x, w, b))), (M, b is None)
+    x = torch.from_numpy(rng.standard_normal((1100, K), dtype=np.float32))
+    big = gate_up(1024)
+    assert torch.equal(quant.qlinear_silu_and_mul(x, big),
+                       elementwise.silu_and_mul(quant.qlinear(x, big)))
+    fmt = quant.GGML_FORMATS[int(qtype)]
+    assert quant.silu_epilogue_rows(fmt) == 16
+    assert quant.qlinear_silu_and_mul(x[:15], w) is None
+    old = quant.set_silu_epilogue(False)
+    try:
+        assert quant.silu_epilogue_rows(fmt) == 0 and quant.qlinear_silu_and_mul(x, w) is None
+    finally:
+        quant.set_silu_epilogue(old)
+    assert quant.qlinear_silu_and_mul(x[:, :K], quant.tile_gguf(
+        kquants.quantize(rng.standard_normal((40, K), dtype=np.float32), qtype), qtype)) is None
+    assert quant.qlinear_silu_and_mul(x[:, :K].bfloat16(), w) is None

@@ -94,8 +94,10 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_linear_silu.restype = _c_i32
         lib.tl_q_linear_silu.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
                                          _c_i64, _c_p, _c_p]
-        lib.tl_q_amx_bf16_rows.restype = _c_i32
-        lib.tl_q_amx_bf16_rows.argtypes = [_c_i32]
+        lib.tl_q_silu_rows.restype = _c_i32
+        lib.tl_q_silu_rows.argtypes = [_c_i32]
+        lib.tl_q_set_silu_epilogue.restype = _c_i32
+        lib.tl_q_set_silu_epilogue.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         _bound.add(id(lib))
@@ -127,15 +129,23 @@ def set_amx_bf16_rows(rows: int) -> int:
     return _lib().tl_q_set_amx_bf16_rows(rows)
 
 
-_tile_rows: dict[int, int] = {}  # format -> amx_bf16_rows(format), until the limits change
+def set_silu_epilogue(on: bool) -> bool:
+    """Whether `qlinear_silu_and_mul` (and the fused decode step) may fuse SiLU-and-mul into
+    the gate|up matmul (default on); returns the previous setting. For tests and A/B runs."""
+    _tile_rows.clear()
+    return bool(_lib().tl_q_set_silu_epilogue(int(on)))
 
 
-def amx_bf16_rows(fmt: int = FMT_Q8) -> int:
-    """Rows from which `fmt`'s matmuls run on the bf16 tiles here (0: never). Asked of the C
-    library once per format and kept, so that a step that stays below it pays a dict lookup."""
+_tile_rows: dict[int, int] = {}  # format -> silu_epilogue_rows(format), until a setting changes
+
+
+def silu_epilogue_rows(fmt: int) -> int:
+    """Rows from which `qlinear_silu_and_mul` fuses for format `fmt` here (those of the bf16
+    tiles; 0: never). Asked of the C library once per format and kept, so that a step below it
+    pays a dict lookup."""
     rows = _tile_rows.get(fmt)
     if rows is None:
-        rows = _tile_rows[fmt] = _lib().tl_q_amx_bf16_rows(fmt)
+        rows = _tile_rows[fmt] = _lib().tl_q_silu_rows(fmt)
     return rows
 
 
@@ -377,12 +387,12 @@ def qlinear_silu_and_mul(x: torch.Tensor, w: TiledQuantWeight,
     weight (its first I rows the gate's, the next I the up's), in one matmul whose epilogue
     applies the SiLU (csrc/quant_gemm_amx_bf16.h): the [M, 2I] product is never written and
     read back. Bit for bit `elementwise.silu_and_mul(qlinear(x, w, bias))`. None where the
-    fused kernel does not apply (x not float32, fewer rows than `amx_bf16_rows()`, no AMX-BF16,
-    I not a multiple of 16): the caller then runs those two ops."""
+    fused kernel does not apply (x not float32, fewer rows than `silu_epilogue_rows`, no
+    AMX-BF16, I not a multiple of 16): the caller then runs those two ops."""
     N, K = w.out_features, w.in_features
     if x.dtype != torch.float32 or N % (2 * TILE_N) or x.shape[-1] != K:
         return None
-    rows = amx_bf16_rows(w.fmt)
+    rows = silu_epilogue_rows(w.fmt)
     M = x.numel() // K
     if rows <= 0 or M < rows:
         return None

@@ -353,32 +353,43 @@ AMXB_TARGET int32_t tl_q_linear_amx_bf16(int32_t fmt, const uint8_t *w, int64_t 
 }
 #endif
 
+/* 0: tl_q_linear_silu declines every call (the two-pass MLP, for A/B runs and tests). */
+static int silu_epilogue = 1;
+
+/* Rows from which tl_q_linear_silu computes for format fmt here; 0 where it never does (no
+ * AMX-BF16 or no AVX-512 build, the tiles or the epilogue turned off). */
+int32_t tl_q_silu_rows(int32_t fmt) {
+#if defined(TL_HAVE_AMX) && TL_HAVE_AVX512
+    return silu_epilogue && fmt >= 0 && fmt < TL_NFMT && tl_q_isa(fmt) == 4 ? amx_bf16_min_rows : 0;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
+
+/* Turns the SiLU epilogue on (1) or off (0); returns the previous setting. */
+int32_t tl_q_set_silu_epilogue(int32_t on) {
+    const int32_t old = silu_epilogue;
+    silu_epilogue = on != 0;
+    return old;
+}
+
 /* y[M, N/2] = silu(g) * u with [g | u] = x[M, K] W^T (+ bias), W a fused gate|up weight (N/2 gate
  * rows, then N/2 up rows; tiled quantized, fmt), x and y float32 (row strides ldx, ldy), scratch
  * as tl_q_linear's: the MLP's first half in one pass on the bf16 tiles, bit for bit
  * tl_silu_and_mul_f32 of tl_q_linear's output. Returns 0; 1 where it does not apply and nothing
- * was written (no AMX-BF16 or a build without AVX-512, fewer rows than the tiles' threshold, N/2
- * not a multiple of 16): the caller runs the two passes; -1 for bad arguments, -2 where the
- * panel buffer could not be allocated. */
+ * was written (M below tl_q_silu_rows(fmt), or that is 0; N/2 not a multiple of 16): the caller
+ * runs the two passes; -1 for bad arguments, -2 where the panel buffer could not be allocated. */
 int32_t tl_q_linear_silu(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                          int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
                          void *scratch) {
     if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0) return -1;
+    const int32_t rows = tl_q_silu_rows(fmt);
+    if (N % 32 || rows <= 0 || M < rows) return 1;
 #if defined(TL_HAVE_AMX) && TL_HAVE_AVX512
-    if (N % 32 == 0 && amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4)
-        return amxb_linear(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0, 1) ? -2 : 0;
-#endif
+    return amxb_linear(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0, 1) ? -2 : 0;
+#else
     (void)w; (void)x; (void)ldx; (void)y; (void)ldy; (void)bias; (void)scratch;
     return 1;
-}
-
-/* Rows from which tl_q_linear and tl_q_linear_silu run on the bf16 tiles for format fmt here; 0
- * where they never do (no AMX-BF16, or turned off). */
-int32_t tl_q_amx_bf16_rows(int32_t fmt) {
-#ifdef TL_HAVE_AMX
-    return fmt >= 0 && fmt < TL_NFMT && tl_q_isa(fmt) == 4 ? amx_bf16_min_rows : 0;
-#else
-    (void)fmt;
-    return 0;
 #endif
 }
