@@ -30,7 +30,6 @@ from tokenloom.attention.backend import AttentionBackend
 from tokenloom.kv_cache_spec import group_of_layer, kv_cache_groups
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.packed_linear import linear
-from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.model.rope import check_rope_scaling, cos_sin_cache
 from tokenloom.ops import elementwise as ops
 
@@ -119,10 +118,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, QuantLinear):
-            # a GGUF's gate|up: SiLU-and-mul in the matmul's epilogue where its kernel has one
-            # (the [T, 2I] product never goes through memory), the same bits as the two ops
-            act = self.gate_up_proj.silu_and_mul(x)
+        # A quantized gate|up (model/quant_linear.QuantLinear, which imports this module):
+        # SiLU-and-mul in the matmul's epilogue where its kernel has one (the [T, 2I] product
+        # never goes through memory), the same bits as the two ops; None where it has not.
+        fused = getattr(self.gate_up_proj, "silu_and_mul", None)
+        if fused is not None:
+            act = fused(x)
             if act is not None:
                 return self.down_proj(act)
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
