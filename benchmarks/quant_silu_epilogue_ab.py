@@ -12,10 +12,16 @@ both, in turn; printed: the medians over `--reps` rounds and the median of the r
 engine runs a prefill on two cores), CPU time of the calling thread with 1.
 
     PYTHONPATH=src nice -n 19 python benchmarks/quant_silu_epilogue_ab.py --rows 64 2048
+
+`--engine N`: instead, the whole prefill of N requests of 128 prompt tokens (1 output token) on
+the embedded GGUF through `LLM.generate` in this process, the epilogue switched on and off
+(`quant.set_silu_epilogue`) between alternating rounds, on `--threads` threads
+(TOKENLOOM_NUM_THREADS); CPU time of the process with one thread, wall time with more.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -36,8 +42,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--format", default="Q4_1", choices=["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--engine", type=int, default=0, metavar="N",
+                    help="time the engine's prefill of N x 128 tokens instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        return engine_prefill(args.engine, args.reps, args.threads)
     if quant.silu_epilogue_rows(quant.FMT_Q8) == 0:
         raise SystemExit("no SiLU epilogue here: it runs on the AMX-BF16 tiles")
     qt = Q[args.format]
@@ -72,6 +82,34 @@ def main() -> None:
         ratio = statistics.median(b / a for a, b in zip(fused, two))
         print(f"M={M:5d}: fused {statistics.median(fused):8.1f}  two passes "
               f"{statistics.median(two):8.1f}   two passes / fused {ratio:.2f}x", flush=True)
+
+
+def engine_prefill(n: int, reps: int, threads: int) -> None:
+    from tokenloom import LLM, SamplingParams
+
+    os.environ["TOKENLOOM_NUM_THREADS"] = str(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (128,), generator=g).tolist()}
+               for _ in range(n)]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    with LLM(multiprocess=False, enable_prefix_caching=False) as llm:
+        llm.generate(prompts[:4], params, use_tqdm=False)
+        if quant.silu_epilogue_rows(quant.FMT_Q4_1) == 0:
+            raise SystemExit("no SiLU epilogue here: it runs on the AMX-BF16 tiles")
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(reps):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                quant.set_silu_epilogue(on)
+                start = clock()
+                llm.generate(prompts, params, use_tqdm=False)
+                times[on].append(clock() - start)
+        quant.set_silu_epilogue(True)
+    ratio = statistics.median(b / a for a, b in zip(times[True], times[False]))
+    print(f"prefill of {n} x 128 tokens, {threads} thread(s), median of {reps} alternating rounds: fused "
+          f"{statistics.median(times[True]):.3f} s, two passes {statistics.median(times[False]):.3f} s"
+          f"   two passes / fused {ratio:.2f}x")
 
 
 if __name__ == "__main__":
