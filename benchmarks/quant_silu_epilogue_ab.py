@@ -13,6 +13,11 @@ engine runs a prefill on two cores), CPU time of the calling thread with 1.
 
     PYTHONPATH=src nice -n 19 python benchmarks/quant_silu_epilogue_ab.py --rows 64 2048
 
+`--step`: instead, one 2,048-token prefill step (16 x 128 prompt tokens) of the embedded GGUF
+model's forward, as the model runner calls it (tests/model/model_helpers.run_flat_batch), with
+the epilogue switched on and off between alternating rounds; the logits must be equal. CPU time
+of the thread with one thread (the engine's own threads and queues out of the way), else wall.
+
 `--engine N`: instead, the whole prefill of N requests of 128 prompt tokens (1 output token) on
 the embedded GGUF through `LLM.generate` in this process, the epilogue switched on and off
 (`quant.set_silu_epilogue`) between alternating rounds, on `--threads` threads
@@ -42,10 +47,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--format", default="Q4_1", choices=["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--step", action="store_true",
+                    help="time one 2048-token prefill step of the embedded model instead")
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="time the engine's prefill of N x 128 tokens instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.step:
+        return model_step(args.reps)
     if args.engine:
         return engine_prefill(args.engine, args.reps, args.threads)
     if quant.silu_epilogue_rows(quant.FMT_Q8) == 0:
@@ -82,6 +91,39 @@ def main() -> None:
         ratio = statistics.median(b / a for a, b in zip(fused, two))
         print(f"M={M:5d}: fused {statistics.median(fused):8.1f}  two passes "
               f"{statistics.median(two):8.1f}   two passes / fused {ratio:.2f}x", flush=True)
+
+
+def model_step(reps: int) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
+    from model_helpers import run_flat_batch
+
+    from tokenloom.model.loader import default_model_path, load_model
+
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    loaded = load_model(default_model_path())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(16)]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.no_grad():
+        logits = {}
+        for on in (True, False):
+            quant.set_silu_epilogue(on)
+            logits[on] = run_flat_batch(loaded, prompts)
+        assert torch.equal(logits[True], logits[False]), "the epilogue changed the logits"
+        for r in range(reps):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                quant.set_silu_epilogue(on)
+                start = clock()
+                run_flat_batch(loaded, prompts)
+                times[on].append(clock() - start)
+        quant.set_silu_epilogue(True)
+    ratio = statistics.median(b / a for a, b in zip(times[True], times[False]))
+    print(f"one 2048-token prefill step, {torch.get_num_threads()} thread(s), median of {reps} "
+          f"alternating rounds: fused {statistics.median(times[True]):.3f} s, two passes "
+          f"{statistics.median(times[False]):.3f} s   two passes / fused {ratio:.2f}x")
 
 
 def engine_prefill(n: int, reps: int, threads: int) -> None:
