@@ -47,10 +47,10 @@ GGML_FORMATS = {int(Q.Q4_0): FMT_Q4_0, int(Q.Q4_1): FMT_Q4_1, int(Q.Q8_0): FMT_Q
 _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # Kernel levels of csrc/quant_gemm.c. "avx512_vnni+amx_int8": AMX tiles from 8 activation rows
 # (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
-# mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from
-# `TOKENLOOM_QUANT_BF16_ROWS` rows (16; `set_amx_bf16_rows`) every format's weight dequantized to bfloat16 panels on AMX-BF16
-# tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding, 2-3x the int8 tiles' speed at
-# 64-512 rows).
+# mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from 16 rows
+# (`TOKENLOOM_QUANT_BF16_ROWS`, `set_amx_bf16_rows`) every format's weight dequantized to
+# bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding,
+# 2-3x the int8 tiles' speed at 64-512 rows).
 ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
              0: "c"}
 
