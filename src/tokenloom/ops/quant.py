@@ -17,9 +17,10 @@ super-block scales are applied per block like any other format's.
 On CPUs with AMX-BF16, matmuls of 16 rows and more instead dequantize the weight panel by panel
 (32 columns x K, in a per-thread buffer, never resident) to bfloat16 and multiply on bf16 tiles
 (csrc/quant_gemm_amx_bf16.h): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
-rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there). There
-the MLP's gate|up matmul can also apply SiLU-and-mul in its epilogue (`qlinear_silu_and_mul`),
-writing the [M, I] activation instead of the [M, 2I] product that a second pass would read back.
+rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there). With
+float32 activations the MLP's gate|up matmul on these tiles also applies SiLU-and-mul in its
+epilogue (`qlinear_silu_and_mul`), writing the [M, I] activation instead of the [M, 2I] product
+that a second pass would read back.
 """
 from __future__ import annotations
 
