@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -106,24 +107,14 @@ def model_step(reps: int) -> None:
     loaded = load_model(default_model_path())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(16)]
-    times: dict[bool, list[float]] = {True: [], False: []}
     with torch.no_grad():
         logits = {}
         for on in (True, False):
             quant.set_silu_epilogue(on)
             logits[on] = run_flat_batch(loaded, prompts)
         assert torch.equal(logits[True], logits[False]), "the epilogue changed the logits"
-        for r in range(reps):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                quant.set_silu_epilogue(on)
-                start = clock()
-                run_flat_batch(loaded, prompts)
-                times[on].append(clock() - start)
-        quant.set_silu_epilogue(True)
-    ratio = statistics.median(b / a for a, b in zip(times[True], times[False]))
-    print(f"one 2048-token prefill step, {torch.get_num_threads()} thread(s), median of {reps} "
-          f"alternating rounds: fused {statistics.median(times[True]):.3f} s, two passes "
-          f"{statistics.median(times[False]):.3f} s   two passes / fused {ratio:.2f}x")
+        times = _alternate(lambda: run_flat_batch(loaded, prompts), reps, clock)
+    print(f"one 2048-token prefill step, {torch.get_num_threads()} thread(s), {_summary(times, reps)}")
 
 
 def engine_prefill(n: int, reps: int, threads: int) -> None:
@@ -140,18 +131,27 @@ def engine_prefill(n: int, reps: int, threads: int) -> None:
         llm.generate(prompts[:4], params, use_tqdm=False)
         if quant.silu_epilogue_rows(quant.FMT_Q4_1) == 0:
             raise SystemExit("no SiLU epilogue here: it runs on the AMX-BF16 tiles")
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(reps):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                quant.set_silu_epilogue(on)
-                start = clock()
-                llm.generate(prompts, params, use_tqdm=False)
-                times[on].append(clock() - start)
-        quant.set_silu_epilogue(True)
+        times = _alternate(lambda: llm.generate(prompts, params, use_tqdm=False), reps, clock)
+    print(f"prefill of {n} x 128 tokens, {threads} thread(s), {_summary(times, reps)}")
+
+
+def _alternate(run: Callable[[], object], reps: int, clock: Callable[[], float]) -> dict[bool, list[float]]:
+    """`run`'s time with the epilogue on (True) and off (False), ABBA over `reps` rounds."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(reps):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            quant.set_silu_epilogue(on)
+            start = clock()
+            run()
+            times[on].append(clock() - start)
+    quant.set_silu_epilogue(True)
+    return times
+
+
+def _summary(times: dict[bool, list[float]], reps: int) -> str:
     ratio = statistics.median(b / a for a, b in zip(times[True], times[False]))
-    print(f"prefill of {n} x 128 tokens, {threads} thread(s), median of {reps} alternating rounds: fused "
-          f"{statistics.median(times[True]):.3f} s, two passes {statistics.median(times[False]):.3f} s"
-          f"   two passes / fused {ratio:.2f}x")
+    return (f"median of {reps} alternating rounds: fused {statistics.median(times[True]):.3f} s, "
+            f"two passes {statistics.median(times[False]):.3f} s   two passes / fused {ratio:.2f}x")
 
 
 if __name__ == "__main__":
