@@ -199,3 +199,20 @@ def test_prefill_in_a_bfloat16_caches_dtype(mode):
     prefill_rows = torch.tensor([i for i in range(T) if i not in (0, 10)])
     assert torch.equal(outs[0][decode_rows], outs[1][decode_rows])
     assert not torch.equal(outs[0][prefill_rows], outs[1][prefill_rows])
+
+
+def test_bfloat16_prefill_does_not_depend_on_the_neighbours():
+    """With `prefill_in_cache_dtype`, prompts of different lengths are attended one request per
+    call ("auto" gives exactly "per_request"'s bits): a padded bfloat16 call sums a request's
+    rows in chunks that depend on the longest neighbour, so its reply could change with the batch."""
+    # lengths close enough that float32 prefills would be padded into one call
+    batch = make_batch([40, 50, 45, 60], [40, 50, 45, 60], 9, 3, 64, 16, seed=5)
+    outs = {}
+    for mode in ("auto", "per_request", "padded"):
+        backend = TorchAttentionBackend(prefill_mode=mode)
+        backend.prefill_in_cache_dtype = True
+        cache = batch.kv_cache.to(torch.bfloat16)
+        outs[mode] = backend.forward(batch.query, batch.key, batch.value, cache,
+                                     backend.prepare(batch.meta), batch.scale)
+    assert torch.equal(outs["auto"], outs["per_request"])
+    assert not torch.equal(outs["padded"], outs["per_request"])  # what "auto" must not do
