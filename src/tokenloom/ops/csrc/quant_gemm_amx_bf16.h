@@ -30,7 +30,7 @@
 #ifdef TL_HAVE_AMX
 #include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as amx_gemm.c */
 #define AMXB_TARGET __attribute__((target( \
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
 #define INLINE_AMXB static inline __attribute__((always_inline)) AMXB_TARGET
 
 /* Rows from which the bf16 tiles run (where the CPU has them): below this the panel's
@@ -44,7 +44,8 @@ static int amx_bf16_usable(void) {
         __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
         __asm__ volatile("cpuid" : "=a"(a1), "=b"(b1), "=c"(c1), "=d"(d1) : "a"(7), "c"(1));
         const int has = ((d >> 22) & 1) && ((d >> 24) & 1) && ((a1 >> 5) & 1) && /* AMX-BF16, TILE, AVX512-BF16 */
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+                        __builtin_cpu_supports("avx512vbmi");
         amx_bf16_state = has && tl_q_amx_status() == 1;
         const char *rows = getenv("TOKENLOOM_QUANT_BF16_ROWS"); /* the threshold; 0: off (A/B runs) */
         if (rows && *rows) amx_bf16_min_rows = atoi(rows);
@@ -70,24 +71,41 @@ AMXB_TARGET static void amxb_configure(void) {
 }
 
 /* One 32-block of a 16-column tile (codes w8, per-column d and m for k < 16 and k >= 16) ->
- * its 1 KiB bf16 B tile at out. */
+ * its 1 KiB bf16 B tile at out.
+ *
+ * Tile row 2g + p holds k = 4g + 2p and 4g + 2p + 1 of the 16 columns as (even, odd) word pairs:
+ * words 0-15 are columns 0-7, words 16-31 columns 8-15. So each half is one float32 vector whose
+ * lane i is column (i >> 1) (+ 8) at k = 4g + 2p + (i & 1), and one vpermb gathers its 16 codes
+ * (zeroing the dwords' upper bytes) straight from the group vector, where column n's k = 4g .. 4g
+ * + 3 are bytes 4n .. 4n + 3; d and m are permuted to match once per block. Then cvtne2ps packs
+ * the two halves into the row as it stands: no shift-and-mask per byte and no word permute after
+ * the conversion, ~22 % fewer vector instructions per block than those took, the same values. */
 INLINE_AMXB void amxb_dequant_block(const __m512i w8[8], const __m512 d[2], const __m512 m[2],
                                     uint16_t *out) {
-    const __m512i byte = _mm512_set1_epi32(0xff);
-    /* word 2n <- word n (the even k of column n), word 2n + 1 <- word 16 + n (the odd k) */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
+    /* vpermb indices: lane i's byte 0 <- byte 4 (i >> 1) + (i & 1) (+ 32 for columns 8-15,
+     * + 2 for the row's second pair of k) */
+    const __m512i idx_lo = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    const __m512i idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(32)), two = _mm512_set1_epi32(2);
+    const __mmask64 byte0 = 0x1111111111111111ULL;
+    const __m512i cols_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i cols_hi = _mm512_add_epi32(cols_lo, _mm512_set1_epi32(8));
+    __m512 dl[2], dh[2], ml[2], mh[2];
+    for (int h = 0; h < 2; h++) {
+        dl[h] = _mm512_permutexvar_ps(cols_lo, d[h]);
+        dh[h] = _mm512_permutexvar_ps(cols_hi, d[h]);
+        ml[h] = _mm512_permutexvar_ps(cols_lo, m[h]);
+        mh[h] = _mm512_permutexvar_ps(cols_hi, m[h]);
+    }
     for (int g = 0; g < 8; g++) {
         const int h = g >= 4; /* k = 4g + b: the block's second 16 weights from group 4 */
-        __m512 f[4];
-        for (int b = 0; b < 4; b++) {
-            const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w8[g], 8 * b), byte);
-            f[b] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(q), m[h]);
-        }
         for (int p = 0; p < 2; p++) {
-            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(f[2 * p + 1], f[2 * p]);
-            _mm512_store_si512((void *)(out + (2 * g + p) * 32), _mm512_permutexvar_epi16(pairs, v));
+            const __m512i il = p ? _mm512_add_epi32(idx_lo, two) : idx_lo;
+            const __m512i ih = p ? _mm512_add_epi32(idx_hi, two) : idx_hi;
+            const __m512 lo = _mm512_fmadd_ps(
+                dl[h], _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(byte0, il, w8[g])), ml[h]);
+            const __m512 hi = _mm512_fmadd_ps(
+                dh[h], _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(byte0, ih, w8[g])), mh[h]);
+            _mm512_store_si512((void *)(out + (2 * g + p) * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
 }
