@@ -33,7 +33,7 @@ def _result(run: tuple[subprocess.Popen, Any, Any], timeout: float = 600) -> dic
     assert len(lines) == 1, stdout[-2000:]
     # Progress goes to stderr, phase by phase, so the JSON on stdout stays one object.
     assert "[bench" in stderr and "timed" in stderr, stderr[-2000:]
-    return json.loads(lines[0])
+    return json.loads(lines[0]) | {"_stderr": stderr}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,19 @@ def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
     assert ours["memory"]["rss_mib"] > 0 and ours["cpu_choice"]
     assert base["backend"] == "transformers" and base["batch_size"] == 2
     assert r["ratio_output_tokens_per_s"] > 0
+    # Both engines stay loaded and their timed runs alternate, round by round on the same prompts;
+    # the per-round ratios are the baseline's time over ours in each round.
+    tl = f"tokenloom ({ours['dtype']})"
+    phases = [m for line in r["_stderr"].splitlines()
+              if (m := line.split("] ", 1)[-1]).startswith("timed round")]  # not the "... (15s)" beats
+    assert phases == [f"timed round 1/2: {tl}", "timed round 1/2: transformers (float32)",
+                      f"timed round 2/2: {tl}", "timed round 2/2: transformers (float32)"]
+    assert [row[tl] for row in r["rounds_s"]] == ours["elapsed_runs_s"]
+    assert [row["transformers (float32)"] for row in r["rounds_s"]] == base["elapsed_runs_s"]
+    assert r["ratio_rounds"] == pytest.approx([b / o for b, o in zip(base["elapsed_runs_s"], ours["elapsed_runs_s"])])
+    assert r["ratio_median_of_rounds"] in r["ratio_rounds"]
+    # the waiting engine's process (ours, while transformers ran in the bench's own) is measured
+    assert r["idle_cpu_util"][tl] >= 0
     assert ours["cpu"]["caller_cpu_s"] >= 0 and "core_cpu_s" in ours["cpu"]
     profile = ours["profile"]["all_steps"]
     assert profile["num_steps"] >= 4  # at least one prefill and three decode steps

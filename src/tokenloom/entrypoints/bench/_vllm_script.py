@@ -1,12 +1,22 @@
 """Run by a vLLM environment's python for `bench throughput --baseline vllm`: imports only vllm
-and the standard library (not tokenloom). Argument: a JSON file with the model directory, engine
-options and prompts (token ids). Prints one line: the result prefix and a JSON object."""
+and the standard library (not tokenloom).
+
+Argument: a JSON file with the model directory, engine options and the warm-up prompts (token
+ids). The model is loaded and warmed up, then one line answers (prefixed JSON, with vLLM's
+version); then one JSON command per stdin line, one answer per stdout line, so that the caller
+can alternate its own timed runs with these:
+  {"prompts": [[ids], ...]} -> one timed generate() over all of them: elapsed_s, num_output_tokens
+The process ends when stdin closes.
+"""
 import json
 import sys
 import time
 
+PREFIX = "TOKENLOOM_VLLM_RESULT "
+
 
 def main() -> None:
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -22,15 +32,14 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=min(4, spec["output_len"]), ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["warmup"]], warm, use_tqdm=False)
-    runs = []
-    for prompt_set in spec["prompt_sets"]:  # fresh prompts each time: no prefix-cache hits
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_set]
+    print(PREFIX + json.dumps({"version": vllm.__version__}), flush=True)
+    for line in sys.stdin:  # fresh prompts each time: no prefix-cache hits
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(line)["prompts"]]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print("TOKENLOOM_VLLM_RESULT " + json.dumps({"elapsed_runs_s": runs, "num_output_tokens": num_out}),
-          flush=True)
+        print(PREFIX + json.dumps({"elapsed_s": elapsed, "num_output_tokens": num_out}), flush=True)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,31 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def tree_pids(pid: int) -> list[int]:
+    """A process and all its descendants (vLLM's engine core is a child of the process the bench
+    starts), from /proc; [] for one gone."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        out.append(p)
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """process_cpu_seconds summed over tree_pids(pid)."""
+    return sum(process_cpu_seconds(p) for p in tree_pids(pid))
+
+
 def process_memory_mib(pid: int) -> dict[str, float]:
     """Resident memory of a process now and at its peak (Linux /proc VmRSS, VmHWM), in MiB."""
     out = {"rss_mib": 0.0, "peak_rss_mib": 0.0}

@@ -1,12 +1,14 @@
 """`tokenloom bench throughput`: offline throughput of `LLM.generate`, optionally side by side with
-transformers' `generate()` (same process, same prompts, after ours), vLLM's CPU build or llama.cpp
-(another Python each, as a subprocess; llama-cpp-python serves one request at a time).
+transformers' `generate()` (same process), vLLM's CPU build or llama.cpp (another Python each, as
+a subprocess; llama-cpp-python serves one request at a time), on the same prompts.
 
 Every prompt is `--input-len` random ordinary token ids (seeded) and every request generates
 exactly `--output-len` tokens (greedy, `ignore_eos`), so all backends do the same work. The timed
 region is one `generate()` over all prompts, after a short warm-up run on other prompts; with
 `--num-iters N` it is repeated on N fresh prompt sets (so the prefix cache never helps) and the
-median is reported. `--baseline-dtype` picks the baseline's dtype; `best` runs it in float32 and
+median is reported. All engines stay loaded and their runs alternate (set i through each, then
+set i + 1), so the machine's load changes meet them alike; the report adds the median of the
+per-round ratios. `--baseline-dtype` picks the baseline's dtype; `best` runs it in float32 and
 in bfloat16, reports both, and compares with the faster. Every report names the machine (CPU
 model, ISA flags, usable cores, load), the engine's resident memory, and progress goes to stderr.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -62,111 +65,178 @@ def _median_run(elapsed: list[float]) -> float:
     return sorted(elapsed)[len(elapsed) // 2]
 
 
-def run_tokenloom(args: argparse.Namespace, prompt_sets: list[list[list[int]]], warmup: list[list[int]],
-                  progress: Any) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import (CpuMeter, StepRecorder, make_llm, process_memory_mib,
-                                                    step_profile)
-    from tokenloom.sampling_params import SamplingParams
+class _Ours:
+    """tokenloom's engine, started and warmed up on construction; `timed` runs one set."""
 
-    progress.step("tokenloom: starting the engine")
-    llm = make_llm(args)
-    try:
-        info = llm.llm_engine.engine_core.info
-        recorder = StepRecorder(llm)
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        progress.step(f"tokenloom ({info.dtype}): warm-up")
-        llm.generate([{"prompt_token_ids": p} for p in warmup],
-                     SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len), ignore_eos=True),
-                     use_tqdm=False)
-        runs = []
-        for i, prompts in enumerate(prompt_sets):
-            progress.step(f"tokenloom ({info.dtype}): timed run {i + 1}/{len(prompt_sets)}")
-            recorder.recording = True
-            with CpuMeter(info.pid) as cpu:
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            recorder.recording = False
-            num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-            expected = len(prompts) * args.output_len
-            if num_out != expected:
-                raise RuntimeError(f"tokenloom generated {num_out} tokens, expected {expected}")
-            runs.append((cpu.result["wall_s"], cpu.result))
-        memory = process_memory_mib(info.pid)
-    finally:
-        llm.shutdown()
-    elapsed = _median_run([r[0] for r in runs])
-    prompts = prompt_sets[0]
-    result: dict[str, Any] = {
-        "backend": "tokenloom",
-        "dtype": info.dtype,
-        "kv_cache_dtype": info.kv_cache_dtype,
-        "quantization": info.quantization,
-        "weight_bytes_per_token": info.weight_bytes_per_token,
-        "memory": memory,
-        "attention_backend": info.attention_backend,
-        "cpu_choice": info.cpu,
-        "num_kv_blocks": info.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        **_rates(len(prompts), sum(map(len, prompts)), len(prompts) * args.output_len, elapsed),
-        "elapsed_runs_s": [r[0] for r in runs],
-        "cpu": next(r[1] for r in runs if r[0] == elapsed),
-    }
-    if args.profile:
-        result["profile"] = step_profile(recorder.stats)
-    return result
+    label = "tokenloom"
+
+    def __init__(self, args: argparse.Namespace, warmup: list[list[int]], progress: Any) -> None:
+        from tokenloom.entrypoints.bench.common import StepRecorder, make_llm
+        from tokenloom.sampling_params import SamplingParams
+
+        progress.step("tokenloom: starting the engine")
+        self.args = args
+        self.llm = make_llm(args)
+        self.info = self.llm.llm_engine.engine_core.info
+        self.recorder = StepRecorder(self.llm)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.label = f"tokenloom ({self.info.dtype})"
+        progress.step(f"{self.label}: warm-up")
+        self.llm.generate([{"prompt_token_ids": p} for p in warmup],
+                          SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len), ignore_eos=True),
+                          use_tqdm=False)
+        self.runs: list[tuple[float, dict[str, float]]] = []
+
+    def pids(self) -> list[int]:
+        return [self.info.pid] if self.info.pid != os.getpid() else []
+
+    def timed(self, prompts: list[list[int]]) -> float:
+        from tokenloom.entrypoints.bench.common import CpuMeter
+
+        self.recorder.recording = True
+        with CpuMeter(self.info.pid) as cpu:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
+        self.recorder.recording = False
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if num_out != len(prompts) * self.args.output_len:
+            raise RuntimeError(f"tokenloom generated {num_out} tokens, expected {len(prompts) * self.args.output_len}")
+        self.runs.append((cpu.result["wall_s"], cpu.result))
+        return cpu.result["wall_s"]
+
+    def result(self, prompts: list[list[int]]) -> dict[str, Any]:
+        from tokenloom.entrypoints.bench.common import process_memory_mib, step_profile
+
+        elapsed = _median_run([r[0] for r in self.runs])
+        info, args = self.info, self.args
+        out: dict[str, Any] = {
+            "backend": "tokenloom",
+            "dtype": info.dtype,
+            "kv_cache_dtype": info.kv_cache_dtype,
+            "quantization": info.quantization,
+            "weight_bytes_per_token": info.weight_bytes_per_token,
+            "memory": process_memory_mib(info.pid),
+            "attention_backend": info.attention_backend,
+            "cpu_choice": info.cpu,
+            "num_kv_blocks": info.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            **_rates(len(prompts), sum(map(len, prompts)), len(prompts) * args.output_len, elapsed),
+            "elapsed_runs_s": [r[0] for r in self.runs],
+            "cpu": next(r[1] for r in self.runs if r[0] == elapsed),
+        }
+        if args.profile:
+            out["profile"] = step_profile(self.recorder.stats)
+        return out
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
 
-def run_hf(args: argparse.Namespace, prompt_sets: list[list[list[int]]], warmup: list[list[int]],
-           dtype_name: str, progress: Any) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate, load_hf_model
-    from tokenloom.model.loader import load_tokenizer
+class _HF:
+    """transformers in this process, loaded and warmed up on construction."""
 
-    progress.step(f"transformers ({dtype_name}): loading")
-    hf, dtype = load_hf_model(args.model, dtype_name, args.device)
-    tokenizer = load_tokenizer(args.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    progress.step(f"transformers ({dtype_name}): warm-up")
-    hf_generate(hf, warmup, min(4, args.output_len), args.hf_batch_size, pad, args.device)
-    runs = []
-    for i, prompts in enumerate(prompt_sets):
-        progress.step(f"transformers ({dtype_name}): timed run {i + 1}/{len(prompt_sets)}")
+    def __init__(self, args: argparse.Namespace, warmup: list[list[int]], dtype_name: str, progress: Any) -> None:
+        from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model
+        from tokenloom.model.loader import load_tokenizer
+
+        self.label = f"transformers ({dtype_name})"
+        progress.step(f"{self.label}: loading")
+        self.args = args
+        self.hf, self.dtype = load_hf_model(args.model, dtype_name, args.device)
+        tokenizer = load_tokenizer(args.model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        progress.step(f"{self.label}: warm-up")
+        hf_generate(self.hf, warmup, min(4, args.output_len), args.hf_batch_size, self.pad, args.device)
+        self.runs: list[tuple[float, int, dict[str, float]]] = []
+
+    def pids(self) -> list[int]:
+        return []  # this process: its CPU is the caller's in tokenloom's own figures
+
+    def timed(self, prompts: list[list[int]]) -> float:
+        from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate
+
+        args = self.args
         with CpuMeter(os.getpid()) as cpu:
-            res = hf_generate(hf, prompts, args.output_len, args.hf_batch_size, pad, args.device)
-        runs.append((res["elapsed_s"], res["num_output_tokens"], cpu.result))
-    elapsed = _median_run([r[0] for r in runs])
-    prompts = prompt_sets[0]
-    return {
-        "backend": "transformers",
-        "dtype": str(dtype).removeprefix("torch."),
-        "batch_size": args.hf_batch_size,
-        "batching": f"static batches of {args.hf_batch_size}, left-padded",
-        **_rates(len(prompts), sum(map(len, prompts)), runs[0][1], elapsed),
-        "elapsed_runs_s": [r[0] for r in runs],
-        "cpu": next(r[2] for r in runs if r[0] == elapsed),
-    }
+            res = hf_generate(self.hf, prompts, args.output_len, args.hf_batch_size, self.pad, args.device)
+        self.runs.append((res["elapsed_s"], res["num_output_tokens"], cpu.result))
+        return res["elapsed_s"]
+
+    def result(self, prompts: list[list[int]]) -> dict[str, Any]:
+        elapsed = _median_run([r[0] for r in self.runs])
+        return {
+            "backend": "transformers",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch_size": self.args.hf_batch_size,
+            "batching": f"static batches of {self.args.hf_batch_size}, left-padded",
+            **_rates(len(prompts), sum(map(len, prompts)), self.runs[0][1], elapsed),
+            "elapsed_runs_s": [r[0] for r in self.runs],
+            "cpu": next(r[2] for r in self.runs if r[0] == elapsed),
+        }
+
+    def close(self) -> None:
+        self.hf = None
 
 
-def run_llamacpp(args: argparse.Namespace, prompt_sets: list[list[list[int]]], warmup: list[list[int]],
-                 progress: Any) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+class _LlamaCpp:
+    """llama.cpp in its own process (one request at a time), loaded and warmed up."""
 
-    progress.step("llama.cpp: loading")
-    base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
-    try:
-        base.run(warmup[:1], min(4, args.output_len))
-        runs = []
-        for i, prompts in enumerate(prompt_sets):
-            progress.step(f"llama.cpp: timed run {i + 1}/{len(prompt_sets)}")
-            done = base.run(prompts, args.output_len)
-            runs.append((sum(r["e2e_s"] for r in done), sum(r["num_output_tokens"] for r in done)))
-        memory = base.memory()
-    finally:
-        base.close()
-    elapsed = _median_run([r[0] for r in runs])
-    prompts = prompt_sets[0]
-    return {**base.describe(), "batching": "one request at a time (llama-cpp-python)", "memory": memory,
-            **_rates(len(prompts), sum(map(len, prompts)), runs[0][1], elapsed),
-            "elapsed_runs_s": [r[0] for r in runs]}
+    label = "llama.cpp"
+
+    def __init__(self, args: argparse.Namespace, warmup: list[list[int]], progress: Any) -> None:
+        from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+
+        progress.step("llama.cpp: loading")
+        self.args = args
+        self.base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
+        self.base.run(warmup[:1], min(4, args.output_len))
+        self.runs: list[tuple[float, int]] = []
+
+    def pids(self) -> list[int]:
+        return [self.base.proc.pid]
+
+    def timed(self, prompts: list[list[int]]) -> float:
+        done = self.base.run(prompts, self.args.output_len)
+        self.runs.append((sum(r["e2e_s"] for r in done), sum(r["num_output_tokens"] for r in done)))
+        return self.runs[-1][0]
+
+    def result(self, prompts: list[list[int]]) -> dict[str, Any]:
+        elapsed = _median_run([r[0] for r in self.runs])
+        return {**self.base.describe(), "batching": "one request at a time (llama-cpp-python)",
+                "memory": self.base.memory(),
+                **_rates(len(prompts), sum(map(len, prompts)), self.runs[0][1], elapsed),
+                "elapsed_runs_s": [r[0] for r in self.runs]}
+
+    def close(self) -> None:
+        self.base.close()
+
+
+class _Vllm:
+    """vLLM's CPU build in `dtype` in its own process, loaded and warmed up."""
+
+    def __init__(self, args: argparse.Namespace, warmup: list[list[int]], dtype: str, progress: Any) -> None:
+        from tokenloom.entrypoints.bench.vllm_baseline import VllmBaseline
+
+        self.label = f"vLLM ({dtype})"
+        progress.step(f"{self.label}: starting (its own process: model load, warm-up)")
+        self.args = args
+        self.base = VllmBaseline(args, warmup, dtype)
+        self.runs: list[tuple[float, int]] = []
+
+    def pids(self) -> list[int]:
+        return [self.base.proc.pid]
+
+    def timed(self, prompts: list[list[int]]) -> float:
+        self.runs.append(self.base.run(prompts))
+        return self.runs[-1][0]
+
+    def result(self, prompts: list[list[int]]) -> dict[str, Any]:
+        elapsed = _median_run([r[0] for r in self.runs])
+        return {**self.base.describe(), "batching": f"continuous, max_num_seqs={self.args.max_num_seqs}",
+                **_rates(len(prompts), sum(map(len, prompts)), self.runs[0][1], elapsed),
+                "elapsed_runs_s": [r[0] for r in self.runs]}
+
+    def close(self) -> None:
+        self.base.close()
 
 
 def baseline_dtypes(args: argparse.Namespace) -> list[str]:
@@ -177,6 +247,49 @@ def baseline_dtypes(args: argparse.Namespace) -> list[str]:
     choice = args.baseline_dtype or (args.vllm_dtype if args.baseline == "vllm" else None) \
         or ("best" if args.baseline == "vllm" else "float32")
     return ["float32", "bfloat16"] if choice == "best" else [choice]
+
+
+def _start_baseline(args: argparse.Namespace, warmup: list[list[int]], dtype: str, progress: Any) -> Any:
+    if args.baseline == "hf":
+        return _HF(args, warmup, dtype, progress)
+    if args.baseline == "llamacpp":
+        return _LlamaCpp(args, warmup, progress)
+    return _Vllm(args, warmup, dtype, progress)
+
+
+def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
+               progress: Any) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Round i runs prompt set i through every engine in turn, all of them loaded throughout, so
+    that a change in the machine's load (a shared host moved one engine's figure by ~1.4x
+    between identical runs minutes apart) meets every engine alike. The engines in processes of
+    their own are stopped (SIGSTOP) while another runs: an idle vLLM's processes took 0.1 of a
+    core meanwhile. Returns each round's seconds per engine, and the CPU the waiting engines'
+    processes used (in cores, while another ran; 0 when stopped)."""
+    from tokenloom.entrypoints.bench.common import tree_cpu_seconds, tree_pids
+
+    rounds, idle = [], {e.label: 0.0 for e in engines}
+    for i, prompts in enumerate(prompt_sets):
+        row = {}
+        for e in engines:
+            progress.step(f"timed round {i + 1}/{len(prompt_sets)}: {e.label}")
+            others = [o for o in engines if o is not e]
+            paused = [p for o in others for root in o.pids() for p in tree_pids(root)]
+            before = [sum(tree_cpu_seconds(p) for p in o.pids()) for o in others]
+            for p in paused:
+                os.kill(p, signal.SIGSTOP)
+            try:
+                row[e.label] = e.timed(prompts)
+            finally:
+                for p in paused:
+                    try:
+                        os.kill(p, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+            for o, b in zip(others, before):
+                idle[o.label] += sum(tree_cpu_seconds(p) for p in o.pids()) - b
+        rounds.append(row)
+    waited = {e.label: sum(r[o.label] for r in rounds for o in engines if o is not e) for e in engines}
+    return rounds, {k: v / waited[k] if waited[k] > 0 else 0.0 for k, v in idle.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = random_prompt_ids(tokenizer, vocab, min(4, args.num_prompts), args.input_len, args.seed + 1)
 
     progress = Progress()
+    engines: list[Any] = []
     try:
         result: dict[str, Any] = {
             "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
@@ -210,27 +324,31 @@ def run(args: argparse.Namespace) -> int:
             "input_len": args.input_len,
             "output_len": args.output_len,
             "num_iters": args.num_iters,
-            "tokenloom": run_tokenloom(args, prompt_sets, warmup, progress),
         }
-        baselines = []
+        # The baselines load first (vLLM's start takes the longest), each warmed up; then ours.
         for dtype in baseline_dtypes(args) if args.baseline else []:
-            if args.baseline == "hf":
-                baselines.append(run_hf(args, prompt_sets, warmup, dtype, progress))
-            elif args.baseline == "llamacpp":
-                baselines.append(run_llamacpp(args, prompt_sets, warmup, progress))
-            else:
-                from tokenloom.entrypoints.bench.vllm_baseline import run_vllm_throughput
-
-                progress.step(f"vLLM ({dtype}): starting (its own process; model load, warm-up, "
-                              f"{args.num_iters} timed run(s))")
-                baselines.append(run_vllm_throughput(args, prompt_sets, warmup, dtype))
+            engines.append(_start_baseline(args, warmup, dtype, progress))
+        engines.insert(0, _Ours(args, warmup, progress))
+        rounds, idle = _alternate(engines, prompt_sets, progress)
+        result["tokenloom"] = engines[0].result(prompt_sets[0])
+        baselines = [e.result(prompt_sets[0]) for e in engines[1:]]
     finally:
+        for e in engines:
+            e.close()
         progress.close()
+    result["rounds_s"] = rounds
+    result["idle_cpu_util"] = idle
     if baselines:
         result["baselines"] = baselines
-        result["baseline"] = max(baselines, key=lambda b: b["output_tokens_per_s"])
+        best = max(range(len(baselines)), key=lambda j: baselines[j]["output_tokens_per_s"])
+        result["baseline"] = baselines[best]
         ours, base = result["tokenloom"], result["baseline"]
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
+        # per round: the same prompts through both, back to back (equal token counts)
+        label = engines[1 + best].label
+        per_round = [r[label] / r[engines[0].label] for r in rounds]
+        result["ratio_rounds"] = per_round
+        result["ratio_median_of_rounds"] = _median_run(per_round)
     return emit(result, args.json, _print_report)
 
 
@@ -257,7 +375,8 @@ def _print_report(result: dict[str, Any]) -> None:
     if any("memory" in r for r in runs):
         print(f"{'resident memory (MiB)':<24}" + "".join(memory_cell(r, 'rss_mib', 24) for r in runs))
     if result["num_iters"] > 1:
-        print(f"median of {result['num_iters']} timed runs per engine, each on fresh prompts")
+        print(f"median of {result['num_iters']} timed runs per engine, each on fresh prompts; the engines' "
+              f"runs alternate, all loaded throughout")
     ours = result["tokenloom"]
     print(f"tokenloom quantization: {ours.get('quantization') or 'none'}")
     mem = ours.get("memory", {})
@@ -274,7 +393,15 @@ def _print_report(result: dict[str, Any]) -> None:
         if "batching" in base:
             print(f"{base['backend']}: {base['batching']}")
         print(f"ratio (tokenloom / {base['backend']} {base['dtype']}, output tokens/s): "
-              f"{result['ratio_output_tokens_per_s']:.2f}x")
+              f"{result['ratio_output_tokens_per_s']:.2f}x (medians)")
+        if len(result["ratio_rounds"]) > 1:
+            print(f"ratio per round ({len(result['ratio_rounds'])} alternating rounds, the same prompts back to "
+                  f"back): median {result['ratio_median_of_rounds']:.2f}x, "
+                  + " ".join(f"{x:.2f}" for x in result["ratio_rounds"]))
+    waiting = {k: v for k, v in result.get("idle_cpu_util", {}).items() if v > 0}
+    if waiting:
+        print("CPU of the waiting engines' processes while another ran: "
+              + ", ".join(f"{k} {v:.2f} cores" for k, v in waiting.items()))
     if "profile" in ours:
         for line in format_profile(ours["profile"], "tokenloom step profile"):
             print(line)

