@@ -60,6 +60,7 @@ typedef struct {
 } item_state;
 
 #include "vec_math.h"
+#include "work_steal.h"
 
 /* The end of the chunk path's softmax of head g (see chunk_softmax in paged_decode_impl.h): the
  * last n scores at s, which do not fill a vector of torch's, exponentiated with expf (glibc's,
@@ -453,20 +454,31 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     float *partials = NULL;
     if (a.parts > 1 && !(partials = malloc(sizeof(float) * items * step))) return -3;
     int64_t bounds[TL_MAX_THREADS + 1];
+    tl_run runs[TL_STEAL_MAX_THREADS];
 #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int steal = nt <= TL_STEAL_MAX_THREADS;
 #pragma omp single
-        split_items(&a, items, nchunk, hpc, nt, bounds);
+        {
+            split_items(&a, items, nchunk, hpc, nt, bounds);
+            if (steal) tl_runs_init(runs, bounds, nt);
+        }
         /* Each thread its contiguous run of items, so that the next item it takes is the
-         * following one (whose first block run_item prefetches). */
+         * following one (whose first block run_item prefetches); a thread done with its run
+         * takes items from the back of the fullest other (work_steal.h). */
         const int64_t i0 = nt <= TL_MAX_THREADS ? bounds[t] : items * t / nt;
         const int64_t i1 = nt <= TL_MAX_THREADS ? bounds[t + 1] : items * (t + 1) / nt;
-        for (int64_t it = i0; it < i1; it++) {
+        for (int64_t k = i0, it, nx;; k++) {
+            if (steal) {
+                if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
+            } else {
+                if ((it = k) >= i1) break;
+                nx = it + 1 < i1 ? it + 1 : -1;
+            }
             const int part = (int)(it % a.parts);
             const int b = (int)(it / a.parts / nchunk), c = (int)(it / a.parts % nchunk);
             const int hq0 = c * hpc, nh = num_heads - hq0 < hpc ? num_heads - hq0 : hpc;
-            const int64_t nx = it + 1 < i1 ? it + 1 : -1;
             run_item(&a, b, hq0, nh, part, partials ? partials + it * step : NULL,
                      nx < 0 ? -1 : (int)(nx / a.parts / nchunk), nx < 0 ? 0 : (int)(nx % a.parts));
         }

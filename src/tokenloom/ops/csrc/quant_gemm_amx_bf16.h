@@ -28,7 +28,9 @@
  * with up tile j + I/16 in one panel puts silu(gate) and up of the same columns in one 32 x 32
  * block, so the epilogue writes the MLP's activation directly (the weight's layout unchanged). */
 #ifdef TL_HAVE_AMX
+#include <omp.h>
 #include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as amx_gemm.c */
+#include "work_steal.h"
 #define AMXB_TARGET __attribute__((target( \
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
 #define INLINE_AMXB static inline __attribute__((always_inline)) AMXB_TARGET
@@ -281,6 +283,7 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
      * stores write their lines without fetching them first (as amx_gemm.c, 1.2-1.3x there). */
     const int stream = M * (glu ? N / 2 : N) * es >= ((int64_t)4 << 20);
     int failed = 0;
+    tl_run runs[TL_STEAL_MAX_THREADS];
     #pragma omp parallel
     {
         uint16_t *panel = amxb_panel(K);
@@ -293,21 +296,41 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
             amxb_configure();
             float c[32 * 32] __attribute__((aligned(64)));
             float c2[32 * 32] __attribute__((aligned(64)));
-            for (int64_t mstart = 0; mstart < mpairs; mstart += block) {
+            /* Items (row block, panel pair), row block major: a contiguous run per thread, the
+             * rest taken over from the back of a slower thread's run (work_steal.h). */
+            const int64_t items = (mpairs + block - 1) / block * npairs;
+            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int steal = nt <= TL_STEAL_MAX_THREADS;
+            if (steal) {
+                #pragma omp single
+                {
+                    int64_t bounds[TL_STEAL_MAX_THREADS + 1];
+                    for (int u = 0; u <= nt; u++) bounds[u] = items * u / nt;
+                    tl_runs_init(runs, bounds, nt);
+                }
+            }
+            const int64_t i1 = items * (t + 1) / nt;
+            for (int64_t k = items * t / nt, it, nx;; k++) {
+                if (steal) {
+                    if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
+                } else {
+                    if ((it = k) >= i1) break;
+                    nx = it + 1 < i1 ? it + 1 : -1;
+                }
+                const int64_t np = it % npairs, mstart = it / npairs * block;
                 const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
-                #pragma omp for schedule(static)
-                for (int64_t np = 0; np < npairs; np++) {
+                {
                     const uint16_t *b0 = panel, *b1 = panel + nkb * 512;
                     const int64_t t0 = glu ? np : 2 * np, t1 = glu ? np + half : 2 * np + 1;
                     dequant(w + t0 * tile_bytes, nkb, panel);
                     dequant(t1 < ntiles ? w + t1 * tile_bytes : NULL, nkb, panel + nkb * 512);
-                    /* The next panel's quantized bytes (this thread's next np under the static
-                     * schedule: its two tiles, one after the other, in one range unless glu) are
-                     * prefetched a few lines per K step of this panel's products: without it the
-                     * dequantization waited on memory (~30 % of its samples on its loads at 64
-                     * rows). */
-                    const int64_t u0 = t0 + (glu ? 1 : 2), u1 = t1 + (glu ? 1 : 2);
-                    const char *pf = np + 1 < npairs ? (const char *)(w + u0 * tile_bytes) : NULL;
+                    /* The quantized bytes of the panel this thread most likely takes next are
+                     * prefetched a few lines per K step of this panel's products: without it
+                     * the dequantization waited on memory (~30 % of its samples on its loads at
+                     * 64 rows). */
+                    const int64_t nnp = nx >= 0 ? nx % npairs : -1;
+                    const int64_t u0 = glu ? nnp : 2 * nnp, u1 = glu ? nnp + half : 2 * nnp + 1;
+                    const char *pf = nnp >= 0 && nnp != np ? (const char *)(w + u0 * tile_bytes) : NULL;
                     const char *pf_end = pf ? pf + tile_bytes : NULL;
                     const char *pf2 = pf && u1 < ntiles ? (const char *)(w + u1 * tile_bytes) : NULL;
                     const int64_t pf_bytes = (pf2 ? 2 : 1) * tile_bytes;
