@@ -38,6 +38,30 @@ def test_kernel_builds_here():
     assert cpu_kernels.load() is not None
 
 
+@pytest.mark.parametrize("slow", [0, 1])
+def test_a_slow_threads_items_are_taken_over_once_each(slow):
+    """The kernels' items (decode attention's, the quantized tiles' panels) start split into a
+    contiguous run per thread; a thread done with its run takes items from the back of a slower
+    one's (csrc/work_steal.h). With one thread slowed, every item is still taken exactly once, and
+    with two threads some are taken over."""
+    import ctypes
+
+    lib = cpu_kernels.load()
+    fn = lib.tl_work_steal_check
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernels' OpenMP runtime is torch's
+    try:
+        for items in (1, 2, 7, 1000):
+            counts = torch.zeros(items, dtype=torch.int32)
+            stolen = fn(items, slow, counts.data_ptr())
+            assert counts.eq(1).all(), (items, counts.tolist()[:20])
+            if items == 1000 and len(os.sched_getaffinity(0)) >= 2:
+                assert stolen > 0
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 # GQA ratios 1, 3, 8, and more query heads than one work item takes (16): 32/8, 20/4.
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (16, 2), (32, 8), (20, 4)])

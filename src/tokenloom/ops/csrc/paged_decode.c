@@ -509,3 +509,32 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
 int tl_paged_decode_f32(TL_DECODE_ARGS) { return decode(TL_DECODE_PASS, 0, 0); }
 int tl_paged_decode_f32_bf16kv(TL_DECODE_ARGS) { return decode(TL_DECODE_PASS, 1, 0); }
 int tl_paged_decode_bf16(TL_DECODE_ARGS) { return decode(TL_DECODE_PASS, 1, 1); }
+
+/* For tests of work_steal.h: `items` items over the OpenMP threads as the kernels take them,
+ * thread `slow` spinning ~20 us per item (a descheduled thread's stand-in); counts[it] += 1 per
+ * item taken. Returns how many items a thread took from another's run. */
+int64_t tl_work_steal_check(int64_t items, int32_t slow, int32_t *counts) {
+    tl_run runs[TL_STEAL_MAX_THREADS];
+    int64_t stolen = 0;
+#pragma omp parallel reduction(+ : stolen)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp single
+        {
+            int64_t bounds[TL_STEAL_MAX_THREADS + 1];
+            for (int u = 0; u <= nt && u <= TL_STEAL_MAX_THREADS; u++) bounds[u] = items * u / nt;
+            tl_runs_init(runs, bounds, nt < TL_STEAL_MAX_THREADS ? nt : TL_STEAL_MAX_THREADS);
+        }
+        const int64_t i0 = items * t / nt, i1 = items * (t + 1) / nt;
+        for (int64_t it, nx; nt <= TL_STEAL_MAX_THREADS && (it = tl_runs_next(runs, t, nt, &nx)) >= 0;) {
+            if (t == slow) {
+                volatile double x = 0;
+                for (int i = 0; i < 20000; i++) x += i;
+            }
+#pragma omp atomic
+            counts[it] += 1;
+            stolen += it < i0 || it >= i1;
+        }
+    }
+    return stolen;
+}
