@@ -216,3 +216,23 @@ def test_bfloat16_prefill_does_not_depend_on_the_neighbours():
                                      backend.prepare(batch.meta), batch.scale)
     assert torch.equal(outs["auto"], outs["per_request"])
     assert not torch.equal(outs["padded"], outs["per_request"])  # what "auto" must not do
+
+
+def test_bfloat16_prefill_batches_the_prompts_of_one_length():
+    """Under `prefill_in_cache_dtype`, the largest group of this step's prompts that share a length
+    and have no context is attended in one call (it pads nothing: bit-identical to one call
+    each), the others one by one, as a step that admits whole prompts beside a chunked one has."""
+    # three prompts of 48 tokens, one of 64, a chunk of 32 after 32 cached tokens, one of 48 with
+    # context (a later chunk: not in the group)
+    batch = make_batch([48, 64, 48, 32, 48, 48], [48, 64, 48, 64, 48, 80], 9, 3, 64, 16, seed=7)
+    outs = {}
+    for mode in ("auto", "per_request"):
+        backend = TorchAttentionBackend(prefill_mode=mode)
+        backend.prefill_in_cache_dtype = True
+        plan = backend.prepare(batch.meta)
+        if mode == "auto":
+            assert plan.padded_prefill is not None and plan.padded_prefill.num_prefills == 3
+            assert [(rp.start, rp.end) for rp in plan.request_prefills] == [(48, 112), (160, 192), (240, 288)]
+        cache = batch.kv_cache.to(torch.bfloat16)
+        outs[mode] = backend.forward(batch.query, batch.key, batch.value, cache, plan, batch.scale)
+    assert torch.equal(outs["auto"], outs["per_request"])

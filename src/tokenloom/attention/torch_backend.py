@@ -249,9 +249,23 @@ class TorchAttentionBackend(AttentionBackend):
             elif self.prefill_in_cache_dtype:
                 # SDPA's bfloat16 kernel sums a padded batch's rows in chunks that depend on the
                 # padding, so one request's result would depend on its neighbours (a greedy
-                # reply flipped between DP=1 and DP=2): one batched call only when it pads
-                # nothing (uniform prompts without context; bit-identical to per request).
+                # reply flipped between DP=1 and DP=2): one batched call only for prompts it
+                # pads nothing for (one length, no context; bit-identical to per request).
                 padded = P > 1 and exact == P * Lq * Lk and Lq == Lk
+                if not padded and P > 2 and W is None:
+                    # The largest such group of this step's prompts, the rest one by one: a
+                    # step that admits 15 whole prompts beside a chunked one and the running
+                    # decodes (the usual step of a long batch) made 16 calls per layer.
+                    alone = p_seq == p_qlen
+                    if int(alone.sum()) > 1:
+                        lens, counts = p_qlen[alone].unique(return_counts=True)
+                        if int(counts.max()) > 1:
+                            group = alone & (p_qlen == lens[counts.argmax()])
+                            L = int(lens[counts.argmax()])
+                            padded_prefill = self._plan_padded_prefill(
+                                qsl, prefill_reqs[group], p_qlen[group], p_seq[group], L, L,
+                                bt_cpu(), bs, device, W)
+                            prefill_reqs = prefill_reqs[~group]
             else:
                 padded = P > 1 and P * Lq * Lk <= _PADDED_PREFILL_MAX_WASTE * exact
             if padded:
