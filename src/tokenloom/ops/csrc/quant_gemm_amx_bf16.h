@@ -319,59 +319,57 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
                 }
                 const int64_t np = it % npairs, mstart = it / npairs * block;
                 const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
-                {
-                    const uint16_t *b0 = panel, *b1 = panel + nkb * 512;
-                    const int64_t t0 = glu ? np : 2 * np, t1 = glu ? np + half : 2 * np + 1;
-                    dequant(w + t0 * tile_bytes, nkb, panel);
-                    dequant(t1 < ntiles ? w + t1 * tile_bytes : NULL, nkb, panel + nkb * 512);
-                    /* The quantized bytes of the panel this thread most likely takes next are
-                     * prefetched a few lines per K step of this panel's products: without it
-                     * the dequantization waited on memory (~30 % of its samples on its loads at
-                     * 64 rows). */
-                    const int64_t nnp = nx >= 0 ? nx % npairs : -1;
-                    const int64_t u0 = glu ? nnp : 2 * nnp, u1 = glu ? nnp + half : 2 * nnp + 1;
-                    const char *pf = nnp >= 0 && nnp != np ? (const char *)(w + u0 * tile_bytes) : NULL;
-                    const char *pf_end = pf ? pf + tile_bytes : NULL;
-                    const char *pf2 = pf && u1 < ntiles ? (const char *)(w + u1 * tile_bytes) : NULL;
-                    const int64_t pf_bytes = (pf2 ? 2 : 1) * tile_bytes;
-                    const int64_t pf_per = pf ? ((pf_bytes + 63) / 64 + mcount * nkb - 1) / (mcount * nkb) * 64 : 0;
-                    for (int64_t mi = 0; mi < mcount; mi++) {
-                        const int64_t mp = mstart + mi;
-                        const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
-                            for (int64_t i = 0; i < pf_per && pf < pf_end; i += 64) {
-                                _mm_prefetch(pf, _MM_HINT_T0);
-                                if ((pf += 64) >= pf_end && pf2) { /* on to the second tile */
-                                    pf = pf2;
-                                    pf_end = pf2 + tile_bytes;
-                                    pf2 = NULL;
-                                }
+                const uint16_t *b0 = panel, *b1 = panel + nkb * 512;
+                const int64_t t0 = glu ? np : 2 * np, t1 = glu ? np + half : 2 * np + 1;
+                dequant(w + t0 * tile_bytes, nkb, panel);
+                dequant(t1 < ntiles ? w + t1 * tile_bytes : NULL, nkb, panel + nkb * 512);
+                /* The quantized bytes of the panel this thread most likely takes next are
+                 * prefetched a few lines per K step of this panel's products: without it
+                 * the dequantization waited on memory (~30 % of its samples on its loads at
+                 * 64 rows). */
+                const int64_t nnp = nx >= 0 ? nx % npairs : -1;
+                const int64_t u0 = glu ? nnp : 2 * nnp, u1 = glu ? nnp + half : 2 * nnp + 1;
+                const char *pf = nnp >= 0 && nnp != np ? (const char *)(w + u0 * tile_bytes) : NULL;
+                const char *pf_end = pf ? pf + tile_bytes : NULL;
+                const char *pf2 = pf && u1 < ntiles ? (const char *)(w + u1 * tile_bytes) : NULL;
+                const int64_t pf_bytes = (pf2 ? 2 : 1) * tile_bytes;
+                const int64_t pf_per = pf ? ((pf_bytes + 63) / 64 + mcount * nkb - 1) / (mcount * nkb) * 64 : 0;
+                for (int64_t mi = 0; mi < mcount; mi++) {
+                    const int64_t mp = mstart + mi;
+                    const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
+                        for (int64_t i = 0; i < pf_per && pf < pf_end; i += 64) {
+                            _mm_prefetch(pf, _MM_HINT_T0);
+                            if ((pf += 64) >= pf_end && pf2) { /* on to the second tile */
+                                pf = pf2;
+                                pf_end = pf2 + tile_bytes;
+                                pf2 = NULL;
                             }
-                            amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                         }
-                        _tile_stored(0, c, 128);
-                        _tile_stored(1, c + 16, 128);
-                        _tile_stored(2, c + 512, 128);
-                        _tile_stored(3, c + 528, 128);
-                        const int64_t m0 = mp * 32, n0 = np * 32;
-                        const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
-#if TL_HAVE_AVX512
-                        if (glu) {
-                            amxb_store_glu(c, kbchunk < nkb ? c2 : NULL, rows,
-                                           bias ? bias + 16 * np : NULL,
-                                           bias ? bias + 16 * (np + half) : NULL,
-                                           (float *)y + m0 * ldy + 16 * np, ldy, stream);
-                            continue;
-                        }
-#endif
-                        const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
-                        amxb_store(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
-                                   (char *)y + (m0 * ldy + n0) * es, ldy, y_bf16, stream);
+                        amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                     }
+                    _tile_stored(0, c, 128);
+                    _tile_stored(1, c + 16, 128);
+                    _tile_stored(2, c + 512, 128);
+                    _tile_stored(3, c + 528, 128);
+                    const int64_t m0 = mp * 32, n0 = np * 32;
+                    const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+#if TL_HAVE_AVX512
+                    if (glu) {
+                        amxb_store_glu(c, kbchunk < nkb ? c2 : NULL, rows,
+                                       bias ? bias + 16 * np : NULL,
+                                       bias ? bias + 16 * (np + half) : NULL,
+                                       (float *)y + m0 * ldy + 16 * np, ldy, stream);
+                        continue;
+                    }
+#endif
+                    const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
+                    amxb_store(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
+                               (char *)y + (m0 * ldy + n0) * es, ldy, y_bf16, stream);
                 }
             }
             if (stream) _mm_sfence(); /* streamed lines visible before the region's barrier */
