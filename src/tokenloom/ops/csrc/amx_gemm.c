@@ -33,6 +33,8 @@
 #include <unistd.h>
 
 #include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as quant_gemm_amx_bf16.h */
+#include "work_steal.h"
+#include <omp.h>
 #endif
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -143,6 +145,18 @@ static void store_block(const float *c, const float *c2, int rows, int cols, con
  * sum K in chunks of kchunk, each from zero, and add the chunks' sums in order before rounding,
  * which is how oneDNN's bf16 matmul sums some shapes at some row counts (ops/amx.py says which),
  * so that results can match a bf16 F.linear bit for bit. Returns 0, or -1 without AMX. */
+/* Item it of a matmul's (row block, column pair, row pair) order -> its column pair *np and row
+ * pair *mp: row blocks of `block` row pairs (the last one shorter), within a block the column
+ * pairs outermost, so a thread's run streams its share of the weight once per block and a pair's
+ * weight tiles stay in L1 across the block's rows. */
+static inline void amx_item(int64_t it, int64_t npairs, int64_t mpairs, int64_t block, int64_t *np,
+                            int64_t *mp) {
+    const int64_t b = it / (npairs * block), rem = it - b * npairs * block;
+    const int64_t mcount = mpairs - b * block < block ? mpairs - b * block : block;
+    *np = rem / mcount;
+    *mp = b * block + rem % mcount;
+}
+
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                            void *scratch, int64_t kchunk) {
@@ -170,52 +184,66 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
     const int stream = M * N * 2 >= g_stream_min, prefetch_w = g_prefetch_w;
     /* k blocks per chunk (nkb: one chunk) */
     const int64_t kbchunk = kchunk > 0 && kchunk < K && kchunk % 32 == 0 ? kchunk / 32 : nkb;
+    const int64_t items = npairs * mpairs; /* (row block, column pair, row pair), in that order */
+    tl_run runs[TL_STEAL_MAX_THREADS];
 #pragma omp parallel
     {
         configure_tiles();
         float c[32 * 32] __attribute__((aligned(64)));
         float c2[32 * 32] __attribute__((aligned(64)));
-        for (int64_t mstart = 0; mstart < mpairs; mstart += block) {
-            const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
-#pragma omp for schedule(static) collapse(2)
-            for (int64_t np = 0; np < npairs; np++) {
-                for (int64_t mi = 0; mi < mcount; mi++) {
-                    const int64_t mp = mstart + mi;
-                    const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
-                    const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    /* The next block's output rows (this thread's next (np, mi)), requested for
-                     * writing a few per step of K while the tiles work: a block's stores go to 32
-                     * rows in as many pages, which the hardware prefetchers do not follow, and
-                     * each line fetch would otherwise wait at the end of the block. Writing the
-                     * outputs was ~30 % of a 2,048-row matmul (benchmarks/README.md). */
-                    const int last = mi + 1 == mcount;
-                    const int64_t nmp = last ? mstart : mp + 1, nnp = last ? np + 1 : np;
-                    int64_t nrows = 0;
-                    if (!stream && prefetch_w && nnp < npairs)
-                        nrows = M - nmp * 32 < 32 ? M - nmp * 32 : 32;
-                    const char *ny = (const char *)(y + nmp * 32 * ldy + nnp * 32);
-                    const int64_t per = (nrows + nkb - 1) / nkb;
-                    int64_t pr = 0;
-                    for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
-                        for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
-                            _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
-                        amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
-                    }
-                    _tile_stored(0, c, 128);
-                    _tile_stored(1, c + 16, 128);
-                    _tile_stored(2, c + 512, 128);
-                    _tile_stored(3, c + 528, 128);
-                    const int64_t m0 = mp * 32, n0 = np * 32;
-                    const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
-                    const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
-                    store_block(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
-                                y + m0 * ldy + n0, ldy, stream);
-                }
+        /* A contiguous run of items per thread, the rest taken over from the back of a slower
+         * thread's run (work_steal.h); no barrier between row blocks either. */
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int steal = nt <= TL_STEAL_MAX_THREADS;
+        if (steal) {
+#pragma omp single
+            {
+                int64_t bounds[TL_STEAL_MAX_THREADS + 1];
+                for (int u = 0; u <= nt; u++) bounds[u] = items * u / nt;
+                tl_runs_init(runs, bounds, nt);
             }
+        }
+        const int64_t i1 = items * (t + 1) / nt;
+        for (int64_t k = items * t / nt, it, nx;; k++) {
+            if (steal) {
+                if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
+            } else {
+                if ((it = k) >= i1) break;
+                nx = it + 1 < i1 ? it + 1 : -1;
+            }
+            int64_t np, mp, nnp = -1, nmp = 0;
+            amx_item(it, npairs, mpairs, block, &np, &mp);
+            if (nx >= 0) amx_item(nx, npairs, mpairs, block, &nnp, &nmp);
+            const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
+            const uint16_t *a0 = a + 2 * mp * nkb * 512, *a1 = a0 + nkb * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            /* The next block's output rows (of the item this thread most likely takes next),
+             * requested for writing a few per step of K while the tiles work: a block's stores
+             * go to 32 rows in as many pages, which the hardware prefetchers do not follow, and
+             * each line fetch would otherwise wait at the end of the block. Writing the outputs
+             * was ~30 % of a 2,048-row matmul (benchmarks/README.md). */
+            int64_t nrows = 0;
+            if (!stream && prefetch_w && nnp >= 0) nrows = M - nmp * 32 < 32 ? M - nmp * 32 : 32;
+            const char *ny = (const char *)(y + nmp * 32 * ldy + (nnp < 0 ? 0 : nnp) * 32);
+            const int64_t per = (nrows + nkb - 1) / nkb;
+            int64_t pr = 0;
+            for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
+                for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
+                    _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
+                amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
+            }
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 512, 128);
+            _tile_stored(3, c + 528, 128);
+            const int64_t m0 = mp * 32, n0 = np * 32;
+            const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+            const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
+            store_block(c, kbchunk < nkb ? c2 : NULL, rows, cols, bias ? bias + n0 : NULL,
+                        y + m0 * ldy + n0, ldy, stream);
         }
         if (stream) _mm_sfence(); /* streamed lines visible before the region's barrier */
         _tile_release();
