@@ -197,20 +197,10 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
         const int steal = nt <= TL_STEAL_MAX_THREADS;
         if (steal) {
 #pragma omp single
-            {
-                int64_t bounds[TL_STEAL_MAX_THREADS + 1];
-                for (int u = 0; u <= nt; u++) bounds[u] = items * u / nt;
-                tl_runs_init(runs, bounds, nt);
-            }
+            tl_runs_init_even(runs, items, nt);
         }
-        const int64_t i1 = items * (t + 1) / nt;
-        for (int64_t k = items * t / nt, it, nx;; k++) {
-            if (steal) {
-                if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
-            } else {
-                if ((it = k) >= i1) break;
-                nx = it + 1 < i1 ? it + 1 : -1;
-            }
+        for (int64_t k = items * t / nt, it, nx;
+             (it = tl_next_item(runs, steal, t, nt, &k, items * (t + 1) / nt, &nx)) >= 0;) {
             int64_t np, mp, nnp = -1, nmp = 0;
             amx_item(it, npairs, mpairs, block, &np, &mp);
             if (nx >= 0) amx_item(nx, npairs, mpairs, block, &nnp, &nmp);

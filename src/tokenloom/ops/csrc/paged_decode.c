@@ -469,13 +469,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
          * takes items from the back of the fullest other (work_steal.h). */
         const int64_t i0 = nt <= TL_MAX_THREADS ? bounds[t] : items * t / nt;
         const int64_t i1 = nt <= TL_MAX_THREADS ? bounds[t + 1] : items * (t + 1) / nt;
-        for (int64_t k = i0, it, nx;; k++) {
-            if (steal) {
-                if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
-            } else {
-                if ((it = k) >= i1) break;
-                nx = it + 1 < i1 ? it + 1 : -1;
-            }
+        for (int64_t k = i0, it, nx; (it = tl_next_item(runs, steal, t, nt, &k, i1, &nx)) >= 0;) {
             const int part = (int)(it % a.parts);
             const int b = (int)(it / a.parts / nchunk), c = (int)(it / a.parts % nchunk);
             const int hq0 = c * hpc, nh = num_heads - hq0 < hpc ? num_heads - hq0 : hpc;
@@ -520,11 +514,7 @@ int64_t tl_work_steal_check(int64_t items, int32_t slow, int32_t *counts) {
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
 #pragma omp single
-        {
-            int64_t bounds[TL_STEAL_MAX_THREADS + 1];
-            for (int u = 0; u <= nt && u <= TL_STEAL_MAX_THREADS; u++) bounds[u] = items * u / nt;
-            tl_runs_init(runs, bounds, nt < TL_STEAL_MAX_THREADS ? nt : TL_STEAL_MAX_THREADS);
-        }
+        tl_runs_init_even(runs, items, nt < TL_STEAL_MAX_THREADS ? nt : TL_STEAL_MAX_THREADS);
         const int64_t i0 = items * t / nt, i1 = items * (t + 1) / nt;
         for (int64_t it, nx; nt <= TL_STEAL_MAX_THREADS && (it = tl_runs_next(runs, t, nt, &nx)) >= 0;) {
             if (t == slow) {

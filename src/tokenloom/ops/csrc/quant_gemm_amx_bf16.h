@@ -303,20 +303,10 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
             const int steal = nt <= TL_STEAL_MAX_THREADS;
             if (steal) {
                 #pragma omp single
-                {
-                    int64_t bounds[TL_STEAL_MAX_THREADS + 1];
-                    for (int u = 0; u <= nt; u++) bounds[u] = items * u / nt;
-                    tl_runs_init(runs, bounds, nt);
-                }
+                tl_runs_init_even(runs, items, nt);
             }
-            const int64_t i1 = items * (t + 1) / nt;
-            for (int64_t k = items * t / nt, it, nx;; k++) {
-                if (steal) {
-                    if ((it = tl_runs_next(runs, t, nt, &nx)) < 0) break;
-                } else {
-                    if ((it = k) >= i1) break;
-                    nx = it + 1 < i1 ? it + 1 : -1;
-                }
+            for (int64_t k = items * t / nt, it, nx;
+                 (it = tl_next_item(runs, steal, t, nt, &k, items * (t + 1) / nt, &nx)) >= 0;) {
                 const int64_t np = it % npairs, mstart = it / npairs * block;
                 const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
                 const uint16_t *b0 = panel, *b1 = panel + nkb * 512;

@@ -83,4 +83,21 @@ static inline int64_t tl_runs_next(tl_run *runs, int t, int nt, int64_t *guess) 
         }
     }
 }
+/* runs[t] = thread t's even share by count of `items`, [items t / nt, items (t + 1) / nt). */
+static inline void tl_runs_init_even(tl_run *runs, int64_t items, int nt) {
+    for (int t = 0; t < nt; t++)
+        atomic_store(&runs[t].w, tl_run_pack(items * t / nt, items * (t + 1) / nt));
+}
+
+/* The kernels' loop head: thread t's next item, by tl_runs_next when `steal` (runs set up), else
+ * the next of its own run [*k, i1) (*k advanced); -1 when there is none. *guess as
+ * tl_runs_next's. Use: for (int64_t k = i0, it, nx; (it = tl_next_item(...&k, i1, &nx)) >= 0;) */
+static inline int64_t tl_next_item(tl_run *runs, int steal, int t, int nt, int64_t *k, int64_t i1,
+                                   int64_t *guess) {
+    if (steal) return tl_runs_next(runs, t, nt, guess);
+    if (*k >= i1) return -1;
+    const int64_t it = (*k)++;
+    *guess = it + 1 < i1 ? it + 1 : -1;
+    return it;
+}
 #endif
