@@ -233,7 +233,11 @@ def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
                                    max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
                                    pad_token_id=2)
         ref.append(gen[0, len(ids):].tolist())
-    with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2, quantization=None) as llm:
+    # In-process, so that every prompt is queued before the first step: the multiprocess core
+    # starts stepping as soon as the first request arrives, and under load (a test beside it on
+    # the other xdist worker) a first step with fewer prompts sums the bf16 prefill matmuls over
+    # other row counts (12 of 16 once, in a fresh clone's suite).
+    with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2, quantization=None, multiprocess=False) as llm:
         info = llm.llm_engine.engine_core.info
         ours = _greedy(llm, prompts)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
