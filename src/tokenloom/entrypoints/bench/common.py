@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,19 @@ def process_cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def end_command_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Ends a baseline that reads one command per stdin line (vLLM's, llama.cpp's script): stdin
+    closed, so its loop ends; killed if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def tree_pids(pid: int) -> list[int]:

@@ -88,12 +88,7 @@ class LlamaCppBaseline:
                 "threads": self.threads, "weight_bytes_per_token": gguf_weight_bytes_per_token(self.model_path)}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from tokenloom.entrypoints.bench.common import end_command_process
+
+        end_command_process(self.proc, timeout=30)
         os.unlink(self._spec.name)

