@@ -1,8 +1,9 @@
 """SmolLM2's four matmuls for 30 distinct layers (weights streamed from memory, as in a decode
 step) at several row counts: our AMX tile matmul (ops/amx) against oneDNN's packed bf16 matmul and
-MKL's `cblas_gemm_bf16bf16f32` (exported by torch's CPU library). Wall ms, min of 5.
+MKL's `cblas_gemm_bf16bf16f32` (exported by torch's CPU library), and ours without its weight
+prefetch. Wall ms, min and median of alternating rounds.
 
-    PYTHONPATH=src python benchmarks/amx_matmul.py [--threads 1] [--rows 1 16 64 512 2048]
+    PYTHONPATH=src python benchmarks/amx_matmul.py [--threads 1] [--rows 1 16 64 512 2048] [--rounds 9]
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512, 2048])
+    ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not amx.available():
@@ -55,14 +57,28 @@ def main() -> None:
                     mkl(101, 111, 112, M, n, k, 1.0, xs[k].data_ptr(), k, w.data_ptr(), k, 0.0,
                         yf.data_ptr(), n)
 
-        best = {}
-        for name, fn in (("ours (AMX)", run_ours), ("MKL bf16", run_mkl), ("oneDNN packed", run_onednn)) * 2:
+        def run_ours_no_prefetch() -> None:
+            amx.set_weight_prefetch(False)
+            try:
+                run_ours()
+            finally:
+                amx.set_weight_prefetch(True)
+
+        # rounds alternate the kernels, so that a noisy host's slow minutes meet all of them
+        times: dict[str, list[float]] = {}
+        kernels = (("ours (AMX)", run_ours), ("ours without weight prefetch", run_ours_no_prefetch),
+                   ("MKL bf16", run_mkl), ("oneDNN packed", run_onednn))
+        for name, fn in kernels:
             fn()
-            for _ in range(5):
+        for _ in range(args.rounds):
+            for name, fn in kernels:
                 t = time.perf_counter()
                 fn()
-                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
-        print(f"{M:5d} rows: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()))
+                times.setdefault(name, []).append(time.perf_counter() - t)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"{M:5d} rows, ms min/median of {args.rounds}: "
+              + ", ".join(f"{k} {min(v) * 1e3:.1f}/{med[k] * 1e3:.1f}" for k, v in times.items())
+              + f"; prefetch {med['ours without weight prefetch'] / med['ours (AMX)']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def _lib() -> ctypes.CDLL | None:
                                            _c_i64, _c_p, _c_i64]
         lib.tl_amx_bf16_set_stores.restype = None
         lib.tl_amx_bf16_set_stores.argtypes = [_c_i64, _c_i32]
+        lib.tl_amx_bf16_set_weight_prefetch.restype = None
+        lib.tl_amx_bf16_set_weight_prefetch.argtypes = [_c_i32]
         _bound.add(id(lib))
     return lib
 
@@ -58,6 +60,12 @@ def set_stores(stream_min_bytes: int | None = STREAM_MIN_BYTES, prefetch_for_wri
     the next block's lines requested ahead when `prefetch_for_write`. Results are the same bits."""
     _lib().tl_amx_bf16_set_stores(2**62 if stream_min_bytes is None else stream_min_bytes,
                                   int(prefetch_for_write))
+
+
+def set_weight_prefetch(on: bool = True) -> None:
+    """Whether the kernel requests the next column pair's weight tiles while a pair's tiles work
+    (the default; off only to measure it, benchmarks/amx_matmul.py). Results are the same bits."""
+    _lib().tl_amx_bf16_set_weight_prefetch(int(on))
 
 
 @dataclass(eq=False)

@@ -59,11 +59,15 @@ int32_t tl_amx_bf16_available(void) {
  * writing while a block's tiles work. */
 static int64_t g_stream_min = (int64_t)4 << 20;
 static int g_prefetch_w = 1;
+static int g_prefetch_b = 1; /* the next column pair's weight tiles, see tl_amx_bf16_linear */
 
 void tl_amx_bf16_set_stores(int64_t stream_min, int32_t prefetch_w) {
     g_stream_min = stream_min;
     g_prefetch_w = prefetch_w;
 }
+
+/* Whether items request the next column pair's weight tiles (for benchmarks; same bits). */
+void tl_amx_bf16_set_weight_prefetch(int32_t on) { g_prefetch_b = on; }
 
 /* Elements (bf16) of the packed copy of an [N, K] weight. */
 int64_t tl_amx_bf16_packed_elems(int64_t N, int64_t K) { return up32(N) * up32(K); }
@@ -220,9 +224,30 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
             const char *ny = (const char *)(y + nmp * 32 * ldy + (nnp < 0 ? 0 : nnp) * 32);
             const int64_t per = (nrows + nkb - 1) / nkb;
             int64_t pr = 0;
+            /* The next column pair's weight tiles, requested into L2 while this item's tiles
+             * work, each of the pair's row-pair items of this block a share of them (k tiles
+             * [pf_k0, pf_k0 + pf_n)), a few per k step. At decode row counts the weight streams
+             * from memory, which the tile products alone left idle between their loads: thirty
+             * layers' matmuls 1.27-1.31x faster at 1-16 rows, 1.25x at 48-64, 1.06-1.08x at
+             * 128-2048 (in-process A/B, benchmarks/README.md). The next pair is the owner's next
+             * one; a thread that took items over from another's run prefetches for nobody. */
+            const int64_t blk = mp / block, r = mp - blk * block;
+            const int64_t mcount = mpairs - blk * block < block ? mpairs - blk * block : block;
+            const uint16_t *pf = packed + (2 * np + 2) * nkb * 512;
+            const int pf_on = g_prefetch_b && np + 1 < npairs;
+            const int64_t pf_k0 = pf_on ? nkb * r / mcount : 0;
+            const int64_t pf_n = pf_on ? nkb * (r + 1) / mcount - pf_k0 : 0;
+            int64_t pf_i = 0;
             for (int64_t kb = 0, kflush = kbchunk; kb < nkb; kb++) {
                 for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
                     _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
+                for (const int64_t e = (kb + 1) * pf_n / nkb; pf_i < e; pf_i++) {
+                    const char *p0 = (const char *)(pf + (pf_k0 + pf_i) * 512), *p1 = p0 + nkb * 1024;
+                    for (int l = 0; l < 1024; l += 64) {
+                        _mm_prefetch(p0 + l, _MM_HINT_T1);
+                        _mm_prefetch(p1 + l, _MM_HINT_T1);
+                    }
+                }
                 amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
             }
             _tile_stored(0, c, 128);
