@@ -189,6 +189,9 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
     /* k blocks per chunk (nkb: one chunk) */
     const int64_t kbchunk = kchunk > 0 && kchunk < K && kchunk % 32 == 0 ? kchunk / 32 : nkb;
     const int64_t items = npairs * mpairs; /* (row block, column pair, row pair), in that order */
+    /* At most 16 rows summed in one go (decode steps of up to 16 sequences): one row tile per
+     * item, half the tile products and activation loads of the 32-row items */
+    const int one_row_tile = M <= 16 && kbchunk == nkb;
     tl_run runs[TL_STEAL_MAX_THREADS];
 #pragma omp parallel
     {
@@ -248,7 +251,15 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                         _mm_prefetch(p1 + l, _MM_HINT_T1);
                     }
                 }
-                amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
+                if (one_row_tile) { /* tiles 2-3 (rows 16-31) would hold zero padding */
+                    _tile_loadd(4, a0 + kb * 512, 64);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                } else {
+                    amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
+                }
             }
             _tile_stored(0, c, 128);
             _tile_stored(1, c + 16, 128);
