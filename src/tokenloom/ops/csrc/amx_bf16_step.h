@@ -1,7 +1,8 @@
-/* One K step of the 32 x 32 output block of a bf16 tile product, shared by amx_gemm.c (weights
- * packed to bf16 at load) and quant_gemm_amx_bf16.h (a quantized weight's panel dequantized to
- * bf16 per call): tiles 0-3 sum rows a0 | a1 (16 each) times columns b0 | b1 (16 each), 32 k per
- * step, each operand tile 1 KiB (512 bf16) further on per step. Tiles 4-7 hold the operands.
+/* One K step of the 32 x 32 output block of a bf16 tile product (and of a 16 x 32 one), shared
+ * by amx_gemm.c (weights packed to bf16 at load) and quant_gemm_amx_bf16.h (a quantized
+ * weight's panel dequantized to bf16 per call): tiles 0-3 sum rows a0 | a1 (16 each) times
+ * columns b0 | b1 (16 each), 32 k per step, each operand tile 1 KiB (512 bf16) further on per
+ * step. Tiles 4-7 hold the operands.
  *
  * K chunks: at step kb == *kflush (every kbchunk steps; nkb when the call sums K in one go) the
  * sums of the chunk just finished are stored to c and added into c2 in order, and the tiles
@@ -14,15 +15,33 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Tiles 0-3 (the 32 x 32 block's sums) to c, row-major with 32 floats a row. */
+static inline __attribute__((always_inline, target("amx-tile"))) void
+amx_bf16_store_sums(float *c) {
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 512, 128);
+    _tile_stored(3, c + 528, 128);
+}
+
+/* The K step of a 16 x 32 block (one row tile: at most 16 rows, summed in one go): tiles 0-1
+ * sum rows a0 times columns b0 | b1; tiles 2-3 stay zero. Each element is summed over the same
+ * k in the same order as in amx_bf16_k_step, so the results are the same bits. */
+static inline __attribute__((always_inline, target("amx-tile,amx-bf16"))) void
+amx_bf16_k_step_1row(int64_t kb, const uint16_t *a0, const uint16_t *b0, const uint16_t *b1) {
+    _tile_loadd(4, a0 + kb * 512, 64);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+}
+
 static inline __attribute__((always_inline, target("avx512f,amx-tile,amx-bf16"))) void
 amx_bf16_k_step(int64_t kb, int64_t *kflush, int64_t kbchunk, const uint16_t *a0,
                 const uint16_t *a1, const uint16_t *b0, const uint16_t *b1, float *c, float *c2) {
     if (kb == *kflush) { /* c2 (+)= the chunk just summed */
         *kflush += kbchunk;
-        _tile_stored(0, c, 128);
-        _tile_stored(1, c + 16, 128);
-        _tile_stored(2, c + 512, 128);
-        _tile_stored(3, c + 528, 128);
+        amx_bf16_store_sums(c);
         if (kb == kbchunk) {
             memcpy(c2, c, 32 * 32 * sizeof(float));
         } else {

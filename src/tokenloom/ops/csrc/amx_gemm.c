@@ -246,26 +246,19 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
                 for (const int64_t e = pr + per; pr < e && pr < nrows; pr++)
                     _mm_prefetch(ny + pr * ldy * 2, _MM_HINT_ET0);
                 for (const int64_t e = (kb + 1) * pf_n / nkb; pf_i < e; pf_i++) {
-                    const char *p0 = (const char *)(pf + (pf_k0 + pf_i) * 512), *p1 = p0 + nkb * 1024;
+                    const char *p0 = (const char *)(pf + (pf_k0 + pf_i) * 512);
+                    const char *p1 = p0 + nkb * 1024;
                     for (int l = 0; l < 1024; l += 64) {
                         _mm_prefetch(p0 + l, _MM_HINT_T1);
                         _mm_prefetch(p1 + l, _MM_HINT_T1);
                     }
                 }
-                if (one_row_tile) { /* tiles 2-3 (rows 16-31) would hold zero padding */
-                    _tile_loadd(4, a0 + kb * 512, 64);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                } else {
+                if (one_row_tile) /* tiles 2-3 (rows 16-31) would hold zero padding */
+                    amx_bf16_k_step_1row(kb, a0, b0, b1);
+                else
                     amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
-                }
             }
-            _tile_stored(0, c, 128);
-            _tile_stored(1, c + 16, 128);
-            _tile_stored(2, c + 512, 128);
-            _tile_stored(3, c + 528, 128);
+            amx_bf16_store_sums(c);
             const int64_t m0 = mp * 32, n0 = np * 32;
             const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
             const int cols = (int)(N - n0 < 32 ? N - n0 : 32);

@@ -342,10 +342,7 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
                         }
                         amx_bf16_k_step(kb, &kflush, kbchunk, a0, a1, b0, b1, c, c2);
                     }
-                    _tile_stored(0, c, 128);
-                    _tile_stored(1, c + 16, 128);
-                    _tile_stored(2, c + 512, 128);
-                    _tile_stored(3, c + 528, 128);
+                    amx_bf16_store_sums(c);
                     const int64_t m0 = mp * 32, n0 = np * 32;
                     const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
 #if TL_HAVE_AVX512
