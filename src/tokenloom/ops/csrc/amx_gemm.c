@@ -230,11 +230,10 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
             /* The next column pair's weight tiles, requested into L2 while this item's tiles
              * work, each of the pair's row-pair items of this block a share of them (k tiles
              * [pf_k0, pf_k0 + pf_n)), a few per k step. At decode row counts the weight streams
-             * from memory, which the tile products alone left idle between their loads: thirty
-             * layers' matmuls 1.07-1.31x faster at 1-16 rows, 1.19-1.25x at 48-64, 1.21x at 256,
-             * within the noise at 2,048 (alternating A/B runs, benchmarks/README.md). The next
-             * pair is the owner's next one; a thread that takes items over from the back of
-             * another's run requests a pair already done, which costs only the requests. */
+             * from memory, which the tile products alone left idle between their loads (figures
+             * in benchmarks/README.md, "Eighth session"). The next pair is the owner's next one;
+             * a thread that takes items over from the back of another's run requests a pair
+             * already done, which costs only the requests. */
             const int64_t blk = mp / block, r = mp - blk * block;
             const int64_t mcount = mpairs - blk * block < block ? mpairs - blk * block : block;
             const uint16_t *pf = packed + (2 * np + 2) * nkb * 512;

@@ -379,9 +379,9 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
                 float *yt = y + m0 * ldy + t * TILE_N;
                 /* A few rows (batch-1 decodes): the next tile's codes requested into L2 before
                  * this tile's products, which alone leave the memory idle between their loads (a
-                 * tile is 5-15 KiB, and the hardware prefetchers stop at each 4 KiB page). The
-                 * 30 layers' matmuls of the embedded Q4_1 model 1.19-1.29x faster at 1 row,
-                 * 1.19x at 2, 1.02x at 8 (in-process A/B, benchmarks/README.md). */
+                 * tile is 5-15 KiB, and the hardware prefetchers stop at each 4 KiB page); from
+                 * 8 rows the products take long enough that it no longer pays (benchmarks/
+                 * README.md, "Eighth session"). */
                 if (M <= 8 && t + 1 < ntiles) {
                     const char *nx = (const char *)(w + (t + 1) * tile_bytes);
                     for (int64_t l = 0; l < tile_bytes; l += 64) _mm_prefetch(nx + l, _MM_HINT_T1);
