@@ -127,20 +127,22 @@ def test_bf16_decode_is_transformers_sdpa_bit_for_bit():
     from torch's SDPA (4-D bfloat16, one query, enable_gqa): the kernel follows its flash
     kernel's softmax (fexp_u20, its sums, bfloat16 probabilities) and the order of MKL's bf16
     gemm sums (csrc/paged_decode_chunk.h), so greedy decoding follows transformers
-    (tests/entrypoints/test_llm.py). Contexts within one 512-key split and across three. MKL's
-    order was read on CPUs with AVX512-BF16, and the softmax follows torch's vector width: on
-    other machines the two agree to rounding only (test_decode_bf16_queries_and_cache)."""
-    from tokenloom.ops.cpu_features import detect
-
+    (tests/entrypoints/test_llm.py). Contexts within one 512-key split and across three, head
+    sizes 64 and 128. MKL's order was read on CPUs with AVX512-BF16 and on AVX2-only ones, and
+    the softmax follows torch's vector width: on other machines the two agree to rounding only
+    (test_decode_bf16_queries_and_cache)."""
     lib = cpu_kernels.load()
-    widths = {"avx512": "AVX512", "avx2": "AVX2"}
-    if not detect().avx512_bf16 or widths.get(cpu_kernels.isa()) != torch.backends.cpu.get_cpu_capability():
-        pytest.skip("MKL's bf16 order is known for AVX512-BF16 CPUs, with torch at the kernel's width")
-    hq, hkv, d, bs = 9, 3, 64, 16
+    if not cpu_kernels.bf16_decode_follows_torch():
+        pytest.skip("MKL's bf16 order is known for AVX512-BF16 and AVX2-only CPUs, with torch at "
+                    "the kernel's width")
+    hq, hkv, bs = 9, 3, 16
     g = torch.Generator().manual_seed(15)
-    for lens in ([5, 17, 40, 121], [300, 513, 1100, 64]):
+    # Scores times 2, and times 8 (a sharp softmax, where a score's last bit reaches the output:
+    # summing the AVX2 build's four partial sums in another order fails only there).
+    for d, lens, sharp in ((64, [5, 17, 40, 121], 2), (64, [300, 513, 1100, 64], 2),
+                           (64, [7, 100, 700, 1000], 8), (128, [1, 33, 900, 1100], 8)):
         b = len(lens)
-        q = (torch.randn(b, hq, d, generator=g) * 2).bfloat16()
+        q = (torch.randn(b, hq, d, generator=g) * sharp).bfloat16()
         k = [(torch.randn(1, hkv, n, d, generator=g) * 2).bfloat16() for n in lens]
         v = [torch.randn(1, hkv, n, d, generator=g).bfloat16() for n in lens]
         nblk = [(n + bs - 1) // bs for n in lens]

@@ -142,7 +142,10 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     input-major weights; then hands the heap that loading and packing freed back to the OS."""
     if pack_linear_weights(model):
         release_plain_weights(model)
-    else:
+    elif all(p.dtype == torch.float32 for p in model.parameters() if p.dim() == 2):
+        # Not bfloat16 (a CPU without native bf16, where `F.linear` runs torch's own bf16 GEMM):
+        # that GEMM sums an input-major weight in another order than transformers' row-major
+        # one, and keeping the checkpoint's layout keeps a bf16 prefill transformers' bit for bit.
         use_input_major_weights(model)
     release_freed_heap()
 

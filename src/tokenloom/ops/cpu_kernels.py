@@ -243,6 +243,19 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
                          f"head_dim {D}, block_size {bs}")
 
 
+def bf16_decode_follows_torch() -> bool:
+    """Whether a bfloat16 model's decode attention here is, bit for bit, torch's SDPA (what
+    transformers in bfloat16 computes): where the loaded build's width and the CPU make MKL run
+    the kernel whose summation order csrc/paged_decode_chunk.h follows, read on AVX512-BF16 CPUs
+    (the AVX-512 build, torch at AVX512) and on AVX2-only ones (the AVX2 build, torch at AVX2).
+    Elsewhere (an AVX-512 CPU without BF16, a build pinned narrower) the two agree to rounding."""
+    feats = cpu_features.detect()
+    torch_isa = torch.backends.cpu.get_cpu_capability()
+    if isa() == "avx512":
+        return feats.avx512_bf16 and torch_isa == "AVX512"
+    return isa() == "avx2" and "avx512f" not in feats.flags and torch_isa == "AVX2"
+
+
 def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
                  weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of `x` [T, H] (of `residual += x` when `residual` is given, updated in place, as

@@ -412,7 +412,8 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
 #if TL_HAVE_AVX2
     if (head_dim % 8 == 0) {
         a.fn = kv_bf16 ? kv_block_avx2_bf16kv : kv_block_avx2_f32;
-        a.pair_w = kv_bf16 ? 8 : 0;
+        /* The chunk path (a bfloat16 model) keeps column order on AVX2 (paged_decode_chunk.h). */
+        a.pair_w = kv_bf16 && !io_bf16 ? 8 : 0;
         a.qk_rows = 4;  /* QK_ROWS there */
         if (io_bf16) a.chunk_fn = kv_chunk_avx2_bf16kv;
     }

@@ -19,23 +19,34 @@
  *     end; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
  *   P V, per output column: keys in groups of 8 from the split's start, each group summed from 0
  *     in the order 1, 0, 3, 2, 5, 4, 7, 6 and then added to the (rescaled) total.
- * MKL on other CPUs (AVX2 only) sums in other orders; there the outputs still agree to rounding. */
+ * On AVX2-only CPUs MKL's kernel sums in another order, read off there with the same probes and
+ * checked against it on random inputs (d 32-256, 1-512 keys) from `benchmarks/mkl_bf16_order.py`:
+ *   K q, per key: four sums, of the elements i = 0, 1, 2, 3 mod 4, each in increasing i, then
+ *     (s0 + s2) + (s1 + s3). Every case checked agreed bit for bit.
+ *   P V, per output column: keys in groups of 4 from the split's start, each group summed as
+ *     (p0 v0 + p2 v2) + (p1 v1 + p3 v3) and then added to the total. That is MKL's order for 8
+ *     columns; with 64 and more MKL groups later keys otherwise (its probe tables), and the
+ *     float32 sums differ in their last bit in a fifth to two thirds of the columns at 100+
+ *     keys. The bfloat16 rounding of the output hides that: against torch's SDPA, 0 of 20,160
+ *     outputs differed (head sizes 32-128, 1-1,100 keys, on a Zen 3).
+ * The AVX2 build (VW 8) follows these; its query and accumulators stay in column order
+ * (pair_w 0). */
 
 /* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + QK_ROWS - 1 in MKL's order (above). With
  * 16 lanes a 32-element step holds block 2k in lanes 0-7 (the first accumulator) and block
- * 2k + 1 in lanes 8-15 (the second), and KV_PAIR's even/odd split is MKL's pair split; with 8
- * lanes the even blocks are summed first, then the odd ones. */
+ * 2k + 1 in lanes 8-15 (the second), and KV_PAIR's even/odd split is MKL's pair split. With 8
+ * lanes, MKL's AVX2 order. */
 TL_INLINE void TL_NAME(qk_rows_mkl)(const int gs, item_state *st, int g0, const KV_T *kb,
                                     int64_t ts, int n, int t, int D, int off) {
-    VEC acc[TL_GS][QK_ROWS];
     const KV_T *rows[QK_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < QK_ROWS; r++) rows[r] = kb + (t + r < n ? t + r : n - 1) * ts;
+#if VW == 16
+    VEC acc[TL_GS][QK_ROWS];
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++)
 #pragma GCC unroll 8
         for (int r = 0; r < QK_ROWS; r++) acc[g][r] = VZERO();
-#if VW == 16
     int c = 0;
     for (; c + 32 <= D; c += 32) {
 #pragma GCC unroll 8
@@ -71,47 +82,39 @@ TL_INLINE void TL_NAME(qk_rows_mkl)(const int gs, item_state *st, int g0, const 
             }
         }
     }
-#else
-    VEC first[TL_GS][QK_ROWS];  /* the even blocks' sums */
-    for (int pass = 0; pass < 2; pass++) {
-        for (int c = pass * 2 * VW; c + 2 * VW <= D; c += 4 * VW) {
-#pragma GCC unroll 8
-            for (int r = 0; r < QK_ROWS; r++) {
-                VEC lo, hi;
-                KV_PAIR(rows[r] + c, lo, hi);
-#pragma GCC unroll 8
-                for (int g = 0; g < gs; g++) {
-                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c + VW), hi, acc[g][r]);
-                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c), lo, acc[g][r]);
-                }
-            }
-        }
-        if ((D / (2 * VW)) % 2 == pass && D % (2 * VW)) {  /* a last half block, in column
-                                                              * order (not MKL's: rare sizes) */
-            const int c = D / (2 * VW) * 2 * VW;
-#pragma GCC unroll 8
-            for (int r = 0; r < QK_ROWS; r++) {
-                const VEC x = KV_ONE(rows[r] + c);
-#pragma GCC unroll 8
-                for (int g = 0; g < gs; g++)
-                    acc[g][r] = VFMA(VLOAD(st->qs[g0 + g] + c), x, acc[g][r]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < gs; g++)
-#pragma GCC unroll 8
-            for (int r = 0; r < QK_ROWS; r++) {
-                if (pass == 0) {
-                    first[g][r] = acc[g][r];
-                    acc[g][r] = VZERO();
-                } else {
-                    acc[g][r] = VADD(first[g][r], acc[g][r]);
-                }
-            }
-    }
-#endif
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) REDUCE_ROWS_MKL(acc[g], st->s[g0 + g] + off + t);
+#else
+    /* MKL's AVX2 order (above): two keys per vector, four elements of each a step, so lane j of
+     * a key's half sums its elements j mod 4 in order; the query is in column order here. */
+    VEC acc2[TL_GS][QK_ROWS / 2];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS / 2; r++) acc2[g][r] = VZERO();
+    for (int c = 0; c < D; c += 4) {
+        VEC qq[TL_GS];
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) qq[g] = _mm256_broadcast_ps((const __m128 *)(st->qs[g0 + g] + c));
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS / 2; r++) {
+            const __m128i two = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(rows[2 * r] + c)),
+                                                   _mm_loadl_epi64((const __m128i *)(rows[2 * r + 1] + c)));
+            const VEC x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(two), 16));
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++) acc2[g][r] = VFMA(qq[g], x, acc2[g][r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++)
+#pragma GCC unroll 8
+        for (int r = 0; r < QK_ROWS / 2; r++) {
+            const VEC h = VADD(acc2[g][r], _mm256_permute_ps(acc2[g][r], 0x4E)); /* s0+s2, s1+s3 */
+            const VEC sum = VADD(h, _mm256_permute_ps(h, 0xB1));
+            st->s[g0 + g][off + t + 2 * r] = _mm256_cvtss_f32(sum);
+            st->s[g0 + g][off + t + 2 * r + 1] = _mm_cvtss_f32(_mm256_extractf128_ps(sum, 1));
+        }
+#endif
 }
 
 TL_INLINE void TL_NAME(qk_chunk_gs)(const int gs, item_state *st, int g0, const KV_T *kb, int n,
@@ -160,9 +163,46 @@ TL_INLINE void TL_NAME(pv_cols_mkl)(const int gs, const int nv, item_state *st, 
         for (int v = 0; v < nv; v++) VSTORE(st->acc[g0 + g] + c + v * VW, acc[g][v]);
 }
 
+#if VW == 8
+/* The same for VW columns from c in MKL's AVX2 order (above): groups of 4 rows from the split's
+ * start (off is a multiple of 4 when the block size is), each as (row 0 + row 2) + (row 1 +
+ * row 3), added to the rescaled accumulator. The columns are in their own order (pair_w 0). */
+TL_INLINE void TL_NAME(pv_cols_avx2)(const int gs, item_state *st, int g0, const KV_T *vb,
+                                     int64_t ts, int n, int c, const float *alpha, int off,
+                                     pf_stream *pf) {
+    VEC acc[TL_GS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) acc[g] = VMUL(VLOAD(st->acc[g0 + g] + c), VSET1(alpha[g]));
+    for (int u0 = 0; u0 < n; u0 += 4) {
+        VEC part[2][TL_GS];
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) part[0][g] = part[1][g] = VZERO();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int u = u0 + (k >> 1) + 2 * (k & 1);  /* 0, 2, 1, 3 */
+            if (u >= n) continue;
+            if (pf) pf_run(pf);
+            const VEC x = KV_ONE(vb + u * ts + c);
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++)
+                part[k >> 1][g] = VFMA(VSET1(st->s[g0 + g][off + u]), x, part[k >> 1][g]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) acc[g] = VADD(acc[g], VADD(part[0][g], part[1][g]));
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) VSTORE(st->acc[g0 + g] + c, acc[g]);
+}
+#endif
+
 TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
                                     int64_t ts, int D, const float *alpha, int off,
                                     pf_stream *pf) {
+#if VW == 8
+    for (int c = 0; c < D; c += VW, pf = NULL)
+        TL_NAME(pv_cols_avx2)(gs, st, g0, vb, ts, n, c, alpha, off, pf);
+    return;
+#endif
     int c = 0;
     for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
         /* the group sums double the registers P.V holds: 8 lanes take 2 x VW columns a pass */
