@@ -139,7 +139,8 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     """Lays out a CPU model's weights for its matmuls, once, before the first step, for the
     model's owner (an engine's model runner): oneDNN-packed weights (float32; bfloat16 where the
     CPU has bf16 dot products) without their plain copy where it is never faster, else
-    input-major weights; then hands the heap that loading and packing freed back to the OS."""
+    input-major float32 weights (bfloat16 ones stay as loaded); then hands the heap that loading
+    and packing freed back to the OS."""
     if pack_linear_weights(model):
         release_plain_weights(model)
     elif all(p.dtype == torch.float32 for p in model.parameters() if p.dim() == 2):
