@@ -125,6 +125,7 @@ TL_INLINE void TL_NAME(qk_chunk_gs)(const int gs, item_state *st, int g0, const 
     }
 }
 
+#if VW == 16
 /* acc[:, c .. c + nv * VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows
  * 0 .. n - 1 in MKL's order (above): the accumulator rescaled first, then each group of 8 rows
  * (counted from the split's start: off, a block's first row there, is a multiple of 8 when the
@@ -162,11 +163,10 @@ TL_INLINE void TL_NAME(pv_cols_mkl)(const int gs, const int nv, item_state *st, 
 #pragma GCC unroll 8
         for (int v = 0; v < nv; v++) VSTORE(st->acc[g0 + g] + c + v * VW, acc[g][v]);
 }
-
-#if VW == 8
-/* The same for VW columns from c in MKL's AVX2 order (above): groups of 4 rows from the split's
- * start (off is a multiple of 4 when the block size is), each as (row 0 + row 2) + (row 1 +
- * row 3), added to the rescaled accumulator. The columns are in their own order (pair_w 0). */
+#else
+/* acc[:, c .. c + VW] as above, in MKL's AVX2 order: groups of 4 rows from the split's start
+ * (off is a multiple of 4 when the block size is), each as (row 0 + row 2) + (row 1 + row 3),
+ * added to the rescaled accumulator. The columns are in their own order (pair_w 0). */
 TL_INLINE void TL_NAME(pv_cols_avx2)(const int gs, item_state *st, int g0, const KV_T *vb,
                                      int64_t ts, int n, int c, const float *alpha, int off,
                                      pf_stream *pf) {
@@ -201,12 +201,11 @@ TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const 
 #if VW == 8
     for (int c = 0; c < D; c += VW, pf = NULL)
         TL_NAME(pv_cols_avx2)(gs, st, g0, vb, ts, n, c, alpha, off, pf);
-    return;
-#endif
+#else
     int c = 0;
     for (; c + 4 * VW <= D; c += 4 * VW, pf = NULL) {
-        /* the group sums double the registers P.V holds: 8 lanes take 2 x VW columns a pass */
-        if (PV_NV(gs) == 4 && VW == 16) {
+        /* the group sums double the registers P.V holds */
+        if (PV_NV(gs) == 4) {
             TL_NAME(pv_cols_mkl)(gs, 4, st, g0, vb, ts, n, c, alpha, off, pf);
         } else {
             TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
@@ -216,6 +215,7 @@ TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const 
     for (; c + 2 * VW <= D; c += 2 * VW, pf = NULL)
         TL_NAME(pv_cols_mkl)(gs, 2, st, g0, vb, ts, n, c, alpha, off, pf);
     if (c < D) TL_NAME(pv_cols_mkl)(gs, 1, st, g0, vb, ts, n, c, alpha, off, pf);
+#endif
 }
 
 /* qk_chunk_gs and pv_chunk_gs for a run-time head count gn (1 .. TL_GS). */
