@@ -1,8 +1,9 @@
 """A decode step of a Llama-family model as one C call (model/fused_decode.py). On quantized
 weights it gives the eager layers' results bit for bit: the same greedy tokens and the same
 logprobs, for the embedded SmolLM2 GGUF and for tiny GGUFs with a q/k/v bias (Qwen2), across
-prefills, decodes, requests of different lengths joining and leaving, and preemption. In
-bfloat16 (AMX CPUs) it follows the eager path within bf16 rounding."""
+prefills, decodes, requests of different lengths joining and leaving, and preemption. So it
+does on plain float32 weights (where the runner keeps them: AVX2), for steps of up to 15 tokens.
+In bfloat16 (AMX CPUs) it follows the eager path within bf16 rounding."""
 from __future__ import annotations
 
 import gguf
@@ -11,6 +12,7 @@ import torch
 from model_helpers import byte_vocab, tiny_gguf
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.model import packed_linear
 from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.ops import amx, cpu_kernels, quant
 
@@ -22,13 +24,14 @@ def _model(llm: LLM):
     return llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
 
 
-def _run(llm: LLM, prompts: list[list[int]], fused: bool) -> list[tuple]:
+def _run(llm: LLM, prompts: list[list[int]], fused: bool,
+         lengths: list[int] | None = None) -> list[tuple]:
     model = _model(llm)
     if not hasattr(llm, "_fused_step"):
         llm._fused_step = model.fused_decode  # built by the model runner
     model.fused_decode = llm._fused_step if fused else None
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
-              for n in (12, 5, 9, 16)[:len(prompts)]]
+              for n in (lengths or (12, 5, 9, 16))[:len(prompts)]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(tuple(o.outputs[0].token_ids), [sorted(d.items()) for d in o.outputs[0].logprobs])
             for o in outs]
@@ -115,12 +118,33 @@ def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path, request):
     assert runs[0] == runs[1]
 
 
-def test_float32_path_and_qk_norm_stay_eager(tmp_path, smollm2_path):
-    """What the C step does not compute keeps the eager layers: float32 matmuls, and Qwen3's
-    q/k norms."""
-    with LLM(smollm2_path, multiprocess=False, quantization=None, dtype="float32", num_kv_blocks=16) as llm:
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)
-        assert _model(llm).fused_decode is None
+@pytest.mark.parametrize("kind", ["smollm2", "qwen2"])
+def test_float32_fused_decode_is_the_eager_path(tmp_path, smollm2_path, kind):
+    """The float path in float32, where the model runner keeps the plain weights (AVX2): the
+    fused step multiplies them with the C GEMV the eager layers use below 16 rows, so greedy
+    tokens and logprobs are the eager path's bit for bit. 18 requests of different lengths:
+    the first decode steps (16 or more tokens) stay eager on oneDNN, the later ones run fused;
+    Qwen2 brings the q/k/v bias."""
+    path = smollm2_path if kind == "smollm2" else tiny_gguf(tmp_path, kind, Q.Q8_0, seed=5)
+    high = 40000 if kind == "smollm2" else len(byte_vocab())
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, high, (n,), generator=g).tolist()
+               for n in (1, 37, 90, 8, 3, 12, 25, 5, 60, 2, 17, 9, 4, 30, 6, 11, 7, 19)]
+    with LLM(path, multiprocess=False, quantization=None, dtype="float32", num_kv_blocks=128,
+             max_num_batched_tokens=128, enable_prefix_caching=False) as llm:
+        model = _model(llm)
+        if not packed_linear.gemv_in_use(model):
+            assert model.fused_decode is None
+            pytest.skip("the model runner keeps only oneDNN's packed weights on this CPU")
+        assert model.fused_decode is not None and model.fused_decode.max_tokens == 15
+        eager = _run(llm, prompts, fused=False, lengths=[3 + 2 * i for i in range(len(prompts))])
+        fused = _run(llm, prompts, fused=True, lengths=[3 + 2 * i for i in range(len(prompts))])
+        assert llm._fused_step.steps > 0
+    assert fused == eager
+
+
+def test_qk_norm_stays_eager(tmp_path):
+    """What the C step does not compute keeps the eager layers: Qwen3's q/k norms."""
     path = tiny_gguf(tmp_path, "qwen3", Q.Q8_0, seed=2, head_dim=32)
     with LLM(path, multiprocess=False, num_kv_blocks=16) as llm:
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3), use_tqdm=False)

@@ -9,7 +9,11 @@ linear below), optional q/k/v bias, and either
 - bfloat16: every linear a bf16 `Linear` whose weight the model runner packed for AMX
   (model/packed_linear, ops/amx), or a tiled quantized weight in a bfloat16 model (ops/quant's
   bf16 tiles), on a CPU with AMX: the step multiplies the same weights the eager layers use.
-  Elsewhere (AVX-512 BF16 without AMX) the eager path stays.
+  Elsewhere (AVX-512 BF16 without AMX) the eager path stays; or
+- float32: every linear a float32 `Linear` with its plain row-major weight (where the model
+  runner kept it: AVX2), or a tiled quantized one; the step runs for fewer tokens than
+  `packed_linear._GEMV_BELOW_ROWS`, where the eager layers call the same C GEMV, so it returns
+  their results bit for bit, and leaves larger steps to oneDNN's packed matmuls.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
@@ -27,11 +31,12 @@ import torch
 from torch import nn
 
 from tokenloom.attention.torch_backend import TorchAttentionPlan
+from tokenloom.model import packed_linear
 from tokenloom.model.llama import Linear
 from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.ops import amx, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
-from tokenloom.ops.decode_step import DecodeLayer, DecodeStep
+from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32Weight
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -52,11 +57,21 @@ def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
     return module.packed_weight if isinstance(module.packed_weight, AmxPackedWeight) else None
 
 
+def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | None:
+    if type(module) is not Linear or (module.bias is not None and not bias_ok):
+        return None
+    w = module.weight
+    if w.dtype != torch.float32 or w.dim() != 2 or not w.numel() or not w.is_contiguous():
+        return None
+    return F32Weight(w.detach())
+
+
 class FusedDecode:
     """The C decode step of a loaded model, with the per-step applicability check."""
 
-    def __init__(self, step: DecodeStep) -> None:
+    def __init__(self, step: DecodeStep, max_tokens: int | None = None) -> None:
         self.step = step
+        self.max_tokens = max_tokens  # None: any step size
         self.steps = 0  # decode steps run fused (tests and benchmarks read it)
 
     @classmethod
@@ -71,7 +86,8 @@ class FusedDecode:
             return None
         dtype = model.norm.weight.dtype
         if dtype == torch.float32:
-            kind = _tiled
+            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | None:
+                return _tiled(m, bias_ok) or (_f32(m, bias_ok) if packed_linear._GEMV_BELOW_ROWS > 1 else None)
         elif dtype == torch.bfloat16 and amx.available():
             # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
             def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | AmxPackedWeight | None:
@@ -93,10 +109,15 @@ class FusedDecode:
         step = DecodeStep(layers, model.norm.weight.detach(), model.cos_sin,
                           num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                           head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-        logger.info("decode steps run as one C call per step (%s)",
-                    f"{'quantized' if isinstance(layers[0].qkv, TiledQuantWeight) else 'bfloat16'} "
-                    f"matmuls, {str(dtype).removeprefix('torch.')} activations")
-        return cls(step)
+        f32 = any(isinstance(m, F32Weight) for lay in layers for m in (lay.qkv, lay.o, lay.gate_up, lay.down))
+        matmuls = ("float32" if f32 else "quantized" if isinstance(layers[0].qkv, TiledQuantWeight)
+                   else "bfloat16")
+        # float32 matrices: only the step sizes the eager layers also run on the C GEMV
+        max_tokens = packed_linear._GEMV_BELOW_ROWS - 1 if f32 else None
+        logger.info("decode steps run as one C call per step (%s matmuls, %s activations%s)",
+                    matmuls, str(dtype).removeprefix("torch."),
+                    f", up to {max_tokens} tokens" if max_tokens else "")
+        return cls(step, max_tokens)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  attn_plans: list[Any]) -> torch.Tensor | None:
@@ -105,6 +126,8 @@ class FusedDecode:
             return None
         plan = attn_plans[0]
         T = h.shape[0]
+        if self.max_tokens is not None and T > self.max_tokens:
+            return None
         dp = plan.decode
         if (dp is None or plan.padded_prefill is not None or plan.request_prefills
                 or dp.block_table_i32 is None or dp.sliding_window is not None

@@ -13,6 +13,9 @@
   call (`ops/decode_step.py`).
 - `tl_amx_bf16_*` (csrc/amx_gemm.c): bfloat16 matmuls on AMX tiles with the weight packed once
   (`ops/amx.py`), for the fused decode step.
+- `f32_linear` (csrc/f32_gemv.c): float32 matmuls of a few rows on a plain row-major weight, at
+  the speed the weight streams from memory (model/packed_linear.py picks it for decode-sized
+  inputs; the fused decode step calls it too).
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
-                                              "decode_step.c", "amx_gemm.c")]
+                                              "decode_step.c", "amx_gemm.c", "f32_gemv.c")]
 # Every header is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -143,6 +146,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [_c_p, _c_i64, _c_i32, _c_i32, _c_i32, _c_p, _c_p, _c_i64]
     lib.tl_argmax_f32.restype = None
     lib.tl_argmax_f32.argtypes = [_c_p, _c_i64, _c_i32, _c_i64, _c_p]
+    lib.tl_f32_linear.restype = _c_i32
+    lib.tl_f32_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
     return lib
 
 
@@ -288,6 +293,24 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor,
     _fn(lib, "tl_rope", x)(x.data_ptr(), x.stride(0), T, H, D, positions.data_ptr(),
                     cos_sin.data_ptr(), cos_sin.stride(0))
     return x
+
+
+def f32_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 `x` [..., K] (rows may be strided, elements
+    contiguous) and a contiguous row-major float32 `weight` [N, K] and `bias` [N]: each output
+    summed in one fixed order whatever the row count (csrc/f32_gemv.c)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    N, K = weight.shape
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    ldx = x2.stride(0) if x2.shape[0] > 1 else x2.shape[1]  # a lone row's stride is arbitrary
+    rc = lib.tl_f32_linear(weight.data_ptr(), N, K, x2.data_ptr(), ldx, x2.shape[0],
+                           out.data_ptr(), N, None if bias is None else bias.data_ptr())
+    if rc != 0:
+        raise ValueError(f"f32_linear rejected the shapes: x {tuple(x.shape)}, weight {(N, K)}")
+    return out.view(*x.shape[:-1], N)
 
 
 def argmax_f32(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:

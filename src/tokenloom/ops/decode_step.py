@@ -1,13 +1,15 @@
 """A whole decode step of a Llama-family decoder in one C call (csrc/decode_step.c), on
-quantized weights (float32 activations, or bfloat16 ones on AMX-BF16 CPUs) or on bfloat16
-weights (bfloat16 activations).
+quantized weights (float32 activations, or bfloat16 ones on AMX-BF16 CPUs), on bfloat16
+weights (bfloat16 activations) or on plain float32 weights (float32 activations).
 
 Why: at batch 1 the quantized kernels stream a step's weights in a few milliseconds, and the
 eager decoder spent about as long again issuing its ~400 per-layer calls while the second OpenMP
 thread waited (benchmarks/README.md, "Quantized weights"). `DecodeStep` strings the same C
 kernels together in C, in the eager order: on quantized weights it returns the eager path's
 hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles (ops/amx) instead of
-oneDNN's, each output rounded to bfloat16 once as in the eager path. It knows
+oneDNN's, each output rounded to bfloat16 once as in the eager path. On float32 weights it
+calls the C GEMV (csrc/f32_gemv.c) that the eager layers use at decode sizes, bit for bit
+theirs again. It knows
 nothing of modules or plans: model/fused_decode.py builds it from a loaded model and decides
 per step whether it applies.
 """
@@ -43,6 +45,23 @@ class _Model(ctypes.Structure):
 
 
 _FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 weight packed for AMX
+_FMT_F32 = -2  # TL_F32: a plain row-major float32 weight
+
+
+@dataclass(frozen=True, eq=False)
+class F32Weight:
+    """A plain row-major float32 weight [out, in] (a `Linear`'s own), for csrc/f32_gemv.c."""
+
+    data: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
 _bound: set[int] = set()
 
 
@@ -61,21 +80,22 @@ def _lib() -> ctypes.CDLL | None:
 @dataclass(eq=False)
 class DecodeLayer:
     """One decoder layer's parameters: norm weights in the activations' dtype (float32 for
-    quantized matrices, bfloat16 for bfloat16 ones), and the four matrices, each a tiled
-    quantized weight or a bfloat16 one packed for AMX."""
+    quantized or float32 matrices, bfloat16 for bfloat16 ones), and the four matrices, each a
+    tiled quantized weight, a bfloat16 one packed for AMX or a plain float32 one."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: TiledQuantWeight | AmxPackedWeight
-    o: TiledQuantWeight | AmxPackedWeight
-    gate_up: TiledQuantWeight | AmxPackedWeight
-    down: TiledQuantWeight | AmxPackedWeight
+    qkv: TiledQuantWeight | AmxPackedWeight | F32Weight
+    o: TiledQuantWeight | AmxPackedWeight | F32Weight
+    gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight
+    down: TiledQuantWeight | AmxPackedWeight | F32Weight
     qkv_bias: torch.Tensor | None = None
 
 
 class DecodeStep:
     """All layers of a decode step: embeddings [T, hidden] in, the final norm's output out, in
-    the activations' dtype (float32 with quantized matrices, bfloat16 with bfloat16 ones)."""
+    the activations' dtype (float32 with quantized or float32 matrices, bfloat16 with bfloat16
+    ones)."""
 
     def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor,
                  cos_sin: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -104,7 +124,8 @@ class DecodeStep:
             self._keep += [lay.input_norm, lay.post_norm]
             dst.input_norm, dst.post_norm = lay.input_norm.data_ptr(), lay.post_norm.data_ptr()
             for field, w in (("qkv", lay.qkv), ("o", lay.o), ("gate_up", lay.gate_up), ("down", lay.down)):
-                fmt = w.fmt if isinstance(w, TiledQuantWeight) else _FMT_BF16
+                fmt = (w.fmt if isinstance(w, TiledQuantWeight)
+                       else _FMT_F32 if isinstance(w, F32Weight) else _FMT_BF16)
                 self._keep.append(w.data)
                 setattr(dst, field, _Mat(w=w.data.data_ptr(), bias=None, n=w.out_features, fmt=fmt))
             if lay.qkv_bias is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenloom.config import EngineConfig
+from tokenloom.model import packed_linear
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
@@ -83,6 +84,8 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
         matmul = f"AMX tiles {dtype} (ops/amx)"
     elif getattr(loaded.model, "packed_lm_head", None) is not None:
         matmul = f"oneDNN packed {dtype}"
+        if loaded.dtype == torch.float32 and packed_linear.gemv_in_use(loaded.model):
+            matmul = f"C GEMV below {packed_linear._GEMV_BELOW_ROWS} rows, {matmul}"
     else:
         matmul = f"F.linear {dtype}"
     threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"

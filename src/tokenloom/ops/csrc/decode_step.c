@@ -1,5 +1,6 @@
 /* One decode step of a Llama-family decoder, every layer in one call: on block-quantized weights
- * (float32 or bfloat16 activations) or on bfloat16 weights (bfloat16 activations).
+ * (float32 or bfloat16 activations), on bfloat16 weights (bfloat16 activations) or on float32
+ * ones (float32 activations, a few tokens: f32_gemv.c).
  *
  * Why: at batch 1 a quantized decode step of SmolLM2-135M reads ~96 MB of weights, which the
  * kernels stream in a few milliseconds, but the eager layer issues ~13 Python-level calls per
@@ -13,7 +14,8 @@
  * The bfloat16 variant multiplies on AMX tiles (amx_gemm.c, the weights packed in tile order at
  * load); each output is rounded to bfloat16 once, as a bf16 `F.linear` rounds, so results differ
  * from the eager (oneDNN) path only where the two GEMMs' reduction orders round to neighbouring
- * bf16 values.
+ * bf16 values. The float32-weight variant calls the kernel the eager layers call for the same
+ * few rows (model/packed_linear.py), so its results are theirs bit for bit too.
  *
  * What it covers (the caller, model/fused_decode.py, checks it once per step and otherwise
  * runs the eager layers): float32 activations over a float32 or bfloat16 KV cache (the latter
@@ -61,13 +63,17 @@ int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K);
 int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
                          int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
                          void *scratch, int32_t levels, int64_t kchunk);
+int32_t tl_f32_linear(const float *w, int64_t N, int64_t K, const float *x, int64_t ldx,
+                      int64_t M, float *y, int64_t ldy, const float *bias);
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                            void *scratch, int64_t ksplit);
 
-/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py) or a bfloat16 one packed
- * for AMX (fmt = TL_BF16, amx_gemm.c), and an optional float32 bias. */
+/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py), a bfloat16 one packed
+ * for AMX (fmt = TL_BF16, amx_gemm.c) or a plain row-major float32 one (fmt = TL_F32,
+ * f32_gemv.c), and an optional float32 bias. */
 #define TL_BF16 (-1)
+#define TL_F32 (-2)
 typedef struct {
     const void *w;
     const float *bias; /* NULL for none */
@@ -116,6 +122,9 @@ int64_t tl_llama_decode_workspace(const tl_model *m, int64_t T) {
 /* y[T, n] = x[T, K] W^T (+ bias) in the activations' dtype; `tmp` is the kernel's scratch. */
 static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t K, int32_t T,
                       void *y, void *tmp) {
+    if (w->fmt == TL_F32)
+        return tl_f32_linear((const float *)w->w, w->n, K, (const float *)x, K, T, (float *)y,
+                             w->n, w->bias);
     if (w->fmt == TL_BF16)
         return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
                                   w->bias, (uint16_t *)y, w->n, tmp, 0);
