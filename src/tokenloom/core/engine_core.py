@@ -41,11 +41,13 @@ class EngineCore:
         info = self.executor.info
         self.max_model_len = info.max_model_len
         num_kv_blocks = self.executor.determine_num_kv_blocks()
-        model_config, tokenizer = self.executor.model_config(), self.executor.tokenizer()
-        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-        stop_ids = [t for t in [tokenizer_eos, *model_config.eos_token_ids] if t is not None]
+        model_config = self.executor.model_config()
+        # The tokenizer (and its EOS, a grammar's stop token beside the model's) is built with
+        # the first structured output, on the grammar thread: few engines ever need it here.
+        stop_ids = [t for t in model_config.eos_token_ids if t is not None]
         self.structured_output_manager = StructuredOutputManager(
-            tokenizer, model_config.vocab_size, stop_ids, config.max_num_seqs)
+            None, model_config.vocab_size, stop_ids, config.max_num_seqs,
+            tokenizer_loader=self.executor.tokenizer)
         self.scheduler = Scheduler(config, num_kv_blocks, self.max_model_len,
                                    self.structured_output_manager, kv_cache_groups(model_config))
         self.info = EngineInfo(

