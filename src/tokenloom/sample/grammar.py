@@ -13,8 +13,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tokenloom.structured_output.backend import load_xgrammar
-
 
 @dataclass(slots=True)
 class GrammarMask:
@@ -36,7 +34,10 @@ def apply_grammar_mask(logits: Tensor, mask: GrammarMask, aligned: Tensor) -> No
     """In place: the constrained rows of `logits` keep only their allowed tokens. `aligned` is a
     workspace of at least [len(logits), W] int32 rows, so the kernel reads bitmask row i for logits
     row i (xgrammar's `indices` name the same row of both)."""
-    xgr = load_xgrammar()  # loaded by the engine core's grammar manager before any mask exists
+    # Imported here, not at the top: an engine core that never sees a grammar never loads
+    # xgrammar (its grammar manager has loaded it before any mask exists).
+    import xgrammar as xgr
+
     n, vocab_size = logits.shape
     positions = mask.positions
     if positions.size == n and bool((positions == np.arange(n)).all()):
