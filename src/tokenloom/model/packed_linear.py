@@ -56,8 +56,8 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 
 # Below this many input rows a float32 matmul on a plain row-major weight runs the C kernel
 # (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight faster than oneDNN's packed
-# copy; from 16 rows oneDNN's blocked products are as fast or faster (2-core Zen 3,
-# benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
+# copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
+# Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
 _GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
 
 

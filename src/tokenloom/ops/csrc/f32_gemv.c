@@ -5,8 +5,8 @@
  * (model/packed_linear.py) and MKL's GEMV reached 6-9 GB/s on those shapes on a 2-core Zen 3,
  * where a plain sum over the same bytes reads 15 GB/s; this kernel reads each weight row once,
  * as it lies, four rows side by side (one independent stream each), and keeps the few activation
- * rows in L1 (benchmarks/README.md, "float32 GEMV"). From about 16 rows the products, not the
- * memory, are the cost and oneDNN's blocked matmul is faster again; the caller picks.
+ * rows in L1 (benchmarks/README.md, "float32 GEMV"). From 16-32 rows the products, not the
+ * memory, are the cost and oneDNN's blocked matmul catches up, then wins; the caller picks.
  *
  * Each output is summed the same way whatever M is and whichever thread computes it: VW lanes
  * (8 on AVX2, 16 on AVX-512, 1 without either) each accumulate the elements k = lane mod VW in
