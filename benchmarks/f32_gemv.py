@@ -8,7 +8,7 @@ beyond the caches, so each pass streams them from memory as a decode step does).
     .venv/bin/python benchmarks/f32_gemv.py --rows 1 16 --rounds 5
 
 Prints, per row count, the best pass of each path (ms and GB/s of weights) and the ratio to the
-C GEMV; `model/packed_linear._GEMV_BELOW_ROWS` is where oneDNN catches up on this CPU.
+C GEMV; `model/packed_linear.GEMV_BELOW_ROWS` is where oneDNN catches up on this CPU.
 """
 from __future__ import annotations
 

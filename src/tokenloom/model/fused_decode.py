@@ -12,7 +12,7 @@ linear below), optional q/k/v bias, and either
   Elsewhere (AVX-512 BF16 without AMX) the eager path stays; or
 - float32: every linear a float32 `Linear` with its plain row-major weight (where the model
   runner kept it: AVX2), or a tiled quantized one; the step runs for fewer tokens than
-  `packed_linear._GEMV_BELOW_ROWS`, where the eager layers call the same C GEMV, so it returns
+  `packed_linear.GEMV_BELOW_ROWS`, where the eager layers call the same C GEMV, so it returns
   their results bit for bit, and leaves larger steps to oneDNN's packed matmuls.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
@@ -58,12 +58,10 @@ def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
 
 
 def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | None:
-    if type(module) is not Linear or (module.bias is not None and not bias_ok):
+    if (type(module) is not Linear or (module.bias is not None and not bias_ok)
+            or not packed_linear.gemv_weight(module.weight)):
         return None
-    w = module.weight
-    if w.dtype != torch.float32 or w.dim() != 2 or not w.numel() or not w.is_contiguous():
-        return None
-    return F32Weight(w.detach())
+    return F32Weight(module.weight.detach())
 
 
 class FusedDecode:
@@ -87,7 +85,7 @@ class FusedDecode:
         dtype = model.norm.weight.dtype
         if dtype == torch.float32:
             def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | None:
-                return _tiled(m, bias_ok) or (_f32(m, bias_ok) if packed_linear._GEMV_BELOW_ROWS > 1 else None)
+                return _tiled(m, bias_ok) or _f32(m, bias_ok)
         elif dtype == torch.bfloat16 and amx.available():
             # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
             def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | AmxPackedWeight | None:
@@ -113,7 +111,7 @@ class FusedDecode:
         matmuls = ("float32" if f32 else "quantized" if isinstance(layers[0].qkv, TiledQuantWeight)
                    else "bfloat16")
         # float32 matrices: only the step sizes the eager layers also run on the C GEMV
-        max_tokens = packed_linear._GEMV_BELOW_ROWS - 1 if f32 else None
+        max_tokens = packed_linear.GEMV_BELOW_ROWS - 1 if f32 else None
         logger.info("decode steps run as one C call per step (%s matmuls, %s activations%s)",
                     matmuls, str(dtype).removeprefix("torch."),
                     f", up to {max_tokens} tokens" if max_tokens else "")

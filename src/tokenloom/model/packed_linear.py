@@ -58,7 +58,7 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 # (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight faster than oneDNN's packed
 # copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
 # Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
-_GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
+GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -96,17 +96,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | AmxPackedWeight | None,
            one_row_order: bool = False) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: float32 with fewer than `_GEMV_BELOW_ROWS` rows on a plain
+    """`F.linear(x, weight, bias)`: float32 with fewer than `GEMV_BELOW_ROWS` rows on a plain
     row-major weight through the C GEMV; else through the packed copy when there is one of `x`'s
     dtype and `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was
     released).
     oneDNN takes 2-D input; the model's activations are already [tokens, features].
     `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
     count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
-    if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-            and 0 < x.numel() // max(x.shape[-1], 1) < _GEMV_BELOW_ROWS and weight.numel()
-            and weight.is_contiguous() and (bias is None or bias.is_contiguous())
-            and (lib := cpu_kernels.load()) is not None):
+    if (x.dtype == torch.float32 and x.device.type == "cpu"
+            and 0 < x.numel() // max(x.shape[-1], 1) < GEMV_BELOW_ROWS and gemv_weight(weight)
+            and (bias is None or bias.is_contiguous()) and (lib := cpu_kernels.load()) is not None):
         return cpu_kernels.f32_linear(lib, x, weight, bias)
     # A packed copy belongs to the dtype it was packed in, on the CPU; a model cast or moved
     # after packing reads its (plain) weight.
@@ -122,14 +121,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return nn.functional.linear(x, weight, bias)
 
 
+def gemv_weight(weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies `weight` with the C GEMV at decode sizes (the fused decode step
+    takes the same ones): a plain, row-major float32 [out, in] on the CPU, the GEMV not turned off."""
+    return (GEMV_BELOW_ROWS > 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.numel() > 0 and weight.is_contiguous())
+
+
 def gemv_in_use(model: nn.Module) -> bool:
     """Whether `linear` sends this model's decode-sized float32 matmuls to the C GEMV: the
-    kernels load and the weights are plain, row-major float32 (AVX2 keeps them; elsewhere only
+    kernels load and every weight is one it takes (AVX2 keeps the plain weights; elsewhere only
     the packed copy stays)."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    return (_GEMV_BELOW_ROWS > 1 and bool(layers) and cpu_kernels.load() is not None
-            and all(m.weight.dtype == torch.float32 and m.weight.numel() and m.weight.is_contiguous()
-                    for m in layers))
+    return bool(layers) and cpu_kernels.load() is not None and all(gemv_weight(m.weight) for m in layers)
 
 
 @torch.no_grad()

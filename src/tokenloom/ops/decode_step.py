@@ -62,6 +62,7 @@ class F32Weight:
     def in_features(self) -> int:
         return self.data.shape[1]
 
+
 _bound: set[int] = set()
 
 

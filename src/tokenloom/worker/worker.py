@@ -85,7 +85,7 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
     elif getattr(loaded.model, "packed_lm_head", None) is not None:
         matmul = f"oneDNN packed {dtype}"
         if loaded.dtype == torch.float32 and packed_linear.gemv_in_use(loaded.model):
-            matmul = f"C GEMV below {packed_linear._GEMV_BELOW_ROWS} rows, {matmul}"
+            matmul = f"C GEMV below {packed_linear.GEMV_BELOW_ROWS} rows, {matmul}"
     else:
         matmul = f"F.linear {dtype}"
     threads = f"{torch.get_num_threads()} of {features.num_cores} usable cores, {thread_policy}"
