@@ -160,15 +160,23 @@ class _Turnstile:
 
 
 _TURNSTILE: _Turnstile | None = None
+# torch's thread count in this xdist worker for ordinary tests: its share of the cores. The work a
+# test does in the pytest process itself (transformers' reference generations, in-process
+# engines) spins torch's OpenMP threads on every core by default, against the other workers'
+# tests: on the 2-core Zen 3, transformers' SmolLM2 decode took 289 ms per token on 2 threads
+# with the other core busy, 128 on 1 (109 on 2 threads when quiet). Serial tests run alone and
+# get every core. Engines in their own processes choose their threads themselves.
+_SHARE_THREADS: int | None = None
 
 
 def pytest_configure(config):
-    global _TURNSTILE
+    global _TURNSTILE, _SHARE_THREADS
     worker = getattr(config, "workerinput", None)
     if worker is not None:
         import tempfile
 
         _TURNSTILE = _Turnstile(os.path.join(tempfile.gettempdir(), f"tokenloom-xdist-{worker['testrunuid']}"))
+        _SHARE_THREADS = max(1, len(os.sched_getaffinity(0)) // worker["workercount"])
 
 
 def pytest_unconfigure(config):
@@ -182,5 +190,10 @@ def pytest_runtest_protocol(item, nextitem):
     # part of its first test, so it never overlaps a serial test either.
     if _TURNSTILE is None:
         return (yield)
-    with _TURNSTILE.run(exclusive=item.get_closest_marker("serial") is not None):
+    import torch
+
+    serial = item.get_closest_marker("serial") is not None
+    # Set before every test: an in-process engine sets its own count, which stays with the process.
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if serial else _SHARE_THREADS)
+    with _TURNSTILE.run(exclusive=serial):
         return (yield)
