@@ -229,6 +229,43 @@ def test_gguf_tokenizer_matches_transformers(tmp_path):
     assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
 
 
+def test_gguf_tokenizer_merges_kept_in_the_disk_cache(tmp_path, monkeypatch):
+    """The merges recovered from a Gemma vocabulary are written once to $TOKENLOOM_CACHE_DIR and
+    read back by the next build: the same tokenizer. An entry that is damaged is rebuilt, and an
+    unwritable cache only costs the time (the tokenizer is built all the same)."""
+    from tokenloom.model.loader import load_tokenizer
+
+    tensors = gemma3_gguf_tensors(tiny_gemma3(len(SENTENCEPIECE_VOCAB), num_hidden_layers=1,
+                                              layer_types=["full_attention"]))
+    path = write_gguf(str(tmp_path / "tok.gguf"), "gemma3", tensors, block_count=1, hidden=64, ffn=96,
+                      heads=4, kv_heads=2, head_dim=16, tokenizer="llama", sliding_window=WINDOW)
+    texts = ["hello", " hello hello", "hell  o\n\tÿ 😀", "<s>hello</s>"]
+
+    def encoded() -> list[list[int]]:
+        tok = load_tokenizer(path)
+        return [tok(t).input_ids for t in texts]
+
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    cold = encoded()
+    [entry] = (tmp_path / "cache" / "tokenizers").glob("gemma-merges-*.npy")
+    ids = np.load(entry)
+    assert ids.dtype == np.int32 and ids.shape[1] == 2 and len(ids) >= 5
+    assert encoded() == cold
+    # The entry is what the next build uses: emptied (well-formed, no merges), every word falls
+    # apart into characters.
+    np.save(entry, ids[:0])
+    assert encoded() != cold
+    for damage in (b"", b"not an npy file", entry.read_bytes()[:100]):
+        entry.write_bytes(damage)
+        assert encoded() == cold
+        assert np.array_equal(np.load(entry), ids)  # rebuilt and written back
+    np.save(entry, np.full_like(ids, len(SENTENCEPIECE_VOCAB)))  # ids past the vocabulary
+    assert encoded() == cold
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "blocked"))
+    assert encoded() == cold
+
+
 # ----------------------------------------------------------------------------------- engine
 def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from tokenloom.disk_cache import cache_dir
 from tokenloom.ops import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,6 @@ _isa: str | None = None  # the ISA level `_lib` was built for
 _c_i64, _c_i32, _c_p, _c_f = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENLOOM_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "tokenloom") / "kernels"
-
-
 def _compiler() -> str | None:
     cc = os.environ.get("CC", "cc")
     return shutil.which(cc)
@@ -85,7 +81,7 @@ def _build(cc: str, isa: str) -> Path:
     key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES + _HEADERS),
                                     " ".join(flags + _LINK_FLAGS), version, isa,
                                     " ".join(sorted(features.flags))]).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
+    out_dir = cache_dir("kernels")
     target = out_dir / f"tokenloom_cpu-{isa}-{key}.so"
     if target.exists():
         return target

@@ -12,7 +12,7 @@ per line, so that the throughput bench can alternate its timed runs with ours. A
 docs ask, the OpenMP threads are bound to the cores (`VLLM_CPU_OMP_THREADS_BIND=0-N`) and
 torch's libgomp is preloaded. vLLM's CPU backend does not run Q4 GGUF files, so a GGUF model is first written out
 once as a dequantized float32 HF checkpoint (transformers' `save_pretrained`) in
-`~/.cache/tokenloom/hf-export/`.
+`$TOKENLOOM_CACHE_DIR/hf-export/` (default `~/.cache/tokenloom/hf-export/`).
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ _RESULT_PREFIX = "TOKENLOOM_VLLM_RESULT "
 
 def export_hf_checkpoint(model: str | None) -> str:
     """An HF directory for `model`: the directory itself, or a dequantized export of a GGUF."""
+    from tokenloom.disk_cache import cache_dir
     from tokenloom.model.loader import default_model_path
 
     path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isdir(path):
         return path
     name = os.path.splitext(os.path.basename(path))[0]
-    out = os.path.join(os.path.expanduser("~/.cache/tokenloom/hf-export"), name)
+    out = str(cache_dir("hf-export") / name)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     import shutil
