@@ -200,14 +200,8 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
         float c2[32 * 32] __attribute__((aligned(64)));
         /* A contiguous run of items per thread, the rest taken over from the back of a slower
          * thread's run (work_steal.h); no barrier between row blocks either. */
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int steal = nt <= TL_STEAL_MAX_THREADS;
-        if (steal) {
-#pragma omp single
-            tl_runs_init_even(runs, items, nt);
-        }
-        for (int64_t k = items * t / nt, it, nx;
-             (it = tl_next_item(runs, steal, t, nt, &k, items * (t + 1) / nt, &nx)) >= 0;) {
+        tl_items walk = tl_items_start(runs, items);
+        for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) {
             int64_t np, mp, nnp = -1, nmp = 0;
             amx_item(it, npairs, mpairs, block, &np, &mp);
             if (nx >= 0) amx_item(nx, npairs, mpairs, block, &nnp, &nmp);

@@ -126,14 +126,8 @@ int32_t tl_f32_linear(const float *w, int64_t N, int64_t K, const float *x, int6
     tl_run runs[TL_STEAL_MAX_THREADS];
     #pragma omp parallel if (items > 1)
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int steal = nt <= TL_STEAL_MAX_THREADS;
-        if (steal) {
-            #pragma omp single
-            tl_runs_init_even(runs, items, nt);
-        }
-        for (int64_t k = items * t / nt, it, nx;
-             (it = tl_next_item(runs, steal, t, nt, &k, items * (t + 1) / nt, &nx)) >= 0;) {
+        tl_items walk = tl_items_start(runs, items);
+        for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) {
             const int64_t n1 = (it + 1) * ITEM_N < N ? (it + 1) * ITEM_N : N;
             for (int64_t n0 = it * ITEM_N; n0 < n1; n0 += GROUP_N)
                 group(w + n0 * K, (int)(n1 - n0 < GROUP_N ? n1 - n0 : GROUP_N), K, x, ldx, M,

@@ -299,14 +299,8 @@ AMXB_TARGET static int32_t amxb_linear(int32_t fmt, const uint8_t *w, int64_t N,
             /* Items (row block, panel pair), row block major: a contiguous run per thread, the
              * rest taken over from the back of a slower thread's run (work_steal.h). */
             const int64_t items = (mpairs + block - 1) / block * npairs;
-            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            const int steal = nt <= TL_STEAL_MAX_THREADS;
-            if (steal) {
-                #pragma omp single
-                tl_runs_init_even(runs, items, nt);
-            }
-            for (int64_t k = items * t / nt, it, nx;
-                 (it = tl_next_item(runs, steal, t, nt, &k, items * (t + 1) / nt, &nx)) >= 0;) {
+            tl_items walk = tl_items_start(runs, items);
+            for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) {
                 const int64_t np = it % npairs, mstart = it / npairs * block;
                 const int64_t mcount = mpairs - mstart < block ? mpairs - mstart : block;
                 const uint16_t *b0 = panel, *b1 = panel + nkb * 512;

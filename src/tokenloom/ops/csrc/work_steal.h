@@ -15,6 +15,7 @@
  * the static split. */
 #ifndef TL_WORK_STEAL_H
 #define TL_WORK_STEAL_H
+#include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -99,5 +100,36 @@ static inline int64_t tl_next_item(tl_run *runs, int steal, int t, int nt, int64
     const int64_t it = (*k)++;
     *guess = it + 1 < i1 ? it + 1 : -1;
     return it;
+}
+
+/* One thread's walk over `items` split evenly across the team, taking over from a slower
+ * thread's run at the end; the static split when the team is too large for the runs. The loop
+ * head of the kernels that split their items evenly; tl_items_start is called by every thread of
+ * the parallel region (it holds an `omp single`, whose barrier publishes the runs):
+ *     tl_items walk = tl_items_start(runs, items);
+ *     for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) ...  (nx: the likely next) */
+typedef struct {
+    tl_run *runs;
+    int steal, t, nt;
+    int64_t k, end; /* the static split's own run [k, end), without stealing */
+} tl_items;
+
+static inline tl_items tl_items_start(tl_run *runs, int64_t items) {
+    tl_items w;
+    w.runs = runs;
+    w.nt = omp_get_num_threads();
+    w.t = omp_get_thread_num();
+    w.steal = w.nt <= TL_STEAL_MAX_THREADS;
+    w.k = items * w.t / w.nt;
+    w.end = items * (w.t + 1) / w.nt;
+    if (w.steal) {
+#pragma omp single
+        tl_runs_init_even(runs, items, w.nt);
+    }
+    return w;
+}
+
+static inline int64_t tl_items_next(tl_items *w, int64_t *guess) {
+    return tl_next_item(w->runs, w->steal, w->t, w->nt, &w->k, w->end, guess);
 }
 #endif
