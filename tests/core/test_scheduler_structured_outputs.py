@@ -12,7 +12,6 @@ import pytest
 from sched_helpers import check_block_invariants, make_request
 
 from tokenloom.config import EngineConfig
-from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.model.loader import load_tokenizer
 from tokenloom.runner_output import ModelRunnerOutput
