@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,19 @@ from tokenloom.ops import cpu_features, cpu_kernels
 # SmolLM2-135M: hidden 576, 9 q heads and 3 kv heads of 64, intermediate 1536, vocab 49152
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # q|k|v, o, gate|up, down
 LM_HEAD = (49152, 576)
+
+
+def best_passes(paths: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """The best timed pass (s) of each path over `rounds` alternating rounds, each timed pass right
+    after a warm one (which also evicts the previous path's data)."""
+    best = {name: float("inf") for name in paths}
+    for _ in range(rounds):
+        for name, run in paths.items():
+            run()
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
@@ -52,13 +66,7 @@ def main() -> None:
             "oneDNN packed": lambda: [_linear_packed(x, p, None) for x, p in zip(xs, packed)],
             "F.linear (MKL)": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
         }
-        best = {name: float("inf") for name in paths}
-        for _ in range(args.rounds):
-            for name, run in paths.items():
-                run()  # warm (and evict the other path's data)
-                t0 = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = best_passes(paths, args.rounds)
         base = best["C GEMV"]
         cells = "  ".join(f"{name} {dt * 1e3:6.1f} ms {mb / dt / 1e3:5.1f} GB/s ({dt / base:.2f}x)"
                           for name, dt in best.items())
