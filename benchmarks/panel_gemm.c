@@ -12,8 +12,8 @@
  * KC, the chunks' sums added in order, then the bias.
  *
  * The tile writes to a local 6 x 16 block and a separate epilogue copies or adds the valid part:
- * with the copy's row and column counts inside the tile function, gcc 12 compiled it at half
- * the speed (58 -> 43 GFLOP/s on one Zen 3 core on the same data). */
+ * with the copy's row and column counts inside the tile function, gcc 12 compiled the whole tile
+ * far slower (benchmarks/README.md, "Next: a panel-packed float32 matmul"). */
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>

@@ -163,9 +163,10 @@ _TURNSTILE: _Turnstile | None = None
 # torch's thread count in this xdist worker for ordinary tests: its share of the cores. The work a
 # test does in the pytest process itself (transformers' reference generations, in-process
 # engines) spins torch's OpenMP threads on every core by default, against the other workers'
-# tests: on the 2-core Zen 3, transformers' SmolLM2 decode took 289 ms per token on 2 threads
-# with the other core busy, 128 on 1 (109 on 2 threads when quiet). Serial tests run alone and
-# get every core. Engines in their own processes choose their threads themselves.
+# tests, and a thread whose partner is descheduled waits out a whole scheduler slice: on a
+# 2-core machine transformers' decode ran more than twice as fast on one thread as on two with
+# the other core busy (benchmarks/README.md, "The test suite's threads"). Serial tests run alone
+# and get every core. Engines in their own processes choose their threads themselves.
 _SHARE_THREADS: int | None = None
 
 

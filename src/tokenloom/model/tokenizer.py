@@ -64,8 +64,8 @@ def _byte_alphabet() -> dict[int, str]:
 def _gc_paused():
     """Python's cycle collector off while a vocabulary's worth of tuples is built: they hold no
     cycles, but every 700 allocations the collector walks the young ones, and with half a million
-    merges its older generations again and again (Gemma 3: building its merges and BPE model took
-    ~2.6 s with it, ~1.1 s without)."""
+    merges its older generations again and again (for Gemma 3 that was more than the build
+    itself: benchmarks/README.md, "Gemma 3's tokenizer from the disk cache")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -212,7 +212,7 @@ def _gemma_merge_ids(spelled: list[str], vocab: dict[str, int]) -> np.ndarray:
     They depend on the vocabulary alone, and for Gemma 3's 262k tokens the search below is
     seconds of Python in every process that builds the tokenizer (the server's front end, each
     `LLM()`), so the result is kept in the disk cache (tokenloom/disk_cache.py) under a hash of
-    the vocabulary: ~4 MB for Gemma 3, read back in milliseconds. An entry that cannot be read
+    the vocabulary: 8 bytes per merge, read back with one `np.load`. An entry that cannot be read
     or does not fit the vocabulary is rebuilt; a cache that cannot be written is done without."""
     key = hashlib.sha256("\0".join(["gemma-merges", _MERGES_VERSION, *spelled]).encode()).hexdigest()[:32]
     path = cache_dir("tokenizers") / f"gemma-merges-{key}.npy"
