@@ -118,13 +118,17 @@ def test_gguf_in_bfloat16_is_the_bf16_float_path(smollm2_path, request):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("matmul", ["panels", "gemv"])
 @pytest.mark.parametrize("kind", ["smollm2", "qwen2"])
-def test_float32_fused_decode_is_the_eager_path(tmp_path, smollm2_path, kind):
-    """The float path in float32, where the model runner keeps the plain weights (AVX2): the
-    fused step multiplies them with the C GEMV the eager layers use below 16 rows, so greedy
-    tokens and logprobs are the eager path's bit for bit. 18 requests of different lengths:
-    the first decode steps (16 or more tokens) stay eager on oneDNN, the later ones run fused;
-    Qwen2 brings the q/k/v bias."""
+def test_float32_fused_decode_is_the_eager_path(tmp_path, smollm2_path, kind, matmul, monkeypatch):
+    """The float path in float32 on AVX2 CPUs: the fused step multiplies the weights with the C
+    kernel the eager layers use, so greedy tokens and logprobs are the eager path's bit for bit.
+    On panel-packed weights (the default there) every decode step runs fused; on plain ones
+    (TOKENLOOM_F32_PANEL=0) the C GEMV below 16 rows, so the first decode steps of these 18
+    requests (16 or more tokens) stay eager on oneDNN and the later ones run fused. Qwen2
+    brings the q/k/v bias."""
+    if matmul == "gemv":
+        monkeypatch.setenv("TOKENLOOM_F32_PANEL", "0")
     path = smollm2_path if kind == "smollm2" else tiny_gguf(tmp_path, kind, Q.Q8_0, seed=5)
     high = 40000 if kind == "smollm2" else len(byte_vocab())
     g = torch.Generator().manual_seed(4)
@@ -133,10 +137,12 @@ def test_float32_fused_decode_is_the_eager_path(tmp_path, smollm2_path, kind):
     with LLM(path, multiprocess=False, quantization=None, dtype="float32", num_kv_blocks=128,
              max_num_batched_tokens=128, enable_prefix_caching=False) as llm:
         model = _model(llm)
-        if not packed_linear.gemv_in_use(model):
+        in_use = packed_linear.panels_in_use(model) if matmul == "panels" else packed_linear.gemv_in_use(model)
+        if not in_use:
             assert model.fused_decode is None
-            pytest.skip("the model runner keeps only oneDNN's packed weights on this CPU")
-        assert model.fused_decode is not None and model.fused_decode.max_tokens == 15
+            pytest.skip(f"the model runner keeps only oneDNN's packed weights on this CPU ({matmul} not in use)")
+        assert model.fused_decode is not None
+        assert model.fused_decode.max_tokens == (None if matmul == "panels" else 15)
         eager = _run(llm, prompts, fused=False, lengths=[3 + 2 * i for i in range(len(prompts))])
         fused = _run(llm, prompts, fused=True, lengths=[3 + 2 * i for i in range(len(prompts))])
         assert llm._fused_step.steps > 0

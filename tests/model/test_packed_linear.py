@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenloom.model import packed_linear
 from tokenloom.model.llama import Linear
 from tokenloom.model.packed_linear import (pack_linear_weights, packed_linear_available,
                                            release_plain_weights)
@@ -79,17 +80,21 @@ def test_packed_model_logits_and_dtype_change(tied):
                                    rtol=3e-2, atol=3e-2)
 
 
-def test_release_plain_weights_keeps_results():
-    """On AVX-512 CPUs the runner frees the plain float32 weights, which the packed copies
-    replace at every row count (also prefill-sized inputs); the tied embedding stays for
-    lookups."""
+@pytest.mark.parametrize("panels", ["on", "off"])
+def test_release_plain_weights_keeps_results(panels, monkeypatch):
+    """The runner frees the plain float32 weights where the packed copies replace them at every
+    row count (also prefill-sized inputs): on AVX-512 CPUs oneDNN's, on AVX2 ones the panels
+    (csrc/f32_panel.c); the tied embedding stays for lookups. With the panels turned off, AVX2
+    keeps the plain weights (the C GEMV and MKL's prefill read them)."""
+    if panels == "off":
+        monkeypatch.setenv("TOKENLOOM_F32_PANEL", "0")
     model = _tiny_model(tied=True)
     x_small, x_big = torch.randn(3, 64), torch.randn(700, 64)
     layer = model.layers[0].mlp
     expected = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
     assert pack_linear_weights(model) == 8
     freed = release_plain_weights(model)
-    if cpu_features.detect().isa != "avx512":  # MKL on the plain weight wins prefill there
+    if cpu_features.detect().isa != "avx512" and not packed_linear.panels_in_use(model):
         assert freed == 0
         return
     # 2 layers x float32 x (qkv 128x64, o 64x64, gate_up 192x64, down 64x96)

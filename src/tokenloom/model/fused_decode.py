@@ -10,10 +10,11 @@ linear below), optional q/k/v bias, and either
   (model/packed_linear, ops/amx), or a tiled quantized weight in a bfloat16 model (ops/quant's
   bf16 tiles), on a CPU with AMX: the step multiplies the same weights the eager layers use.
   Elsewhere (AVX-512 BF16 without AMX) the eager path stays; or
-- float32: every linear a float32 `Linear` with its plain row-major weight (where the model
-  runner kept it: AVX2), or a tiled quantized one; the step runs for fewer tokens than
-  `packed_linear.GEMV_BELOW_ROWS`, where the eager layers call the same C GEMV, so it returns
-  their results bit for bit, and leaves larger steps to oneDNN's packed matmuls.
+- float32: every linear a float32 `Linear` packed in panels (AVX2 CPUs, csrc/f32_panel.c) or a
+  tiled quantized one: the step calls the kernels the eager layers call, at any step size, so it
+  returns their results bit for bit; or with its plain row-major weight (panels turned off), where
+  the step runs for fewer tokens than `packed_linear.GEMV_BELOW_ROWS`, the eager layers calling
+  the same C GEMV there, and leaves larger steps to oneDNN's packed matmuls.
 Each step it then checks that the step is a plain decode step -- one attention plan, every token
 a decode of its own request in order, the C decode kernel's block table built, a cache the step
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
@@ -36,7 +37,7 @@ from tokenloom.model.llama import Linear
 from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.ops import amx, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
-from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32Weight
+from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32PanelWeight, F32Weight
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -57,11 +58,14 @@ def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
     return module.packed_weight if isinstance(module.packed_weight, AmxPackedWeight) else None
 
 
-def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | None:
-    if (type(module) is not Linear or (module.bias is not None and not bias_ok)
-            or not packed_linear.gemv_weight(module.weight)):
+def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | F32PanelWeight | None:
+    """The float32 matrix as the eager layers multiply it: its panels, else its plain weight where
+    they take the C GEMV."""
+    if type(module) is not Linear or (module.bias is not None and not bias_ok):
         return None
-    return F32Weight(module.weight.detach())
+    if isinstance(module.packed_weight, packed_linear.PanelPackedWeight):
+        return F32PanelWeight(module.packed_weight.panels, module.packed_weight.out_features)
+    return F32Weight(module.weight.detach()) if packed_linear.gemv_weight(module.weight) else None
 
 
 class FusedDecode:
@@ -84,7 +88,7 @@ class FusedDecode:
             return None
         dtype = model.norm.weight.dtype
         if dtype == torch.float32:
-            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | None:
+            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | F32PanelWeight | None:
                 return _tiled(m, bias_ok) or _f32(m, bias_ok)
         elif dtype == torch.bfloat16 and amx.available():
             # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
@@ -107,11 +111,13 @@ class FusedDecode:
         step = DecodeStep(layers, model.norm.weight.detach(), model.cos_sin,
                           num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                           head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-        f32 = any(isinstance(m, F32Weight) for lay in layers for m in (lay.qkv, lay.o, lay.gate_up, lay.down))
+        mats = [m for lay in layers for m in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        f32 = any(isinstance(m, (F32Weight, F32PanelWeight)) for m in mats)
         matmuls = ("float32" if f32 else "quantized" if isinstance(layers[0].qkv, TiledQuantWeight)
                    else "bfloat16")
-        # float32 matrices: only the step sizes the eager layers also run on the C GEMV
-        max_tokens = packed_linear.GEMV_BELOW_ROWS - 1 if f32 else None
+        # plain float32 matrices: only the step sizes the eager layers also run on the C GEMV
+        # (on panels they run the panel kernel at every size)
+        max_tokens = packed_linear.GEMV_BELOW_ROWS - 1 if any(isinstance(m, F32Weight) for m in mats) else None
         logger.info("decode steps run as one C call per step (%s matmuls, %s activations%s)",
                     matmuls, str(dtype).removeprefix("torch."),
                     f", up to {max_tokens} tokens" if max_tokens else "")

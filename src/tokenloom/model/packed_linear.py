@@ -21,6 +21,12 @@ step and the AMX bf16 matmul"); one copy instead of two keeps the engine's memor
 Each dtype's row threshold and whether the plain copy is worth keeping are in
 `_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
+On AVX2 CPUs (no AVX-512) float32 weights are packed for our own C matmul instead
+(csrc/f32_panel.c, `PanelPackedWeight`): panels of 16 output columns that serve every row count
+from one copy, faster than oneDNN's copy and the C GEMV at decode sizes and than MKL at prefill
+sizes there (benchmarks/README.md, "a panel-packed float32 matmul"), where oneDNN's copy plus
+the plain one for the GEMV and MKL took two. `TOKENLOOM_F32_PANEL=0` goes back to those.
+
 The original weights stay in the model (tests and tools read them, and a model may be shared by
 several runners), so packing costs one more copy of the matmul weights in memory, unless the
 owner of the model calls `release_plain_weights`: the engine's model runner does where the packed
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,6 +68,23 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
 
 
+@dataclass(frozen=True, eq=False)
+class PanelPackedWeight:
+    """A float32 weight [out_features, in] packed for csrc/f32_panel.c (`cpu_kernels.f32_panel_pack`)."""
+
+    panels: torch.Tensor
+    out_features: int
+    dtype = torch.float32
+
+
+def panels_wanted() -> bool:
+    """Whether float32 weights are packed in panels on this CPU: AVX2 without AVX-512 (there
+    oneDNN's copy alone serves every row count and was not compared), the C kernels built, not
+    turned off by TOKENLOOM_F32_PANEL=0."""
+    return (os.environ.get("TOKENLOOM_F32_PANEL") != "0" and cpu_features.detect().isa == "avx2"
+            and cpu_kernels.load() is not None)
+
+
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -70,6 +94,8 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     bfloat16 where the CPU multiplies it natively), checked on a tiny one; bfloat16 on an AMX CPU
     is packed for ops/amx instead."""
     if dtype == torch.bfloat16 and amx.available():
+        return True
+    if dtype == torch.float32 and panels_wanted():
         return True
     if dtype not in _PLAIN_FROM_ROWS or not torch.backends.mkldnn.is_available():
         return False
@@ -85,24 +111,36 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), x.float() @ w.float().t(), atol=tol, rtol=tol)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight | PanelPackedWeight:
     """[out, in] float32 or bfloat16 weight -> an opaque oneDNN tensor for `linear` (bfloat16 on
-    an AMX CPU: the weight in AMX tile order)."""
+    an AMX CPU: the weight in AMX tile order; float32 on an AVX2 one: in panels)."""
     if weight.dtype == torch.bfloat16 and amx.available():
         return amx.pack(weight)
+    if weight.dtype == torch.float32 and panels_wanted():
+        return PanelPackedWeight(cpu_kernels.f32_panel_pack(weight), weight.shape[0])
+    return onednn_pack_weight(weight)
+
+
+def onednn_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 or bfloat16 weight -> oneDNN's blocked copy (for `_linear_packed`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | AmxPackedWeight | None,
+           packed: torch.Tensor | AmxPackedWeight | PanelPackedWeight | None,
            one_row_order: bool = False) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: float32 with fewer than `GEMV_BELOW_ROWS` rows on a plain
-    row-major weight through the C GEMV; else through the packed copy when there is one of `x`'s
-    dtype and `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was
-    released).
+    """`F.linear(x, weight, bias)`: float32 on a panel-packed copy through csrc/f32_panel.c,
+    whatever the row count; float32 with fewer than `GEMV_BELOW_ROWS` rows on a plain row-major
+    weight through the C GEMV; else through the packed copy when there is one of `x`'s dtype and
+    `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was released).
     oneDNN takes 2-D input; the model's activations are already [tokens, features].
     `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
     count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
+    if isinstance(packed, PanelPackedWeight):
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and (bias is None or bias.is_contiguous())
+                and (lib := cpu_kernels.load()) is not None):
+            return cpu_kernels.f32_panel_linear(lib, x, packed.panels, packed.out_features, bias)
+        packed = None  # a model cast or moved after packing reads its plain weight
     if (x.dtype == torch.float32 and x.device.type == "cpu"
             and 0 < x.numel() // max(x.shape[-1], 1) < GEMV_BELOW_ROWS and gemv_weight(weight)
             and (bias is None or bias.is_contiguous()) and (lib := cpu_kernels.load()) is not None):
@@ -126,6 +164,13 @@ def gemv_weight(weight: torch.Tensor) -> bool:
     takes the same ones): a plain, row-major float32 [out, in] on the CPU, the GEMV not turned off."""
     return (GEMV_BELOW_ROWS > 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.numel() > 0 and weight.is_contiguous())
+
+
+def panels_in_use(model: nn.Module) -> bool:
+    """Whether this model's float32 matmuls run on panel-packed copies (csrc/f32_panel.c); an
+    untied LM head is packed as the model's `packed_lm_head`, not in its own slot."""
+    packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    return bool(packed) and all(isinstance(p, PanelPackedWeight) for p in packed)
 
 
 def gemv_in_use(model: nn.Module) -> bool:
@@ -190,7 +235,8 @@ def release_plain_weights(model: nn.Module) -> int:
     for m in model.modules():
         if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
             continue
-        if _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None:
+        if (not isinstance(m.packed_weight, PanelPackedWeight)
+                and _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None):
             continue
         freed += m.weight.numel() * m.weight.element_size()
         m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)

@@ -15,7 +15,10 @@
   (`ops/amx.py`), for the fused decode step.
 - `f32_linear` (csrc/f32_gemv.c): float32 matmuls of a few rows on a plain row-major weight, at
   the speed the weight streams from memory (model/packed_linear.py picks it for decode-sized
-  inputs; the fused decode step calls it too).
+  inputs where the weights stay plain; the fused decode step calls it too).
+- `f32_panel_linear` (csrc/f32_panel.c): float32 matmuls of any row count on a weight packed once
+  into panels of 16 output columns (`f32_panel_pack`); on AVX2 CPUs the float path's one copy of
+  each weight (model/packed_linear.py), read by the eager layers and the fused decode step.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -50,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
-                                              "decode_step.c", "amx_gemm.c", "f32_gemv.c")]
+                                              "decode_step.c", "amx_gemm.c", "f32_gemv.c", "f32_panel.c")]
 # Every header is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -144,6 +147,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_argmax_f32.argtypes = [_c_p, _c_i64, _c_i32, _c_i64, _c_p]
     lib.tl_f32_linear.restype = _c_i32
     lib.tl_f32_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
+    lib.tl_f32_panel_linear.restype = _c_i32
+    lib.tl_f32_panel_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
     return lib
 
 
@@ -291,22 +296,59 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor,
     return x
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`x` [..., K] as 2-D rows whose elements are contiguous (a view when they are), and the
+    rows' stride for the C matmuls (a lone row's own stride is arbitrary)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, (x2.stride(0) if x2.shape[0] > 1 else x2.shape[1])
+
+
 def f32_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for float32 `x` [..., K] (rows may be strided, elements
     contiguous) and a contiguous row-major float32 `weight` [N, K] and `bias` [N]: each output
     summed in one fixed order whatever the row count (csrc/f32_gemv.c)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, ldx = _rows(x)
     N, K = weight.shape
     out = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    ldx = x2.stride(0) if x2.shape[0] > 1 else x2.shape[1]  # a lone row's stride is arbitrary
     rc = lib.tl_f32_linear(weight.data_ptr(), N, K, x2.data_ptr(), ldx, x2.shape[0],
                            out.data_ptr(), N, None if bias is None else bias.data_ptr())
     if rc != 0:
         raise ValueError(f"f32_linear rejected the shapes: x {tuple(x.shape)}, weight {(N, K)}")
     return out.view(*x.shape[:-1], N)
+
+
+PANEL_COLUMNS = 16  # csrc/f32_panel.c's NR
+
+
+def f32_panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [N, K] weight as csrc/f32_panel.c reads it: [ceil(N / 16), K, 16], panel p
+    holding output columns 16p..16p+15 K-major, zeros past N."""
+    N, K = weight.shape
+    pad = -N % PANEL_COLUMNS
+    w = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, pad)) if pad else weight.detach().float()
+    return w.reshape(-1, PANEL_COLUMNS, K).transpose(1, 2).contiguous()
+
+
+def f32_panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 `x` [..., K] (rows may be strided, elements
+    contiguous) on `f32_panel_pack(weight)`, `weight` [out_features, K], and a contiguous float32
+    `bias`: each output summed in one fixed order whatever the row count (csrc/f32_panel.c)."""
+    x2, ldx = _rows(x)
+    K = panels.shape[1]
+    if (x2.shape[1] != K or panels.shape[0] != -(-out_features // PANEL_COLUMNS)
+            or (bias is not None and bias.numel() != out_features)):
+        raise ValueError(f"f32_panel_linear rejected the shapes: x {tuple(x.shape)}, panels "
+                         f"{tuple(panels.shape)}, out_features {out_features}")
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+    rc = lib.tl_f32_panel_linear(panels.data_ptr(), out_features, K, x2.data_ptr(), ldx, x2.shape[0],
+                                 out.data_ptr(), out_features, None if bias is None else bias.data_ptr())
+    if rc != 0:
+        raise ValueError(f"f32_panel_linear rejected the shapes: x {tuple(x.shape)}, out_features {out_features}")
+    return out.view(*x.shape[:-1], out_features)
 
 
 def argmax_f32(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:

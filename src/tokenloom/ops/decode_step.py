@@ -8,8 +8,8 @@ thread waited (benchmarks/README.md, "Quantized weights"). `DecodeStep` strings 
 kernels together in C, in the eager order: on quantized weights it returns the eager path's
 hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles (ops/amx) instead of
 oneDNN's, each output rounded to bfloat16 once as in the eager path. On float32 weights it
-calls the C GEMV (csrc/f32_gemv.c) that the eager layers use at decode sizes, bit for bit
-theirs again. It knows
+calls the C matmul the eager layers use (csrc/f32_panel.c on panel-packed weights, any step
+size; csrc/f32_gemv.c on plain ones, at decode sizes), bit for bit theirs again. It knows
 nothing of modules or plans: model/fused_decode.py builds it from a loaded model and decides
 per step whether it applies.
 """
@@ -46,6 +46,7 @@ class _Model(ctypes.Structure):
 
 _FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 weight packed for AMX
 _FMT_F32 = -2  # TL_F32: a plain row-major float32 weight
+_FMT_F32_PANEL = -3  # TL_F32_PANEL: a float32 weight packed in panels (cpu_kernels.f32_panel_pack)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +58,18 @@ class F32Weight:
     @property
     def out_features(self) -> int:
         return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class F32PanelWeight:
+    """A float32 weight packed in panels (`cpu_kernels.f32_panel_pack`), for csrc/f32_panel.c."""
+
+    data: torch.Tensor  # [ceil(out / 16), in, 16]
+    out_features: int
 
     @property
     def in_features(self) -> int:
@@ -82,14 +95,14 @@ def _lib() -> ctypes.CDLL | None:
 class DecodeLayer:
     """One decoder layer's parameters: norm weights in the activations' dtype (float32 for
     quantized or float32 matrices, bfloat16 for bfloat16 ones), and the four matrices, each a
-    tiled quantized weight, a bfloat16 one packed for AMX or a plain float32 one."""
+    tiled quantized weight, a bfloat16 one packed for AMX or a float32 one, plain or in panels."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: TiledQuantWeight | AmxPackedWeight | F32Weight
-    o: TiledQuantWeight | AmxPackedWeight | F32Weight
-    gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight
-    down: TiledQuantWeight | AmxPackedWeight | F32Weight
+    qkv: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
+    o: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
+    gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
+    down: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
     qkv_bias: torch.Tensor | None = None
 
 
@@ -125,8 +138,8 @@ class DecodeStep:
             self._keep += [lay.input_norm, lay.post_norm]
             dst.input_norm, dst.post_norm = lay.input_norm.data_ptr(), lay.post_norm.data_ptr()
             for field, w in (("qkv", lay.qkv), ("o", lay.o), ("gate_up", lay.gate_up), ("down", lay.down)):
-                fmt = (w.fmt if isinstance(w, TiledQuantWeight)
-                       else _FMT_F32 if isinstance(w, F32Weight) else _FMT_BF16)
+                fmt = (w.fmt if isinstance(w, TiledQuantWeight) else _FMT_F32 if isinstance(w, F32Weight)
+                       else _FMT_F32_PANEL if isinstance(w, F32PanelWeight) else _FMT_BF16)
                 self._keep.append(w.data)
                 setattr(dst, field, _Mat(w=w.data.data_ptr(), bias=None, n=w.out_features, fmt=fmt))
             if lay.qkv_bias is not None:

@@ -65,15 +65,19 @@ int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, co
                          void *scratch, int32_t levels, int64_t kchunk);
 int32_t tl_f32_linear(const float *w, int64_t N, int64_t K, const float *x, int64_t ldx,
                       int64_t M, float *y, int64_t ldy, const float *bias);
+int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *x, int64_t ldx,
+                            int64_t M, float *y, int64_t ldy, const float *bias);
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                            void *scratch, int64_t ksplit);
 
 /* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py), a bfloat16 one packed
- * for AMX (fmt = TL_BF16, amx_gemm.c) or a plain row-major float32 one (fmt = TL_F32,
- * f32_gemv.c), and an optional float32 bias. */
+ * for AMX (fmt = TL_BF16, amx_gemm.c), a plain row-major float32 one (fmt = TL_F32,
+ * f32_gemv.c) or a panel-packed float32 one (fmt = TL_F32_PANEL, f32_panel.c), and an optional
+ * float32 bias. */
 #define TL_BF16 (-1)
 #define TL_F32 (-2)
+#define TL_F32_PANEL (-3)
 typedef struct {
     const void *w;
     const float *bias; /* NULL for none */
@@ -125,6 +129,9 @@ static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t
     if (w->fmt == TL_F32)
         return tl_f32_linear((const float *)w->w, w->n, K, (const float *)x, K, T, (float *)y,
                              w->n, w->bias);
+    if (w->fmt == TL_F32_PANEL)
+        return tl_f32_panel_linear((const float *)w->w, w->n, K, (const float *)x, K, T,
+                                   (float *)y, w->n, w->bias);
     if (w->fmt == TL_BF16)
         return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
                                   w->bias, (uint16_t *)y, w->n, tmp, 0);
