@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.packed_linear import _linear_packed, pack_weight
+from tokenloom.model.packed_linear import _linear_packed, onednn_pack_weight
 from tokenloom.ops import cpu_features, cpu_kernels
 
 # SmolLM2-135M: hidden 576, 9 q heads and 3 kv heads of 64, intermediate 1536, vocab 49152
@@ -56,7 +56,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * args.layers + [LM_HEAD]
     weights = [torch.randn(n, k, generator=g) for n, k in shapes]
-    packed = [pack_weight(w) for w in weights]
+    packed = [onednn_pack_weight(w) for w in weights]
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"{len(weights)} matmuls, {mb:.0f} MB of float32 weights per pass")
     for m in args.rows:

@@ -1,46 +1,26 @@
-"""A candidate float32 matmul on one panel-packed copy of each weight (benchmarks/panel_gemm.c,
-AVX2) against what the float path runs today on SmolLM2-135M's shapes: the C GEMV on the plain
-weight (below 16 rows), oneDNN's packed copy (16-511 rows) and MKL's `F.linear` (from 512),
-side by side in one process, alternating, over the 30 layers' four matmuls and the LM head
-(538 MB of float32 weights, streamed from memory as a decode step streams them).
+"""The float32 matmul on one panel-packed copy of each weight (csrc/f32_panel.c, the float path's
+matmul on AVX2 CPUs) against the float path's earlier ones on SmolLM2-135M's shapes: the C GEMV
+on the plain weight (below 16 rows), oneDNN's packed copy (16-511 rows) and MKL's `F.linear`
+(from 512), side by side in one process, alternating, over the 30 layers' four matmuls and the
+LM head (538 MB of float32 weights, streamed from memory as a decode step streams them).
 
     .venv/bin/python benchmarks/panel_gemm.py                            # rows 1 4 8 16 32 64
     .venv/bin/python benchmarks/panel_gemm.py --rows 512 2048 --layers 2
 
-First checks the candidate: within float32 rounding of a float64 reference, and every row summed
+First checks the panel matmul: within float32 rounding of a float64 reference, and every row summed
 alike alone or in a batch. Then prints, per row count, the best pass of each path (ms, GFLOP/s)
-and its time over the candidate's.
+and its time over the panel matmul's.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from f32_gemv import LAYER_SHAPES, LM_HEAD, best_passes  # benchmarks/, the script's folder
 
-from tokenloom.model.packed_linear import _linear_packed, pack_weight
+from tokenloom.model.packed_linear import _linear_packed, onednn_pack_weight
 from tokenloom.ops import cpu_features, cpu_kernels
-
-
-def build() -> ctypes.CDLL:
-    isa = cpu_features.detect().isa
-    cc = shutil.which("cc")
-    if isa not in ("avx2", "avx512") or cc is None:
-        raise SystemExit(f"needs an AVX2 CPU and a C compiler (kernel ISA {isa}, cc {cc})")
-    out = Path(tempfile.mkdtemp(prefix="panel-gemm-")) / "panel_gemm.so"
-    src = Path(__file__).with_name("panel_gemm.c")
-    subprocess.run([cc, *cpu_kernels.compile_flags(isa), "-shared", str(src), "-o", str(out)], check=True)
-    lib = ctypes.CDLL(str(out))
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.tl_panel_pack.argtypes = [p, i64, i64, p]
-    lib.tl_panel_linear.argtypes = [p, i64, i64, p, i64, p, p]
-    return lib
 
 
 def main() -> None:
@@ -49,22 +29,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best pass counts")
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
-    lib, kernels = build(), cpu_kernels.load()
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the C kernels are not available here (no compiler?)")
     f = cpu_features.detect()
     print(f"machine: {f.model_name}, {f.num_cores} usable cores, kernels {cpu_kernels.isa()}, "
           f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{torch.get_num_threads()} threads")
 
-    def panel(w: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((w.shape[0] + 15) // 16 * 16 * w.shape[1])
-        lib.tl_panel_pack(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
-        return out
+    panel = cpu_kernels.f32_panel_pack
 
     def panel_linear(x: torch.Tensor, pw: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.empty(x.shape[0], n)
-        lib.tl_panel_linear(pw.data_ptr(), n, x.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
-                            None if bias is None else bias.data_ptr())
-        return y
+        return cpu_kernels.f32_panel_linear(kernels, x, pw, n, bias)
 
     g = torch.Generator().manual_seed(0)
     for n, k in [(67, 19), (576, 1536), (40, 576)]:
@@ -77,7 +53,7 @@ def main() -> None:
 
     shapes = LAYER_SHAPES * args.layers + [LM_HEAD]
     weights = [torch.randn(n, k, generator=g) for n, k in shapes]
-    packed, panels = [pack_weight(w) for w in weights], [panel(w) for w in weights]
+    packed, panels = [onednn_pack_weight(w) for w in weights], [panel(w) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"{len(weights)} matmuls, {flops_per_row * 2 / 1e6:.0f} MB of float32 weights per pass")
     for m in args.rows:
@@ -87,7 +63,7 @@ def main() -> None:
             "oneDNN packed": lambda: [_linear_packed(x, p, None) for x, p in zip(xs, packed)],
             "F.linear (MKL)": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
         }
-        if m < 33 and kernels is not None:
+        if m < 33:
             paths["C GEMV"] = lambda: [cpu_kernels.f32_linear(kernels, x, w, None) for x, w in zip(xs, weights)]
         best = best_passes(paths, args.rounds)
         base = best["panel"]

@@ -16,7 +16,7 @@ Rows per format, at 1 and 64 activation rows:
   the default; `--levels 1 2` adds llama.cpp's one plane)
 - F.linear f32: torch's float32 matmul on the dequantized weight (what `quantization=None` would
   compute without the packed copy)
-- f32 oneDNN: the float path as the engine runs it (model/packed_linear.py's packed float32)
+- f32 packed: the float path as the engine runs it (model/packed_linear.py: oneDNN's packed float32, panels on AVX2)
 - bf16 oneDNN: the same in bfloat16 (`dtype="bfloat16"`), where the CPU multiplies bf16 natively
 - ours <fmt> vnni (CPUs with AMX int8, 2 rows and more): the format on the AVX-512 VNNI kernel
   alone, beside the default that runs AMX tiles from 8 rows
@@ -131,7 +131,7 @@ def main() -> None:
                                                     Q.Q4_K if fits_k else Q.Q4_1))
             packed = pack_weight(wt)
             r["F.linear f32"] = bench(lambda: torch.nn.functional.linear(x, wt), reps)
-            r["f32 oneDNN"] = bench(lambda: linear(x, wt, None, packed), reps)
+            r["f32 packed"] = bench(lambda: linear(x, wt, None, packed), reps)
             if packed_linear_available(torch.bfloat16):  # the float path in bfloat16 (AMX bf16 here)
                 wb, xb = wt.bfloat16(), x.bfloat16()
                 packed_b = pack_weight(wb)
@@ -141,11 +141,11 @@ def main() -> None:
             for k, v in r.items():
                 total[k] = total.get(k, 0.0) + v
         base = total["F.linear f32"]
-        deq = total["f32 oneDNN"]
+        deq = total["f32 packed"]
         print(f"M={M}:")
         for k, v in total.items():
             print(f"  {k:16s} {v * layers * 1e3:9.2f} ms   x{base / v:5.2f} vs F.linear f32   "
-                  f"x{deq / v:5.2f} vs f32 oneDNN (dequantized path)")
+                  f"x{deq / v:5.2f} vs f32 packed (dequantized path)")
 
 
 if __name__ == "__main__":
