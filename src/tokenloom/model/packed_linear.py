@@ -24,7 +24,7 @@ Each dtype's row threshold and whether the plain copy is worth keeping are in
 On AVX2 CPUs (no AVX-512) float32 weights are packed for our own C matmul instead
 (csrc/f32_panel.c, `PanelPackedWeight`): panels of 16 output columns that serve every row count
 from one copy, faster than oneDNN's copy and the C GEMV at decode sizes and than MKL at prefill
-sizes there (benchmarks/README.md, "a panel-packed float32 matmul"), where oneDNN's copy plus
+sizes there (benchmarks/README.md, "One panel-packed float32 copy on AVX2"), where oneDNN's copy plus
 the plain one for the GEMV and MKL took two. `TOKENLOOM_F32_PANEL=0` goes back to those.
 
 The original weights stay in the model (tests and tools read them, and a model may be shared by
@@ -137,9 +137,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
     count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
     if isinstance(packed, PanelPackedWeight):
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and (bias is None or bias.is_contiguous())
-                and (lib := cpu_kernels.load()) is not None):
-            return cpu_kernels.f32_panel_linear(lib, x, packed.panels, packed.out_features, bias)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and (lib := cpu_kernels.load()) is not None:
+            return cpu_kernels.f32_panel_linear(lib, x, packed.panels, packed.out_features,
+                                                None if bias is None else bias.contiguous())
         packed = None  # a model cast or moved after packing reads its plain weight
     if (x.dtype == torch.float32 and x.device.type == "cpu"
             and 0 < x.numel() // max(x.shape[-1], 1) < GEMV_BELOW_ROWS and gemv_weight(weight)
