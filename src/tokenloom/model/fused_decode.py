@@ -37,7 +37,8 @@ from tokenloom.model.llama import Linear
 from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.ops import amx, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
-from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32PanelWeight, F32Weight
+from tokenloom.ops.cpu_kernels import F32Panels
+from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32Weight
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,13 @@ def _bf16(module: nn.Module, bias_ok: bool = False) -> AmxPackedWeight | None:
     return module.packed_weight if isinstance(module.packed_weight, AmxPackedWeight) else None
 
 
-def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | F32PanelWeight | None:
+def _f32(module: nn.Module, bias_ok: bool = False) -> F32Weight | F32Panels | None:
     """The float32 matrix as the eager layers multiply it: its panels, else its plain weight where
     they take the C GEMV."""
     if type(module) is not Linear or (module.bias is not None and not bias_ok):
         return None
-    if isinstance(module.packed_weight, packed_linear.PanelPackedWeight):
-        return F32PanelWeight(module.packed_weight.panels, module.packed_weight.out_features)
+    if isinstance(module.packed_weight, F32Panels):
+        return module.packed_weight
     return F32Weight(module.weight.detach()) if packed_linear.gemv_weight(module.weight) else None
 
 
@@ -88,7 +89,7 @@ class FusedDecode:
             return None
         dtype = model.norm.weight.dtype
         if dtype == torch.float32:
-            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | F32PanelWeight | None:
+            def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | F32Panels | None:
                 return _tiled(m, bias_ok) or _f32(m, bias_ok)
         elif dtype == torch.bfloat16 and amx.available():
             # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
@@ -112,7 +113,7 @@ class FusedDecode:
                           num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                           head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
         mats = [m for lay in layers for m in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-        f32 = any(isinstance(m, (F32Weight, F32PanelWeight)) for m in mats)
+        f32 = any(isinstance(m, (F32Weight, F32Panels)) for m in mats)
         matmuls = ("float32" if f32 else "quantized" if isinstance(layers[0].qkv, TiledQuantWeight)
                    else "bfloat16")
         # plain float32 matrices: only the step sizes the eager layers also run on the C GEMV

@@ -22,7 +22,7 @@ Each dtype's row threshold and whether the plain copy is worth keeping are in
 `_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
 On AVX2 CPUs (no AVX-512) float32 weights are packed for our own C matmul instead
-(csrc/f32_panel.c, `PanelPackedWeight`): panels of 16 output columns that serve every row count
+(csrc/f32_panel.c, `cpu_kernels.F32Panels`): panels of 16 output columns that serve every row count
 from one copy, faster than oneDNN's copy and the C GEMV at decode sizes and than MKL at prefill
 sizes there (benchmarks/README.md, "One panel-packed float32 copy on AVX2"), where oneDNN's copy plus
 the plain one for the GEMV and MKL took two. `TOKENLOOM_F32_PANEL=0` goes back to those.
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tokenloom.ops import amx, cpu_features, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
+from tokenloom.ops.cpu_kernels import F32Panels
 from tokenloom.ops.cpu_memory import release_freed_heap
 
 logger = logging.getLogger(__name__)
@@ -66,15 +66,6 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 # copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
 # Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
 GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
-
-
-@dataclass(frozen=True, eq=False)
-class PanelPackedWeight:
-    """A float32 weight [out_features, in] packed for csrc/f32_panel.c (`cpu_kernels.f32_panel_pack`)."""
-
-    panels: torch.Tensor
-    out_features: int
-    dtype = torch.float32
 
 
 def panels_wanted() -> bool:
@@ -111,13 +102,13 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), x.float() @ w.float().t(), atol=tol, rtol=tol)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight | PanelPackedWeight:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight | F32Panels:
     """[out, in] float32 or bfloat16 weight -> an opaque oneDNN tensor for `linear` (bfloat16 on
     an AMX CPU: the weight in AMX tile order; float32 on an AVX2 one: in panels)."""
     if weight.dtype == torch.bfloat16 and amx.available():
         return amx.pack(weight)
     if weight.dtype == torch.float32 and panels_wanted():
-        return PanelPackedWeight(cpu_kernels.f32_panel_pack(weight), weight.shape[0])
+        return F32Panels(cpu_kernels.f32_panel_pack(weight), weight.shape[0])
     return onednn_pack_weight(weight)
 
 
@@ -127,7 +118,7 @@ def onednn_pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | AmxPackedWeight | PanelPackedWeight | None,
+           packed: torch.Tensor | AmxPackedWeight | F32Panels | None,
            one_row_order: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: float32 on a panel-packed copy through csrc/f32_panel.c,
     whatever the row count; float32 with fewer than `GEMV_BELOW_ROWS` rows on a plain row-major
@@ -136,9 +127,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     oneDNN takes 2-D input; the model's activations are already [tokens, features].
     `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
     count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
-    if isinstance(packed, PanelPackedWeight):
+    if isinstance(packed, F32Panels):
         if x.dtype == torch.float32 and x.device.type == "cpu" and (lib := cpu_kernels.load()) is not None:
-            return cpu_kernels.f32_panel_linear(lib, x, packed.panels, packed.out_features,
+            return cpu_kernels.f32_panel_linear(lib, x, packed.data, packed.out_features,
                                                 None if bias is None else bias.contiguous())
         packed = None  # a model cast or moved after packing reads its plain weight
     if (x.dtype == torch.float32 and x.device.type == "cpu"
@@ -170,7 +161,7 @@ def panels_in_use(model: nn.Module) -> bool:
     """Whether this model's float32 matmuls run on panel-packed copies (csrc/f32_panel.c); an
     untied LM head is packed as the model's `packed_lm_head`, not in its own slot."""
     packed = [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-    return bool(packed) and all(isinstance(p, PanelPackedWeight) for p in packed)
+    return bool(packed) and all(isinstance(p, F32Panels) for p in packed)
 
 
 def gemv_in_use(model: nn.Module) -> bool:
@@ -235,7 +226,7 @@ def release_plain_weights(model: nn.Module) -> int:
     for m in model.modules():
         if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
             continue
-        if (not isinstance(m.packed_weight, PanelPackedWeight)
+        if (not isinstance(m.packed_weight, F32Panels)
                 and _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None):
             continue
         freed += m.weight.numel() * m.weight.element_size()

@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -321,6 +322,20 @@ def f32_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 
 
 PANEL_COLUMNS = 16  # csrc/f32_panel.c's NR
+
+
+@dataclass(frozen=True, eq=False)
+class F32Panels:
+    """A float32 weight [out_features, in_features] packed by `f32_panel_pack`: what
+    model/packed_linear keeps for a layer on AVX2 CPUs and the fused decode step multiplies."""
+
+    data: torch.Tensor  # [ceil(out_features / 16), in_features, 16]
+    out_features: int
+    dtype = torch.float32  # what `packed_linear.linear` compares with the input's
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
 
 
 def f32_panel_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.ops import amx, cpu_kernels, quant
+from tokenloom.ops.cpu_kernels import F32Panels
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.quant import TiledQuantWeight
 
@@ -46,7 +47,7 @@ class _Model(ctypes.Structure):
 
 _FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 weight packed for AMX
 _FMT_F32 = -2  # TL_F32: a plain row-major float32 weight
-_FMT_F32_PANEL = -3  # TL_F32_PANEL: a float32 weight packed in panels (cpu_kernels.f32_panel_pack)
+_FMT_F32_PANEL = -3  # TL_F32_PANEL: a float32 weight packed in panels (cpu_kernels.F32Panels)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,18 +59,6 @@ class F32Weight:
     @property
     def out_features(self) -> int:
         return self.data.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.data.shape[1]
-
-
-@dataclass(frozen=True, eq=False)
-class F32PanelWeight:
-    """A float32 weight packed in panels (`cpu_kernels.f32_panel_pack`), for csrc/f32_panel.c."""
-
-    data: torch.Tensor  # [ceil(out / 16), in, 16]
-    out_features: int
 
     @property
     def in_features(self) -> int:
@@ -99,10 +88,10 @@ class DecodeLayer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
-    o: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
-    gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
-    down: TiledQuantWeight | AmxPackedWeight | F32Weight | F32PanelWeight
+    qkv: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
+    o: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
+    gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
+    down: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
     qkv_bias: torch.Tensor | None = None
 
 
@@ -139,7 +128,7 @@ class DecodeStep:
             dst.input_norm, dst.post_norm = lay.input_norm.data_ptr(), lay.post_norm.data_ptr()
             for field, w in (("qkv", lay.qkv), ("o", lay.o), ("gate_up", lay.gate_up), ("down", lay.down)):
                 fmt = (w.fmt if isinstance(w, TiledQuantWeight) else _FMT_F32 if isinstance(w, F32Weight)
-                       else _FMT_F32_PANEL if isinstance(w, F32PanelWeight) else _FMT_BF16)
+                       else _FMT_F32_PANEL if isinstance(w, F32Panels) else _FMT_BF16)
                 self._keep.append(w.data)
                 setattr(dst, field, _Mat(w=w.data.data_ptr(), bias=None, n=w.out_features, fmt=fmt))
             if lay.qkv_bias is not None:

@@ -82,7 +82,7 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
         matmul = loaded.quantization
     elif isinstance(getattr(loaded.model, "packed_lm_head", None), AmxPackedWeight):
         matmul = f"AMX tiles {dtype} (ops/amx)"
-    elif isinstance(getattr(loaded.model, "packed_lm_head", None), packed_linear.PanelPackedWeight):
+    elif isinstance(getattr(loaded.model, "packed_lm_head", None), cpu_kernels.F32Panels):
         matmul = f"C panels {dtype}, every row count (one copy)"
     elif getattr(loaded.model, "packed_lm_head", None) is not None:
         matmul = f"oneDNN packed {dtype}"
