@@ -164,8 +164,8 @@ _TURNSTILE: _Turnstile | None = None
 # test does in the pytest process itself (transformers' reference generations, in-process
 # engines) spins torch's OpenMP threads on every core by default, against the other workers'
 # tests, and a thread whose partner is descheduled waits out a whole scheduler slice: on a
-# 2-core machine transformers' decode ran more than twice as fast on one thread as on two with
-# the other core busy (benchmarks/README.md, "The test suite's threads"). Serial tests run alone
+# 2-core machine transformers' decode ran far faster on one thread than on two with the other
+# core busy (benchmarks/README.md, "The test suite's threads"). Serial tests run alone
 # and get every core. Engines in their own processes choose their threads themselves.
 _SHARE_THREADS: int | None = None
 
