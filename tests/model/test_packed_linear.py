@@ -84,26 +84,68 @@ def test_packed_model_logits_and_dtype_change(tied):
 def test_release_plain_weights_keeps_results(panels, monkeypatch):
     """The runner frees the plain float32 weights where the packed copies replace them at every
     row count (also prefill-sized inputs): on AVX-512 CPUs oneDNN's, on AVX2 ones the panels
-    (csrc/f32_panel.c); the tied embedding stays for lookups. With the panels turned off, AVX2
-    keeps the plain weights (the C GEMV and MKL's prefill read them)."""
+    (csrc/f32_panel.c). The tied embedding stays for lookups, but beside panels it looks its rows
+    up in the LM head's panels instead (`PanelEmbedding`), the same values. With the panels turned
+    off, AVX2 keeps the plain weights (the C GEMV and MKL's prefill read them)."""
     if panels == "off":
         monkeypatch.setenv("TOKENLOOM_F32_PANEL", "0")
     model = _tiny_model(tied=True)
     x_small, x_big = torch.randn(3, 64), torch.randn(700, 64)
+    # every id, in an order and shape a prefill and a batch hand over; 300 rows are not a
+    # whole number of 16-row panels, so the last one is padded
+    ids = torch.randperm(300).view(20, 15)
     layer = model.layers[0].mlp
     expected = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
+    expected_rows = model.embed_tokens(ids)
     assert pack_linear_weights(model) == 8
     freed = release_plain_weights(model)
     if cpu_features.detect().isa != "avx512" and not packed_linear.panels_in_use(model):
         assert freed == 0
         return
     # 2 layers x float32 x (qkv 128x64, o 64x64, gate_up 192x64, down 64x96)
-    assert freed == 2 * 4 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96)
+    layers = 2 * 4 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96)
     assert layer.gate_up_proj.weight.numel() == 0
-    assert model.embed_tokens.weight.shape == (300, 64)
+    if packed_linear.panels_in_use(model):
+        assert freed == layers + 4 * 300 * 64  # and the embedding's table
+        assert isinstance(model.embed_tokens, packed_linear.PanelEmbedding)
+        for bad in (300, 303, -1):  # past the vocabulary, in the last panel's padding, negative
+            with pytest.raises(IndexError, match="out of the embedding's range"):
+                model.embed_tokens(torch.tensor([5, bad]))
+    else:
+        assert freed == layers
+        assert model.embed_tokens.weight.shape == (300, 64)
+    assert torch.equal(model.embed_tokens(ids), expected_rows)
+    assert model.embed_tokens(ids[:0]).shape == (0, 15, 64)
     got = [layer(x_small), layer(x_big), model.compute_logits(x_small)]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_weights_released_while_packing():
+    """The runner frees each plain weight as soon as its packed copy is made (so that it never
+    holds two copies of every weight: the peak resident memory), the same ones
+    `release_plain_weights` frees afterwards; the tied embedding waits for the LM head's copy."""
+    after, during = _tiny_model(tied=True), _tiny_model(tied=True)
+    pack_linear_weights(after)
+    release_plain_weights(after)
+    pack_linear_weights(during, release_plain=True)
+    sizes = lambda m: [p.numel() for p in m.parameters()]  # noqa: E731
+    freed_layers = [n for n, p in after.named_parameters() if p.numel() == 0 and "embed" not in n]
+    assert [n for n, p in during.named_parameters() if p.numel() == 0] == freed_layers
+    assert during.embed_tokens.weight.shape == (300, 64)  # still plain: the head was packed from it
+    release_plain_weights(during)
+    assert sizes(during) == sizes(after)
+    x = torch.randn(4, 64)
+    assert torch.equal(during.compute_logits(x), after.compute_logits(x))
+
+
+def test_untied_embedding_keeps_its_table():
+    """An untied model's embedding is its own weight, not the LM head's: it stays as it is."""
+    model = _tiny_model(tied=False)
+    embed = model.embed_tokens
+    pack_linear_weights(model)
+    release_plain_weights(model)
+    assert model.embed_tokens is embed and embed.weight.shape == (300, 64)
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (3, 64), (2, 3, 64), (0, 3, 64)])

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -96,7 +97,24 @@ def _to_torch(g: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
         return torch.from_numpy(raw.view(np.float16).copy())
     if info.ggml_type == Q.BF16:
         return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(dequantize(raw, Q(info.ggml_type)))
+    return torch.from_numpy(_dequantize_in_chunks(raw, Q(info.ggml_type)))
+
+
+# Output bytes a dequantize call makes at a time: gguf's numpy dequantization holds several
+# arrays of its output's size, which for a whole embedding table (Gemma 3 270M: 671 MB) raised
+# the load's peak resident memory by gigabytes; in chunks it holds one output and small pieces.
+_DEQUANT_CHUNK_BYTES = 16 << 20
+
+
+def _dequantize_in_chunks(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """`dequantize(raw, qtype)` (float32 `[*rows, elements]`), a few thousand rows at a time."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = raw.reshape(-1, raw.shape[-1])
+    out = np.empty((rows.shape[0], raw.shape[-1] // type_size * block), dtype=np.float32)
+    step = max(1, _DEQUANT_CHUNK_BYTES // max(1, out.shape[1] * 4))
+    for r in range(0, rows.shape[0], step):
+        out[r:r + step] = dequantize(rows[r:r + step], qtype)
+    return out.reshape(*raw.shape[:-1], out.shape[1])
 
 
 def _undo_llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

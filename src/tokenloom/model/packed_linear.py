@@ -173,15 +173,19 @@ def gemv_in_use(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, release_plain: bool = False) -> int:
     """Gives every module with a `packed_weight` slot a packed copy of its `weight`; returns how
-    many were packed (0 when this build or dtype has no packed path)."""
+    many were packed (0 when this build or dtype has no packed path). `release_plain`: frees each
+    plain weight that `release_plain_weights` would as soon as its copy is made, so that loading
+    never holds two copies of every weight at once (the peak resident memory)."""
     head = getattr(model, "lm_head", None)  # compute_logits reads it through packed_lm_head
     slots = [m for m in model.modules() if hasattr(m, "packed_weight") and m is not head]
     if not slots or not packed_linear_available(slots[0].weight.dtype):
         return 0
     for m in slots:
         m.packed_weight = pack_weight(m.weight)
+        if release_plain:
+            _release_plain(m)
     if hasattr(model, "packed_lm_head") and getattr(model, "quant_lm_head", None) is None:
         model.packed_lm_head = pack_weight(model.lm_head_weight)
     return len(slots)
@@ -206,8 +210,8 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     CPU has bf16 dot products) without their plain copy where it is never faster, else
     input-major float32 weights (bfloat16 ones stay as loaded); then hands the heap that loading
     and packing freed back to the OS."""
-    if pack_linear_weights(model):
-        release_plain_weights(model)
+    if pack_linear_weights(model, release_plain=True):
+        release_plain_weights(model)  # the tied embedding, once the LM head is packed
     elif all(p.dtype == torch.float32 for p in model.parameters() if p.dim() == 2):
         # Not bfloat16 (a CPU without native bf16, where `F.linear` runs torch's own bf16 GEMM):
         # that GEMM sums an input-major weight in another order than transformers' row-major
@@ -216,19 +220,64 @@ def prepare_cpu_weights(model: nn.Module) -> None:
     release_freed_heap()
 
 
+class PanelEmbedding(nn.Module):
+    """An embedding that looks its rows up in the panel-packed LM head it is tied to: where the
+    LM head runs on `F32Panels`, the plain table would be a second copy of the largest weight
+    (SmolLM2-135M: 113 MB of 540; Gemma 3 270M: 671 MB). A lookup reads one float per 64-byte
+    line, which is nothing next to a step's matmuls. `weight` is left empty, as a released Linear's."""
+
+    def __init__(self, panels: F32Panels) -> None:
+        super().__init__()
+        self.panels = panels
+        self.num_embeddings = panels.out_features
+        self.weight = nn.Parameter(panels.data.new_empty(0), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= self.num_embeddings:  # as F.embedding refuses them
+                raise IndexError(f"token id {int(lo) if int(lo) < 0 else int(hi)} is out of the "
+                                 f"embedding's range [0, {self.num_embeddings})")
+        return cpu_kernels.f32_panel_rows(self.panels.data, ids)
+
+
+def _tied_embedding(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """(parent, attribute) of the embedding module whose plain table is the LM head's weight,
+    packed in panels (inside a tensor-parallel rank's vocabulary slice too); else None."""
+    head = getattr(model, "packed_lm_head", None)
+    parent, name = model, "embed_tokens"
+    embed = getattr(model, name, None)
+    if embed is not None and isinstance(getattr(embed, "inner", None), nn.Module):
+        parent, name, embed = embed, "inner", embed.inner  # tensor_parallel.VocabParallelEmbedding
+    if (not isinstance(head, F32Panels) or getattr(model, "lm_head", 0) is not None
+            or not isinstance(getattr(embed, "weight", None), torch.Tensor)
+            or embed.weight is not getattr(model, "lm_head_weight", None)
+            or tuple(embed.weight.shape) != (head.out_features, head.in_features)):
+        return None
+    return parent, name
+
+
 @torch.no_grad()
 def release_plain_weights(model: nn.Module) -> int:
     """Frees the plain weight of every packed Linear whose dtype never goes back to it (see
     `_PLAIN_FROM_ROWS`), leaving an empty parameter; returns the bytes freed. For the owner of the
-    model only: afterwards the model runs through its packed copies alone. The tied embedding
-    stays (lookups read its rows)."""
+    model only: afterwards the model runs through its packed copies alone. A tied embedding
+    stays, but for one tied to a panel-packed LM head: it then looks up the panels
+    (`PanelEmbedding`)."""
     freed = 0
-    for m in model.modules():
-        if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
-            continue
-        if (not isinstance(m.packed_weight, F32Panels)
-                and _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None):
-            continue
-        freed += m.weight.numel() * m.weight.element_size()
-        m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+    if (slot := _tied_embedding(model)) is not None:
+        parent, name = slot
+        freed += getattr(parent, name).weight.numel() * 4
+        setattr(parent, name, PanelEmbedding(model.packed_lm_head))
+    return freed + sum(_release_plain(m) for m in model.modules())
+
+
+def _release_plain(m: nn.Module) -> int:
+    """Frees `m`'s plain weight if it has a packed copy that serves every row count; the bytes."""
+    if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
+        return 0
+    if not isinstance(m.packed_weight, F32Panels) and _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None:
+        return 0
+    freed = m.weight.numel() * m.weight.element_size()
+    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
     return freed

@@ -347,6 +347,13 @@ def f32_panel_pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, PANEL_COLUMNS, K).transpose(1, 2).contiguous()
 
 
+def f32_panel_rows(panels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the weight that `f32_panel_pack` packed into `panels`: `weight[rows]`, shape
+    [*rows.shape, K], the same values (row r is column r % 16 of panel r // 16). The caller
+    checks `rows` against the weight's row count (a row in the last panel's padding reads zeros)."""
+    return panels[rows // PANEL_COLUMNS, :, rows % PANEL_COLUMNS]
+
+
 def f32_panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, out_features: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for float32 `x` [..., K] (rows may be strided, elements
