@@ -180,3 +180,18 @@ def test_bf16_lm_head_rows_as_if_alone():
     hidden = torch.randn(48, 576).bfloat16()
     rows = torch.cat([model.compute_logits(hidden[i:i + 1]) for i in range(48)])
     assert torch.equal(model.compute_logits(hidden), rows)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_per_token_counts_packed_copies(tied):
+    """`bench`'s "weights read / token" counts what a decode step reads: the packed copies once
+    the runner has released the plain weights (and the tied head's, also behind a PanelEmbedding),
+    padding to whole panels or tiles included."""
+    from tokenloom.model.packed_linear import prepare_cpu_weights
+    from tokenloom.model.quant_linear import weight_bytes_per_token
+
+    model = _tiny_model(tied=tied)
+    before = weight_bytes_per_token(model)
+    assert before == 4 * (2 * 64 * (128 + 64 + 192) + 2 * 96 * 64 + 300 * 64)
+    prepare_cpu_weights(model)
+    assert before <= weight_bytes_per_token(model) <= before * 1.05

@@ -112,6 +112,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | AmxPackedWeight | F32Pan
     return onednn_pack_weight(weight)
 
 
+def packed_nbytes(packed: torch.Tensor | AmxPackedWeight | F32Panels) -> int:
+    """The bytes of a packed weight, padding included: what a matmul on it reads."""
+    if isinstance(packed, (AmxPackedWeight, F32Panels)):
+        return packed.data.numel() * packed.data.element_size()
+    return packed.numel() * packed.element_size()  # oneDNN's blocked copy (an mkldnn tensor)
+
+
 def onednn_pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 or bfloat16 weight -> oneDNN's blocked copy (for `_linear_packed`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)

@@ -27,6 +27,7 @@ from torch import nn
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.gguf_loader import _to_torch, _undo_llama_permute
+from tokenloom.model.packed_linear import packed_nbytes
 from tokenloom.ops import amx, quant
 from tokenloom.ops.quant import TiledQuantWeight
 
@@ -248,8 +249,15 @@ def weight_bytes_per_token(model: nn.Module) -> int:
             total += sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size()
                          for p in m.parts)
         elif isinstance(m, Linear):
-            total += m.weight.numel() * m.weight.element_size()
+            # the plain weight, or the packed copy where the runner released it
+            packed = getattr(m, "packed_weight", None)
+            total += (packed_nbytes(packed) if m.weight.numel() == 0 and packed is not None
+                      else m.weight.numel() * m.weight.element_size())
     if getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None:
-        embed = model.embed_tokens.weight  # a tied float head
-        total += embed.numel() * embed.element_size()
+        # a tied float head: its packed copy, else the embedding's table
+        if (packed := getattr(model, "packed_lm_head", None)) is not None:
+            total += packed_nbytes(packed)
+        else:
+            embed = model.embed_tokens.weight
+            total += embed.numel() * embed.element_size()
     return total
