@@ -64,20 +64,23 @@ def test_llm_dp2_greedy_matches_dp1(smollm2_path, monkeypatch):
     path's matmuls of 16 rows and more run on bf16 tiles, so a replica's 3-prompt prefill (under
     16 tokens) and the 6-prompt one would round differently, and a near-tie of these prompts
     went the other way once prefill attention ran in bfloat16 (tests/ops/test_quant.py checks
-    both kernels against a float64 reference)."""
+    both kernels against a float64 reference). The float32 panels of AVX2 CPUs (from 16 rows)
+    are turned off alike."""
     from tokenloom import LLM, SamplingParams
     from tokenloom.ops import quant
 
     prompts = ["The capital of France is", "Hello, my name is", "Count to five:", "Water boils at",
                "The opposite of hot is", "Once upon a time"]
     sp = SamplingParams(temperature=0.0, max_tokens=12)
-    monkeypatch.setenv("TOKENLOOM_QUANT_BF16_ROWS", "0")  # the replicas' processes
-    old = quant.set_amx_bf16_rows(0)  # this one
+    for env in ("TOKENLOOM_QUANT_BF16_ROWS", "TOKENLOOM_QUANT_F32_ROWS"):  # the replicas' processes
+        monkeypatch.setenv(env, "0")
+    old, old_f32 = quant.set_amx_bf16_rows(0), quant.set_f32_panel_rows(0)  # this one
     try:
         reference = LLM(num_kv_blocks=64, multiprocess=False)
         expected = [o.outputs[0].text for o in reference.generate(prompts, sp, use_tqdm=False)]
     finally:
         quant.set_amx_bf16_rows(old)
+        quant.set_f32_panel_rows(old_f32)
     llm = LLM(num_kv_blocks=64, data_parallel_size=2)
     try:
         got = [o.outputs[0].text for o in llm.generate(prompts, sp, use_tqdm=False)]

@@ -35,14 +35,16 @@ def test_smollm2_three_ranks_same_greedy_answers(smollm2_path, monkeypatch):
     On the int8 kernels: a split K reorders float additions on either kernel, but the int8 ones
     add only each output's ~18 block terms in float (a block's own sum is an exact integer),
     while the bf16 tiles (AMX-BF16 CPUs, from 16 rows) add every pair of products in float32;
-    with theirs a near-tie of these prompts went the other way. tests/ops/test_quant.py checks
+    with theirs a near-tie of these prompts went the other way (the float32 panels of AVX2 CPUs,
+    from 16 rows, add them alike: off too). tests/ops/test_quant.py checks
     the tiles against a float64 reference. Over a float32 KV cache for the same reason: the
     path's default bfloat16 one rounds the split sums' last bits into K and V (and attends
     prefills in bfloat16), which flipped another near-tie."""
     from tokenloom.ops import quant
 
-    monkeypatch.setenv("TOKENLOOM_QUANT_BF16_ROWS", "0")  # the ranks' processes
-    old = quant.set_amx_bf16_rows(0)  # this one
+    for env in ("TOKENLOOM_QUANT_BF16_ROWS", "TOKENLOOM_QUANT_F32_ROWS"):  # the ranks' processes
+        monkeypatch.setenv(env, "0")
+    old, old_f32 = quant.set_amx_bf16_rows(0), quant.set_f32_panel_rows(0)  # this one
     params = SamplingParams(max_tokens=24, temperature=0)
     messages = [[{"role": "user", "content": q}] for q in CHAT]
     try:
@@ -50,6 +52,7 @@ def test_smollm2_three_ranks_same_greedy_answers(smollm2_path, monkeypatch):
             want = [o.outputs[0].token_ids for o in whole.chat(messages, params, use_tqdm=False)]
     finally:
         quant.set_amx_bf16_rows(old)
+        quant.set_f32_panel_rows(old_f32)
     with LLM(smollm2_path, tensor_parallel_size=3, kv_cache_dtype="float32") as split:
         assert split.llm_engine.engine_core.info.quantization.startswith("gguf Q4_1")
         got = [o.outputs[0].token_ids for o in split.chat(messages, params, use_tqdm=False)]

@@ -45,7 +45,9 @@ def _kernels() -> list[str]:
 def kernel(request):
     used = quant.limit_isa(request.param)
     assert used == request.param
+    old = quant.set_f32_panel_rows(0)  # the AVX2 integer kernel at every row count (panels: below)
     yield used
+    quant.set_f32_panel_rows(old)
     quant.limit_isa(None)
 
 
@@ -206,6 +208,47 @@ def test_amx_bf16_tiles_match_bf16_reference(qtype):
     finally:
         quant.set_amx_bf16_rows(old)
     assert old == 16
+    assert float((ints - x.double() @ w.double().T).abs().max()) <= 5e-5 * float(ints.abs().max())
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != "avx2",
+                    reason="float32 panels run where the quantized kernels' level is AVX2")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_f32_panels_match_float64_reference(qtype, request):
+    """From 16 rows on AVX2 CPUs each 16-column tile of the weight is dequantized to a float32
+    panel per thread and multiplied as the float path's panel matmul (csrc/f32_panel.c): against
+    float64 on x @ (dequantized w), float32 sums only, and bit for bit the panel matmul on the
+    dequantized weight (the same products, summed alike). Rows around the threshold and the
+    row blocks of a pass (96 at K = 1536, more at smaller K), N with a partial last tile, a bias,
+    rows with a stride. Below the threshold the integer kernel runs, as before; 0 turns the
+    panels off."""
+    request.addfinalizer(lambda: quant.set_f32_panel_rows(16))
+    assert quant.set_f32_panel_rows(16) == 16 and quant.f32_panel_rows(quant.GGML_FORMATS[int(qtype)]) == 16
+    lib = cpu_kernels.load()
+    N, K = (40, 1536) if qtype in K_FORMATS else (100, 96)
+    rng = np.random.default_rng(int(qtype))
+    raw = kquants.quantize(rng.standard_normal((N, K), dtype=np.float32), qtype)
+    tw = quant.tile_gguf(raw, qtype)
+    w = torch.from_numpy(quants.dequantize(raw, qtype))
+    panels = cpu_kernels.f32_panel_pack(w)
+    bias = torch.from_numpy(rng.standard_normal(N, dtype=np.float32))
+    for M in (8, 15, 16, 17, 97, 300):
+        wide = torch.from_numpy(rng.standard_normal((M, K + 8), dtype=np.float32))
+        x = wide[:, 3:K + 3]  # rows with a stride
+        got = quant.qlinear(x, tw, bias)
+        exact = x.double() @ w.double().T + bias.double()
+        scale = float(exact.abs().max())
+        if M < 16:  # the integer kernel: two activation planes, ~1e-5
+            assert float((got.double() - exact).abs().max()) <= 5e-5 * scale
+            continue
+        assert float((got.double() - exact).abs().max()) <= 2e-6 * scale, M
+        assert torch.equal(got, cpu_kernels.f32_panel_linear(lib, x, panels, N, bias)), M
+    # The threshold moves, and 0 turns the panels off (the integer kernel's results come back).
+    x = torch.from_numpy(rng.standard_normal((33, K), dtype=np.float32))
+    assert quant.set_f32_panel_rows(0) == 16
+    ints = quant.qlinear(x, tw)
+    quant.set_f32_panel_rows(16)
+    assert not torch.equal(ints, quant.qlinear(x, tw))
     assert float((ints - x.double() @ w.double().T).abs().max()) <= 5e-5 * float(ints.abs().max())
 
 

@@ -21,6 +21,11 @@ rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"`
 float32 activations the MLP's gate|up matmul on these tiles also applies SiLU-and-mul in its
 epilogue (`qlinear_silu_and_mul`), writing the [M, I] activation instead of the [M, 2I] product
 that a second pass would read back.
+
+On AVX2 CPUs (no AVX-512), matmuls of 16 rows and more dequantize each 16-column tile of the
+weight to a float32 panel per thread and multiply it as the float path's panel matmul does
+(csrc/quant_gemm_f32panel.h, csrc/f32_panel.c): float32 activations and sums, 1.2-1.9x the
+integer kernel's speed from 32 rows (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from 16 rows
 # (`TOKENLOOM_QUANT_BF16_ROWS`, `set_amx_bf16_rows`) every format's weight dequantized to
 # bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding,
-# 2-3x the int8 tiles' speed at 64-512 rows).
+# 2-3x the int8 tiles' speed at 64-512 rows). "avx2": VPMADDUBSW, and from 16 rows
+# (`TOKENLOOM_QUANT_F32_ROWS`, `set_f32_panel_rows`) float32 panels (csrc/quant_gemm_f32panel.h).
 ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
              0: "c"}
 
@@ -97,6 +103,10 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_linear_silu.restype = _c_i32
         lib.tl_q_linear_silu.argtypes = [_c_i32, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p,
                                          _c_i64, _c_p, _c_p]
+        lib.tl_q_set_f32_panel_rows.restype = _c_i32
+        lib.tl_q_set_f32_panel_rows.argtypes = [_c_i32]
+        lib.tl_q_f32_panel_rows.restype = _c_i32
+        lib.tl_q_f32_panel_rows.argtypes = [_c_i32]
         lib.tl_q_silu_rows.restype = _c_i32
         lib.tl_q_silu_rows.argtypes = [_c_i32]
         lib.tl_q_set_silu_epilogue.restype = _c_i32
@@ -130,6 +140,20 @@ def set_amx_bf16_rows(rows: int) -> int:
     process has no AMX-BF16). For tests and A/B measurements."""
     _tile_rows.clear()
     return _lib().tl_q_set_amx_bf16_rows(rows)
+
+
+def set_f32_panel_rows(rows: int) -> int:
+    """Matmuls of at least `rows` activation rows run on float32 panels dequantized per thread
+    where the kernel level is avx2 (csrc/quant_gemm_f32panel.h; 0: never); returns the previous
+    threshold, whatever the level. For tests and A/B measurements (TOKENLOOM_QUANT_F32_ROWS sets
+    it for a process)."""
+    return _lib().tl_q_set_f32_panel_rows(rows)
+
+
+def f32_panel_rows(fmt: int) -> int:
+    """Rows from which `qlinear` multiplies format `fmt` on dequantized float32 panels here
+    (0: never)."""
+    return _lib().tl_q_f32_panel_rows(fmt)
 
 
 def set_silu_epilogue(on: bool) -> bool:
@@ -354,7 +378,7 @@ def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = No
     per 32 elements to int8 inside the call, in `act_levels` planes (default ACT_LEVELS): 1 is
     llama.cpp's Q8_0 activations; 2 adds the rounding error as a second int8 plane, in steps of
     1/256 of the first's. From 16 rows on a CPU with AMX-BF16 the weight is dequantized to
-    bfloat16 panels instead (see ISA_NAMES). A bfloat16 x gives a bfloat16 result, rounded once;
+    bfloat16 panels instead, on an AVX2 one to float32 panels (see ISA_NAMES). A bfloat16 x gives a bfloat16 result, rounded once;
     `kchunk` (bf16 on the tiles only): sum K in chunks of this many, as ops/amx.linear."""
     levels = ACT_LEVELS if act_levels is None else act_levels
     lib = _lib()

@@ -81,6 +81,19 @@ static void tile_rows(int mr, const float *pw, int64_t kc, const float *x, int64
     }
 }
 
+/* rows x ncols of y (row stride ldy) = x[rows, K] (row stride ldx) times one panel (K x NR, the
+ * layout above), all of K: a work item's products, for the matmul below and for
+ * quant_gemm_f32panel.h, which multiplies panels it dequantized from a GGUF's blocks. */
+void tl_f32_panel_block(const float *panel, int64_t K, const float *x, int64_t ldx, int64_t rows,
+                        float *y, int64_t ldy, int ncols) {
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int64_t m = 0; m < rows; m += MR)
+            tile_rows((int)(rows - m < MR ? rows - m : MR), panel + k0 * NR, kc, x + m * ldx + k0,
+                      ldx, y + m * ldy, ldy, k0 == 0, ncols);
+    }
+}
+
 /* Returns 0, or -1 for a shape it does not take. */
 int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *x, int64_t ldx,
                             int64_t M, float *y, int64_t ldy, const float *bias) {
@@ -93,12 +106,8 @@ int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *
         for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) {
             const int64_t p = it % np, m0 = it / np * MB, m1 = m0 + MB < M ? m0 + MB : M;
             const int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                for (int64_t m = m0; m < m1; m += MR)
-                    tile_rows((int)(m1 - m < MR ? m1 - m : MR), pw + (p * K + k0) * NR, kc,
-                              x + m * ldx + k0, ldx, y + m * ldy + p * NR, ldy, k0 == 0, ncols);
-            }
+            tl_f32_panel_block(pw + p * K * NR, K, x + m0 * ldx, ldx, m1 - m0, y + m0 * ldy + p * NR,
+                               ldy, ncols);
             if (bias)
                 for (int64_t m = m0; m < m1; m++)
                     for (int j = 0; j < ncols; j++) y[m * ldy + p * NR + j] += bias[p * NR + j];

@@ -331,12 +331,17 @@ static void add_bias(float *yt, int64_t ldy, int64_t rows, int ncols, const floa
         for (int n = 0; n < ncols; n++) yt[r * ldy + n] += b[n];
 }
 
+#include "quant_gemm_f32panel.h" /* f32p_linear: dequantized float32 panels on AVX2 */
+
 int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
                     void *scratch, int32_t levels) {
     if (fmt < 0 || fmt >= TL_NFMT || K % (QK * UB(fmt)) != 0 || N <= 0 || M < 0 || levels < 1 ||
         levels > 2)
         return -1;
+    if (tl_q_isa(fmt) == 1 && f32p_rows() > 0 && M >= f32p_rows() &&
+        f32p_linear(fmt, w, N, K, x, ldx, M, y, ldy, bias) == 0)
+        return 0;
 #ifdef TL_HAVE_AMX
     if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4 &&
         tl_q_linear_amx_bf16(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0) == 0)
