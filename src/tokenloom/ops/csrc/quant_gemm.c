@@ -222,6 +222,21 @@ static void tile_portable(KERNEL_ARGS) {
     for (int64_t m = 0; m < rows; m++) memcpy(y + m * ldy, acc[m], sizeof(float) * (size_t)ncols);
 }
 
+/* A thread's buffer for the weight panels it dequantizes (quant_gemm_amx_bf16.h's bf16 ones,
+ * quant_gemm_f32panel.h's float32 ones; a thread runs one matmul at a time), 64-byte aligned,
+ * grown to the most bytes asked for; NULL without memory. */
+static __thread void *panel_buf;
+static __thread int64_t panel_buf_bytes;
+
+static void *thread_panel(int64_t bytes) {
+    if (bytes > panel_buf_bytes) {
+        free(panel_buf);
+        panel_buf = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        panel_buf_bytes = panel_buf ? bytes : 0;
+    }
+    return panel_buf;
+}
+
 #include "quant_gemm_avx512.h" /* tile_avx512 and its helpers */
 
 #include "quant_gemm_avx2.h" /* tile2_* and TILE2[] */

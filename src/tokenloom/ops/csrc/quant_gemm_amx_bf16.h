@@ -160,20 +160,8 @@ static const amxb_dequant_fn AMXB_DEQUANT[TL_NFMT] = {
     amxb_dq_TL_Q4_0, amxb_dq_TL_Q4_1, amxb_dq_TL_Q8, amxb_dq_TL_Q5_0, amxb_dq_TL_Q4_K,
     amxb_dq_TL_Q5_K, amxb_dq_TL_Q6_K};
 
-/* Per-thread panel buffer: two column tiles' bf16 B tiles for all of K (K x 64 bytes), grown to
- * the largest K seen. */
-static __thread uint16_t *amxb_buf;
-static __thread int64_t amxb_buf_bytes;
-
-static uint16_t *amxb_panel(int64_t K) {
-    const int64_t need = K * 64;
-    if (need > amxb_buf_bytes) {
-        free(amxb_buf);
-        amxb_buf = (uint16_t *)aligned_alloc(64, (size_t)need);
-        amxb_buf_bytes = amxb_buf ? need : 0;
-    }
-    return amxb_buf;
-}
+/* A thread's panel: two column tiles' bf16 B tiles for all of K (K x 64 bytes). */
+static uint16_t *amxb_panel(int64_t K) { return (uint16_t *)thread_panel(K * 64); }
 
 /* A 32 x 32 float32 block (+ bias; c2: the earlier K chunks' sum, added first) -> rows x cols
  * of y, float32 or rounded to bfloat16 (nearest even). */

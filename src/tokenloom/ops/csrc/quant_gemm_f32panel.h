@@ -88,19 +88,6 @@ static const f32p_dequant_fn F32P_DEQUANT[TL_NFMT] = {
     f32p_dq_TL_Q4_0, f32p_dq_TL_Q4_1, f32p_dq_TL_Q8, f32p_dq_TL_Q5_0, f32p_dq_TL_Q4_K,
     f32p_dq_TL_Q5_K, f32p_dq_TL_Q6_K};
 
-/* Per-thread panel buffer (K x 16 floats), grown to the largest K seen. */
-static __thread float *f32p_buf;
-static __thread int64_t f32p_buf_bytes;
-
-static float *f32p_panel(int64_t K) {
-    const int64_t need = K * TILE_N * (int64_t)sizeof(float);
-    if (need > f32p_buf_bytes) {
-        free(f32p_buf);
-        f32p_buf = (float *)aligned_alloc(64, (size_t)need);
-        f32p_buf_bytes = f32p_buf ? need : 0;
-    }
-    return f32p_buf;
-}
 
 /* tl_q_linear's arguments; returns -1 (nothing written) where a thread has no panel buffer. */
 static int32_t f32p_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
@@ -116,7 +103,7 @@ static int32_t f32p_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, 
     tl_run runs[TL_STEAL_MAX_THREADS];
     #pragma omp parallel
     {
-        float *panel = f32p_panel(K);
+        float *panel = (float *)thread_panel(K * TILE_N * (int64_t)sizeof(float));
         if (!panel) {
             #pragma omp atomic write
             failed = 1;
