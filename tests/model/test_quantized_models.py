@@ -140,6 +140,9 @@ def test_tiny_gguf_through_the_engine(tmp_path, qtype):
     prompt = _prompts(258)[2]
     quantization, tokens = _engine_greedy(path, prompt)
     assert quantization.startswith(f"gguf {Q(qtype).name}x")
+    # where the kernel level is AVX2, matmuls of 16 rows and more run on dequantized panels
+    panels = quant.f32_panel_rows(quant.GGML_FORMATS[int(qtype)])
+    assert quantization.endswith(f", float32 panels from {panels} rows") == (panels > 0)
     assert len(tokens) == 6
     assert tokens == _greedy(load_model(path), prompt, 6)
     assert tokens == _greedy(load_model(path, dtype="float32", quantization=None), prompt, 6)

@@ -99,8 +99,9 @@ class QuantSummary:
     def describe(self) -> str:
         """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_bf16" (bf16 tiles from 16 rows, AMX int8
         from 8, VNNI below), "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_int8" (AMX int8 from 8 rows),
-        "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2":
-        the formats in use and the kernel that runs them (named per format where they differ)."""
+        "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2,
+        float32 panels from 16 rows": the formats in use and the kernel that runs them (named per
+        format where they differ)."""
         if not self.formats:
             return f"{self.method} (no quantized tensors: float path)"
         names = sorted(self.formats)
@@ -110,6 +111,8 @@ class QuantSummary:
         main = Counter(isas.values()).most_common(1)[0][0]
         odd = ", ".join(f"{k}: {v}" for k, v in isas.items() if v != main)
         text = f"{self.method} {fmts} {main}" + (f" ({odd})" if odd else "")
+        if panel_rows := max(quant.f32_panel_rows(codes[k]) for k in names):
+            text += f", float32 panels from {panel_rows} rows"
         if self.fallbacks:
             text += f"; dequantized: {len(self.fallbacks)} tensors"
         return text
