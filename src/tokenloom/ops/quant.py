@@ -24,8 +24,8 @@ that a second pass would read back.
 
 On AVX2 CPUs (no AVX-512), matmuls of 16 rows and more dequantize each 16-column tile of the
 weight to a float32 panel per thread and multiply it as the float path's panel matmul does
-(csrc/quant_gemm_f32panel.h, csrc/f32_panel.c): float32 activations and sums, 1.2-1.9x the
-integer kernel's speed from 32 rows (benchmarks/README.md).
+(csrc/quant_gemm_f32panel.h, csrc/f32_panel.c): float32 activations and sums, faster than the
+integer kernel there (benchmarks/README.md, "Float32 panels from 16 rows on AVX2").
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
  *
  * Why: the integer kernel (quant_gemm_avx2.h) multiplies two int8 activation planes with
  * VPMADDUBSW and scales every 32-block's sums on its own: from a dozen rows on it ran slower than
- * the float path's panel matmul (csrc/f32_panel.c) on the dequantized weight (0.82x at 16 rows,
- * 0.75x at 64, 0.73x at 256 on SmolLM2's shapes, a Zen 3; benchmarks/README.md). So from
+ * the float path's panel matmul (csrc/f32_panel.c) on the dequantized weight (benchmarks/
+ * README.md, "Float32 panels from 16 rows on AVX2"). So from
  * f32p_min_rows rows each thread dequantizes a 16-column tile of the weight, w = d q + m in
  * float32, into f32_panel.c's panel layout in its own buffer (K x 64 bytes: 96 KiB at K = 1536,
  * in L2; never resident: the weight stays in the GGUF's bytes) and multiplies a block of
