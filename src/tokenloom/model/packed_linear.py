@@ -256,8 +256,8 @@ def _tied_embedding(model: nn.Module) -> tuple[nn.Module, str] | None:
     embed = getattr(model, name, None)
     if embed is not None and isinstance(getattr(embed, "inner", None), nn.Module):
         parent, name, embed = embed, "inner", embed.inner  # tensor_parallel.VocabParallelEmbedding
-    if (not isinstance(head, F32Panels) or getattr(model, "lm_head", 0) is not None
-            or not isinstance(getattr(embed, "weight", None), torch.Tensor)
+    # tied: the LM head multiplies by the embedding's own table (lm_head_weight is it)
+    if (not isinstance(head, F32Panels) or not isinstance(getattr(embed, "weight", None), torch.Tensor)
             or embed.weight is not getattr(model, "lm_head_weight", None)
             or tuple(embed.weight.shape) != (head.out_features, head.in_features)):
         return None
@@ -274,7 +274,8 @@ def release_plain_weights(model: nn.Module) -> int:
     freed = 0
     if (slot := _tied_embedding(model)) is not None:
         parent, name = slot
-        freed += getattr(parent, name).weight.numel() * 4
+        table = getattr(parent, name).weight
+        freed += table.numel() * table.element_size()
         setattr(parent, name, PanelEmbedding(model.packed_lm_head))
     return freed + sum(_release_plain(m) for m in model.modules())
 

@@ -49,6 +49,9 @@
 
 enum { TL_Q4_0 = 0, TL_Q4_1 = 1, TL_Q8 = 2, TL_Q5_0 = 3, TL_Q4_K = 4, TL_Q5_K = 5, TL_Q6_K = 6,
        TL_NFMT = 7 };
+/* X(format) for every format in id order: the kernels' per-format specialisations and their
+ * dispatch tables (indexed by format id) are spelled once each. */
+#define TL_EACH_FORMAT(X) X(TL_Q4_0) X(TL_Q4_1) X(TL_Q8) X(TL_Q5_0) X(TL_Q4_K) X(TL_Q5_K) X(TL_Q6_K)
 #define TILE_N 16
 #define QK 32
 #define M_BLOCK 64 /* activation rows per pass over a weight tile (kept in L2) */

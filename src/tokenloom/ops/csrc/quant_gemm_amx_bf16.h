@@ -149,16 +149,9 @@ typedef void (*amxb_dequant_fn)(const uint8_t *, int64_t, uint16_t *);
 AMXB_TARGET static void amxb_dq_##FMT(const uint8_t *tile, int64_t nb, uint16_t *out) { \
     amxb_dequant_tile(FMT, tile, nb, out);                                                \
 }
-DEFINE_AMXB(TL_Q4_0)
-DEFINE_AMXB(TL_Q4_1)
-DEFINE_AMXB(TL_Q8)
-DEFINE_AMXB(TL_Q5_0)
-DEFINE_AMXB(TL_Q4_K)
-DEFINE_AMXB(TL_Q5_K)
-DEFINE_AMXB(TL_Q6_K)
-static const amxb_dequant_fn AMXB_DEQUANT[TL_NFMT] = {
-    amxb_dq_TL_Q4_0, amxb_dq_TL_Q4_1, amxb_dq_TL_Q8, amxb_dq_TL_Q5_0, amxb_dq_TL_Q4_K,
-    amxb_dq_TL_Q5_K, amxb_dq_TL_Q6_K};
+TL_EACH_FORMAT(DEFINE_AMXB)
+#define AMXB_NAME(FMT) amxb_dq_##FMT,
+static const amxb_dequant_fn AMXB_DEQUANT[TL_NFMT] = {TL_EACH_FORMAT(AMXB_NAME)};
 
 /* A thread's panel: two column tiles' bf16 B tiles for all of K (K x 64 bytes). */
 static uint16_t *amxb_panel(int64_t K) { return (uint16_t *)thread_panel(K * 64); }

@@ -133,14 +133,8 @@ INLINE2 void tile_avx2_body(const int FMT, KERNEL_ARGS) {
 AVX2_TARGET static void tile2_##FMT(KERNEL_ARGS) { \
     tile_avx2_body(FMT, tile, fmt, nb, xq, xd, xs, xh, K, rows, y, ldy, ncols, levels, xplane); \
 }
-DEFINE_TILE2(TL_Q4_0)
-DEFINE_TILE2(TL_Q4_1)
-DEFINE_TILE2(TL_Q8)
-DEFINE_TILE2(TL_Q5_0)
-DEFINE_TILE2(TL_Q4_K)
-DEFINE_TILE2(TL_Q5_K)
-DEFINE_TILE2(TL_Q6_K)
+TL_EACH_FORMAT(DEFINE_TILE2)
+#define TILE2_NAME(FMT) tile2_##FMT,
 
 typedef void (*tile_fn)(KERNEL_ARGS);
-static const tile_fn TILE2[TL_NFMT] = {tile2_TL_Q4_0, tile2_TL_Q4_1, tile2_TL_Q8, tile2_TL_Q5_0,
-                                       tile2_TL_Q4_K, tile2_TL_Q5_K, tile2_TL_Q6_K};
+static const tile_fn TILE2[TL_NFMT] = {TL_EACH_FORMAT(TILE2_NAME)};

@@ -77,16 +77,9 @@ typedef void (*f32p_dequant_fn)(const uint8_t *, int64_t, float *);
 AVX2_TARGET static void f32p_dq_##FMT(const uint8_t *tile, int64_t nb, float *panel) { \
     f32p_dequant_tile(FMT, tile, nb, panel);                                          \
 }
-DEFINE_F32P(TL_Q4_0)
-DEFINE_F32P(TL_Q4_1)
-DEFINE_F32P(TL_Q8)
-DEFINE_F32P(TL_Q5_0)
-DEFINE_F32P(TL_Q4_K)
-DEFINE_F32P(TL_Q5_K)
-DEFINE_F32P(TL_Q6_K)
-static const f32p_dequant_fn F32P_DEQUANT[TL_NFMT] = {
-    f32p_dq_TL_Q4_0, f32p_dq_TL_Q4_1, f32p_dq_TL_Q8, f32p_dq_TL_Q5_0, f32p_dq_TL_Q4_K,
-    f32p_dq_TL_Q5_K, f32p_dq_TL_Q6_K};
+TL_EACH_FORMAT(DEFINE_F32P)
+#define F32P_NAME(FMT) f32p_dq_##FMT,
+static const f32p_dequant_fn F32P_DEQUANT[TL_NFMT] = {TL_EACH_FORMAT(F32P_NAME)};
 
 
 /* tl_q_linear's arguments; returns -1 (nothing written) where a thread has no panel buffer. */
