@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE.parent / "model"))
 import emulator  # noqa: E402
 import kquants  # noqa: E402
 from test_elementwise import _close_bf16, _rms_norm  # noqa: E402
-from test_quant import BLOCK_SHAPES, FORMATS, K_SHAPES, _random_blocks, _reference  # noqa: E402
+from test_quant import BLOCK_SHAPES, FORMATS, K_SHAPES, _random_blocks, check_bounds  # noqa: E402
 
 pytestmark = pytest.mark.skipif(emulator.unavailable() is not None,
                                 reason=f"no AVX-512 emulator: {emulator.unavailable()}")
@@ -81,13 +81,7 @@ def _check(result, qtype: Q, levels: int) -> None:
     raw, x, got, rc, isa = result
     assert isa == VNNI, "the emulated CPU did not run the AVX-512 VNNI kernel"
     assert rc == 0
-    w = quants.dequantize(raw, qtype)
-    plain = _reference(x, w, 0)
-    scale = np.abs(plain).max()
-    # test_quant's bounds: the same activation codes up to float32 summation order, and ~1% / ~1e-5
-    # of the largest output from the float activations for one / two int8 planes.
-    assert np.abs(got - _reference(x, w, levels)).max() <= 2e-5 * scale
-    assert np.abs(got - plain).max() <= (0.02 if levels == 1 else 5e-5) * scale
+    check_bounds(got.astype(np.float64), x, quants.dequantize(raw, qtype), levels)
 
 
 @pytest.mark.parametrize("levels", [1, 2])

@@ -2,8 +2,8 @@
 src/tokenloom/ops/csrc, compiled as a Zen 4's `-march=native` build would compile them, linked
 into a static image without an operating system (runtime.c), and called one function at a time
 inside Bochs' x86 emulator (the `bochscpu` wheel, its Sapphire Rapids model: AVX-512
-F/BW/VL/DQ/CD, VNNI, BF16). Slow (an emulated instruction costs ~100 host ones) but exact, so an
-AVX2 machine's test run checks the code that only AVX-512 machines would otherwise run.
+F/BW/VL/DQ/CD, VNNI, BF16). Exact but far slower than the hardware, and blind to speed: it lets
+an AVX2 machine's test run check the results of code that only AVX-512 machines would otherwise run.
 
 `Image.build()` compiles; `Image.run(calls, buffers)` emulates a list of calls in a child process
 (bochscpu keeps one CPU per process, set up before its first use) and returns their return values
