@@ -62,6 +62,7 @@ def emulated(image):
         tw = quant.tile_gguf(raw, qtype)
         buffers[f"w{i}"] = tw.data.numpy().tobytes()
         calls.append(("tl_q_isa", [tw.fmt]))
+        isa_at = len(calls) - 1
         for levels in (1, 2):
             x = np.random.default_rng(K + levels).standard_normal((M, K), dtype=np.float32)
             key = f"{i}.{levels}"
@@ -70,11 +71,11 @@ def emulated(image):
             buffers[f"s{key}"] = bytes(quant._lib().tl_q_scratch_bytes(M, K) + 4096)
             calls.append(("tl_q_linear", [tw.fmt, emulator.Buf(f"w{i}"), N, K, emulator.Buf(f"x{key}"),
                                           K, M, emulator.Buf(f"y{key}"), N, 0, emulator.Buf(f"s{key}"), levels]))
-            where[(qtype, M, N, K, random_bytes, levels)] = (raw, x, key, len(calls) - 1)
+            where[(qtype, M, N, K, random_bytes, levels)] = (raw, x, key, len(calls) - 1, isa_at)
     returns, out = image.run(calls, buffers, env={"TOKENLOOM_QUANT_ISA": "avx512"})
     return {k: (raw, x, np.frombuffer(out[f"y{key}"], np.float32).reshape(x.shape[0], -1),
-                returns[at], returns[at - (2 if k[-1] == 2 else 1)])
-            for k, (raw, x, key, at) in where.items()}
+                returns[at], returns[isa_at])
+            for k, (raw, x, key, at, isa_at) in where.items()}
 
 
 def _check(result, qtype: Q, levels: int) -> None:
