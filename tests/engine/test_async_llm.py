@@ -167,3 +167,29 @@ def test_engine_core_death():
     finally:
         llm.shutdown()
         loop.close()
+
+
+def test_engine_core_death_while_idle_fails_the_next_request_fast():
+    # The core dies before anything listens for it: the first send must notice, not wait for a
+    # peer that will never connect again.
+    loop = asyncio.new_event_loop()
+    llm = AsyncLLM(EngineConfig(kv_cache_memory_bytes=KV_BYTES, max_model_len=256))
+    try:
+        pid = llm.engine_core.info.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z" \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+        async def run():
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError, match=f"{pid} exited"):
+                await asyncio.wait_for(llm.add_request("late", "Hi", SamplingParams(max_tokens=2)), 10)
+            assert time.monotonic() - t0 < 5
+
+        loop.run_until_complete(run())
+    finally:
+        llm.shutdown()
+        loop.close()

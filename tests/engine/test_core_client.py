@@ -54,6 +54,75 @@ def test_killing_engine_core_during_generate_raises_quickly():
     assert not _alive(pid)
 
 
+def _wait_dead(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_engine_core_death_while_idle_fails_the_next_call_fast():
+    # Nothing is receiving while the LLM is idle; the next call's send must notice the death
+    # (a PUSH socket without a peer would otherwise block it forever).
+    llm = LLM(kv_cache_memory_bytes=64 * 1024**2)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
+    pid = llm.llm_engine.engine_core.info.pid
+    os.kill(pid, signal.SIGKILL)
+    _wait_dead(pid)
+    time.sleep(0.5)  # the socket's peer is gone too
+    for call in (lambda: llm.generate("Hello", params, use_tqdm=False), llm.reset_prefix_cache):
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=f"{pid} exited"):
+            call()
+        assert time.monotonic() - t0 < 5.0
+    llm.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_ctrl_c_while_the_engine_core_starts_exits_and_leaves_no_process():
+    # Ctrl-C reaches the whole process group: the core dies before it ever connects, and the
+    # caller must not wait on a socket nobody will read.
+    script = textwrap.dedent(
+        """
+        from tokenloom import LLM
+        print("starting", flush=True)
+        LLM(kv_cache_memory_bytes=64 * 1024**2)
+        print("ready", flush=True)
+        """
+    )
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert caller.stdout.readline().strip() == "starting"
+        deadline = time.monotonic() + 30
+        while not (kids := _children(caller.pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert kids, "the engine core was not started"
+        time.sleep(0.3)  # importing torch: the core has not connected yet
+        os.killpg(caller.pid, signal.SIGINT)
+        caller.wait(timeout=20)
+        assert caller.returncode != 0
+        for kid in kids:
+            _wait_dead(kid)
+    finally:
+        if caller.poll() is None:
+            os.killpg(caller.pid, signal.SIGKILL)
+
+
 def test_engine_core_exits_when_caller_is_killed(tmp_path):
     script = textwrap.dedent(
         """

@@ -59,9 +59,20 @@ class AsyncMPClient(MPClient):
     # ---- sending ----------------------------------------------------------------------------
 
     async def _send_async(self, kind: EngineCoreRequestType, obj: Any) -> None:
+        # As the base class's _send: a send to a core with no peer socket would wait forever.
         self._check_alive()
         ain, _ = self._sockets()
-        await ain.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+        sent = ain.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(sent), _POLL_MS / 1000)
+                return
+            except asyncio.TimeoutError:
+                try:
+                    self._check_process()
+                except EngineDeadError:
+                    sent.cancel()
+                    raise
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request.sent_time = now()

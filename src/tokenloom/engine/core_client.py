@@ -205,8 +205,18 @@ class MPClient(EngineCoreClient):
     # ---- sending ----------------------------------------------------------------------------
 
     def _send(self, kind: EngineCoreRequestType, obj: Any) -> None:
+        """Sends without blocking on a dead core: a PUSH socket with no peer (a core that died
+        while we were idle, or one that has not connected yet) blocks a plain send forever, so
+        a send that would block waits in slices and checks the process in between."""
         self._check_alive()
-        self.input_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+        frames = (kind.value, self.encoder.encode(obj))
+        while True:
+            try:
+                self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self.input_socket.poll(_POLL_MS, zmq.POLLOUT)
+                self._check_process()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         request.sent_time = now()
@@ -309,9 +319,11 @@ class MPClient(EngineCoreClient):
                 return outputs
 
     def shutdown(self) -> None:
+        # SHUTDOWN only if the core can take it now: one that never connected (interrupted
+        # while starting) or is dying has no peer socket, and the finalizer terminates it.
         if self.proc.poll() is None and self._dead_reason is None:
             try:
-                self.input_socket.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""))
+                self.input_socket.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
                 self.proc.wait(timeout=5)
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
