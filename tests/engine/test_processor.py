@@ -158,6 +158,49 @@ def test_apply_chat_template(processor):
         processor.apply_chat_template([["not a message"]])
 
 
+def test_chat_content_parts_continue_final_message_and_own_templates(processor):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]}]
+    # OpenAI's text parts read as vLLM joins them: one string, a newline between parts.
+    assert processor.apply_chat_template(parts) == processor.apply_chat_template(
+        [{"role": "user", "content": "Line one.\nLine two."}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\].*'image_url'"):
+        processor.apply_chat_template([{"role": "user", "content": [
+            {"type": "text", "text": "Look"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    # An assistant prefill: the last message stays open, without its end-of-turn token.
+    prefill = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}]
+    prompt = processor.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("<|im_start|>assistant\n1, 2,")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        processor.apply_chat_template(prefill, continue_final_message=True)
+    # A template of one's own, and its variables.
+    template = "{% for m in messages %}[{{ m.role }}{{ suffix }}] {{ m.content }}\n{% endfor %}"
+    assert processor.apply_chat_template(prefill, add_generation_prompt=False, chat_template=template,
+                                         chat_template_kwargs={"suffix": "!"}) == \
+        "[user!] Count to five.\n[assistant!] 1, 2,\n"
+
+
+def test_priority_under_fcfs_is_refused(tokenizer):
+    fcfs = InputProcessor(tokenizer, smollm2_config(), MAX_MODEL_LEN, scheduling_policy="fcfs")
+    fcfs.process("a", "Hi", SamplingParams(), 0.0, priority=0)
+    with pytest.raises(ValueError, match="priority is 2 .*scheduling_policy='priority'"):
+        fcfs.process("b", "Hi", SamplingParams(), 0.0, priority=2)
+    by_priority = InputProcessor(tokenizer, smollm2_config(), MAX_MODEL_LEN, scheduling_policy="priority")
+    assert by_priority.process("c", "Hi", SamplingParams(), 0.0, priority=2)[0].priority == 2
+
+
+def test_max_tokens_within_context_is_checked_only_when_asked(processor):
+    # The server's rule (vLLM's and OpenAI's): prompt + max_tokens must fit in the context.
+    fits = SamplingParams(max_tokens=MAX_MODEL_LEN - 10)
+    processor.process("a", [5] * 10, fits, 0.0, max_tokens_within_context=True)
+    too_many = SamplingParams(max_tokens=MAX_MODEL_LEN - 9)
+    with pytest.raises(ValueError, match=rf"^max_tokens is too large: {MAX_MODEL_LEN - 9}\. .*"
+                                         rf"{MAX_MODEL_LEN} tokens and the request has 10 input tokens"):
+        processor.process("b", [5] * 10, too_many, 0.0, max_tokens_within_context=True)
+    # Offline (vLLM's LLM too) such a request runs to the end of the context instead.
+    assert processor.process("c", [5] * 10, too_many, 0.0)[0].sampling_params.max_tokens == MAX_MODEL_LEN - 9
+    processor.process("d", [5] * 10, SamplingParams(max_tokens=None), 0.0, max_tokens_within_context=True)
+
+
 class _BosTokenizer:
     """A stand-in for a tokenizer that adds a BOS (Llama 3 style): one char per token."""
 

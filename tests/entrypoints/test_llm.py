@@ -256,3 +256,37 @@ def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
     assert info.num_kv_blocks == 4 * 256 // 16
     assert info.cpu_kernels_isa in ("avx512", "avx2", "scalar", "off")
     assert "cores" in info.cpu and info.dtype in info.cpu
+
+
+def test_generate_returns_whole_outputs_whatever_the_output_kind(default_llm):
+    # vLLM's LLM returns whole outputs; a DELTA request must not come back as its last piece.
+    from tokenloom.sampling_params import RequestOutputKind
+
+    base = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    final = default_llm.generate("Count: 1, 2,", SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        out = default_llm.generate("Count: 1, 2,", SamplingParams(**base, output_kind=kind), use_tqdm=False)[0]
+        assert out.finished and out.outputs[0].token_ids == final.token_ids and out.outputs[0].text == final.text
+    assert len(final.token_ids) == 12
+
+
+def test_chat_takes_text_parts_a_prefill_tools_and_a_template(default_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    joined = default_llm.chat([{"role": "user", "content": "Name a color.\nOne word."}], params, use_tqdm=False)[0]
+    parts = default_llm.chat([{"role": "user", "content": [{"type": "text", "text": "Name a color."},
+                                                           {"type": "text", "text": "One word."}]}],
+                             params, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == joined.prompt_token_ids and parts.outputs[0].token_ids == joined.outputs[0].token_ids
+    # continue_final_message: the model goes on from the assistant's own words.
+    prefill = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    out = default_llm.chat(prefill, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n1, 2, 3,")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        default_llm.chat(prefill, params, use_tqdm=False, continue_final_message=True)
+    # tools and the template's own variables reach the template.
+    template = ("{% for t in tools %}tool:{{ t.function.name }}\n{% endfor %}"
+                "{% for m in messages %}{{ greeting }} {{ m.content }}\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = default_llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, add_generation_prompt=False,
+                           chat_template=template, chat_template_kwargs={"greeting": "Hello"}, tools=tools)[0]
+    assert out.prompt == "tool:get_weather\nHello Hi\n"

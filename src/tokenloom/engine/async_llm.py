@@ -84,7 +84,7 @@ class AsyncLLM:
         info = self.engine_core.info
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None,
+            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
@@ -118,9 +118,12 @@ class AsyncLLM:
         prompt: Any,
         params: SamplingParams | None = None,
         priority: int = 0,
+        max_tokens_within_context: bool = False,
     ) -> RequestStream:
         """Validates and queues one request; its outputs arrive on the returned stream. Raises
-        ValueError for a bad prompt or parameters, EngineDeadError if the core is gone."""
+        ValueError for a bad prompt or parameters (with `max_tokens_within_context`, also for a
+        max_tokens the context cannot hold: see InputProcessor.process), EngineDeadError if the
+        core is gone."""
         self._check_alive()
         self._ensure_output_handler()
         if request_id in self._streams:
@@ -133,7 +136,8 @@ class AsyncLLM:
         self._num_pending_seqs += pending
         try:
             request, prompt_text = await self.run_off_loop(
-                self.input_processor.process, request_id, prompt, params, arrival_time, priority
+                self.input_processor.process, request_id, prompt, params, arrival_time, priority,
+                max_tokens_within_context
             )
         finally:
             self._num_pending_seqs -= pending

@@ -45,7 +45,7 @@ class LLMEngine:
         info = self.engine_core.info
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None,
+            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None

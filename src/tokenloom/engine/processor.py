@@ -27,8 +27,11 @@ class InputProcessor:
         num_kv_blocks: int | None = None,
         block_size: int | None = None,
         kv_cache_capacity_tokens: int | None = None,
+        scheduling_policy: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Under "fcfs" a priority would be silently ignored: refused, as vLLM does (None: unknown).
+        self.scheduling_policy = scheduling_policy
         self.model_config = model_config
         self.max_model_len = max_model_len
         # The whole KV cache, in tokens (None: unknown, not checked). The scheduler would reject a
@@ -80,15 +83,22 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
+        max_tokens_within_context: bool = False,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenizes and validates one request. Returns the request for the engine core and the
         prompt text (None when the prompt was given as token ids only). `params` is not changed:
-        the request carries a copy completed with max_tokens and the token-id caches."""
+        the request carries a copy completed with max_tokens and the token-id caches.
+        `max_tokens_within_context`: refuse a max_tokens that the context cannot hold after the
+        prompt, as vLLM's and OpenAI's servers do (offline, such a request ends at the context
+        with finish_reason "length", as in vLLM's LLM)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
             # It crosses the process boundary as a msgpack int64.
             raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}.")
+        if priority != 0 and self.scheduling_policy == "fcfs":
+            raise ValueError(f"priority is {priority} but the engine schedules first come, first served: "
+                             "start it with scheduling_policy='priority' (--scheduling-policy priority) to use priorities.")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:
@@ -112,6 +122,13 @@ class InputProcessor:
                     f"(num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size}): it could never be "
                     "scheduled. Shorten the prompt or give the KV cache more memory."
                 )
+        room = self.max_model_len - prompt_len
+        if max_tokens_within_context and isinstance(params, SamplingParams) and (params.max_tokens or 0) > room:
+            raise ValueError(
+                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and the request has {prompt_len} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {prompt_len})."
+            )
         params = self._complete_params(params, prompt_len)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -128,27 +145,44 @@ class InputProcessor:
         messages: Conversation | Sequence[Conversation],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[str]:
         """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
-        of prompt texts of a list of conversations, by the tokenizer's chat template. `tools`
-        (OpenAI's function definitions) are rendered as the template renders them (transformers'
-        `apply_chat_template(tools=...)`); a template without tool support leaves them out."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("The tokenizer has no chat template; pass prompts as text or token ids.")
+        of prompt texts of a list of conversations, by the tokenizer's chat template (or
+        `chat_template`, a Jinja template of one's own). `tools` (OpenAI's function definitions)
+        are rendered as the template renders them (transformers' `apply_chat_template(tools=...)`);
+        a template without tool support leaves them out. `continue_final_message` leaves the last
+        message open for the model to continue (an assistant prefill), as in vLLM and transformers;
+        `chat_template_kwargs` are the template's own variables (e.g. Qwen3's `enable_thinking`).
+        A message's content may be OpenAI's list of text parts: they are joined with newlines,
+        as vLLM joins them."""
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("The tokenizer has no chat template; pass prompts as text or token ids, "
+                             "or give a chat_template.")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations.")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the "
+                             "first continues the last message, the second opens a new assistant turn.")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}.")
         single = isinstance(messages[0], dict)
         conversations: Sequence[Conversation] = [messages] if single else messages  # type: ignore[list-item]
         prompts = []
         for conversation in conversations:
             if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
                 raise ValueError("each conversation must be a list of {'role': ..., 'content': ...} dicts.")
-            prompts.append(
-                self.tokenizer.apply_chat_template(
-                    list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                    tools=tools,
-                )
-            )
+            if continue_final_message and not conversation:
+                raise ValueError("continue_final_message needs a conversation with a last message to continue.")
+            # The caller's own variables first: ours name what this call means and win.
+            kwargs = {**(chat_template_kwargs or {}), "tokenize": False,
+                      "add_generation_prompt": add_generation_prompt, "tools": tools,
+                      "continue_final_message": continue_final_message, "chat_template": chat_template}
+            prompts.append(self.tokenizer.apply_chat_template([_text_message(m, i) for i, m in enumerate(conversation)],
+                                                              **kwargs))
         return prompts[0] if single else prompts
 
     # ------------------------------------------------------------------------------ internals
@@ -263,6 +297,23 @@ class InputProcessor:
                     continue
                 result.append(ids)
         return result
+
+
+def _text_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message whose content is OpenAI's list of parts, with the parts' text joined by newlines
+    (as vLLM does for a text-only model; the templates of text models expect a string)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            got = repr(kind) if kind is not None else type(part).__name__
+            raise ValueError(f"messages[{index}].content[{j}] must be a text part {{'type': 'text', 'text': str}}: "
+                             f"this model reads text only, got {got}.")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _max_chars_per_token(tokenizer: Any) -> int | None:

@@ -12,7 +12,7 @@ from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.metrics.stats import Metric
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -120,6 +120,10 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), SamplingParams())
+        # Only whole outputs come back from here, as from vLLM's LLM: a DELTA (or CUMULATIVE)
+        # request would leave just its last piece in the final output.
+        params_list = [p if p.output_kind == RequestOutputKind.FINAL_ONLY else p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                       for p in params_list]
         prio_list = _broadcast("priority", priority, len(prompt_list), 0, per_item=True)
         engine = self.llm_engine
         ids: list[str] = []
@@ -135,15 +139,28 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the model's chat template (or `chat_template`) to one conversation or a list
+        of them, then generates, as vLLM's `LLM.chat`. A message's content is a string or
+        OpenAI's list of text parts. `continue_final_message=True` (with
+        `add_generation_prompt=False`) continues the last message instead of opening a new
+        turn; `tools` are OpenAI function definitions, rendered by the template;
+        `chat_template_kwargs` are the template's own variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.llm_engine.input_processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            self.llm_engine.input_processor.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs)
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
