@@ -199,6 +199,119 @@ def test_chat_logprobs_shape(client):
     assert r.choices[0].logprobs is None
 
 
+# ---- echo and prompt logprobs (lm-evaluation-harness's loglikelihood requests) -----------------
+
+
+def test_echo_text_is_prompt_then_completion(client):
+    from tokenloom.model.source import load_tokenizer
+
+    ids = [504, 3458, 282]
+    for prompt, prompt_text in ((PROMPT, PROMPT), (ids, load_tokenizer().decode(ids))):
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, n=2, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+        plain = client.completions.create(**kwargs)
+        echoed = client.completions.create(echo=True, **kwargs)
+        assert sorted(c.index for c in echoed.choices) == [0, 1]
+        completions = {c.index: c.text for c in plain.choices}
+        assert all(completions.values())
+        # A token-id prompt is echoed decoded.
+        assert {c.index: c.text for c in echoed.choices} == {i: prompt_text + t for i, t in completions.items()}
+        # The echoed prompt is not counted as completion tokens.
+        assert echoed.usage.completion_tokens == 6 and echoed.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert all(c.logprobs is None for c in echoed.choices)
+
+
+def test_echo_max_tokens_0_scores_the_prompt(client):
+    def score():
+        return client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, extra_body={"prompt_logprobs": 1}
+        )
+
+    r = score()
+    (choice,) = r.choices
+    # Nothing generated: the prompt alone, counted as prompt tokens only.
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == r.usage.prompt_tokens
+    assert "".join(lp.tokens) == PROMPT
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    # Nothing precedes the first prompt token to score it.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x < 0 for x in lp.token_logprobs[1:])
+    # The same numbers as vLLM's prompt_logprobs of the same request: per position, the prompt's
+    # token first ({token id: {logprob, rank, decoded_token}}), then the most likely one.
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(lp.tokens) and prompt_logprobs[0] is None
+    for token, logprob, top, position in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], prompt_logprobs[1:]):
+        assert all(key.isdigit() for key in position) and 1 <= len(position) <= 2
+        chosen = next(iter(position.values()))
+        assert chosen["decoded_token"] == token and chosen["logprob"] == logprob and chosen["rank"] >= 1
+        best = [e for e in position.values() if e["rank"] == 1]
+        assert len(best) == 1 and top == {best[0]["decoded_token"]: best[0]["logprob"]}
+        assert (chosen["rank"] == 1) == (len(position) == 1)
+    # Reproducible: a loglikelihood is the same on every call.
+    assert score().choices[0].logprobs.token_logprobs == lp.token_logprobs
+    # Without prompt_logprobs, the choice carries none.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    assert r.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert "prompt_logprobs" not in (r.choices[0].model_extra or {})
+    # Each keeps its own number of alternatives: 3 for echo's logprobs, 1 in prompt_logprobs.
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=3, extra_body={"prompt_logprobs": 1})
+    assert all(len(top) == 3 for top in r.choices[0].logprobs.top_logprobs[1:])
+    assert [len(p) for p in r.choices[0].model_extra["prompt_logprobs"][1:]] == [len(p) for p in prompt_logprobs[1:]]
+
+
+def test_echo_prompt_logprob_is_the_generated_tokens_logprob(client):
+    """The logprob echo gives a prompt token is the one the model gave it when it generated it.
+    It comes from the prefill's logits instead of a decode step's, whose quantized kernels round
+    differently (up to ~0.02 seen); a token scored at the wrong position would not match."""
+    from tokenloom.model.source import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    generated = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=1)
+    tokens = generated.choices[0].logprobs.tokens
+    token_ids = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(t)) for t in tokens]
+    assert all(len(t) == 1 for t in token_ids), tokens
+    scored = client.completions.create(model=MODEL, prompt=ids + [t[0] for t in token_ids], max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert lp.tokens[len(ids):] == tokens
+    assert lp.token_logprobs[len(ids):] == pytest.approx(generated.choices[0].logprobs.token_logprobs, abs=0.05)
+
+
+def test_streamed_echo_equals_non_streamed(client):
+    # Sampled, n=2 (both completions run in the same steps either way, so the same seed gives the
+    # same texts); and a batch of prompts scored without generating (choice index = prompt index).
+    sampled = dict(prompt=PROMPT, max_tokens=3, n=2, temperature=1.0, seed=9, logprobs=1,
+                   extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    scored = dict(prompt=[PROMPT, "Once upon a time"], max_tokens=0, logprobs=2)
+    for kwargs in (sampled, scored):
+        full = client.completions.create(model=MODEL, echo=True, **kwargs)
+        chunks = list(client.completions.create(model=MODEL, echo=True, stream=True, stream_options={"include_usage": True}, **kwargs))
+        texts: dict[int, str] = {}
+        tokens: dict[int, list] = {}
+        token_logprobs: dict[int, list] = {}
+        offsets: dict[int, list] = {}
+        for chunk in chunks:
+            for c in chunk.choices:
+                if c.index not in texts:  # a choice's first chunk starts with the whole prompt
+                    prompt = PROMPT if kwargs is sampled else kwargs["prompt"][c.index]
+                    assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
+                texts[c.index] = texts.get(c.index, "") + c.text
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+                token_logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+        assert texts == {c.index: c.text for c in full.choices}
+        assert tokens == {c.index: c.logprobs.tokens for c in full.choices}
+        assert offsets == {c.index: c.logprobs.text_offset for c in full.choices}
+        for c in full.choices:
+            assert "".join(c.logprobs.tokens) == c.text
+            # Within kernel rounding: the two may batch the prompts' prefills differently.
+            assert token_logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=0.05)
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == (6 if kwargs is sampled else 0)
+        assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 
@@ -222,9 +335,20 @@ def test_400_invalid_field_names_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert _error(e.value)["param"] == "messages"
+    # max_tokens 0 only with echo (scoring the prompt).
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=PROMPT, echo=True)
-    assert _error(e.value)["param"] == "echo"
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    err = _error(e.value)
+    assert err["param"] == "max_tokens" and "echo" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, extra_body={"min_tokens": 1})
+    assert _error(e.value)["param"] == "min_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1, echo=True)
+    assert _error(e.value)["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"prompt_logprobs": 21})
+    assert _error(e.value)["param"] == "prompt_logprobs"
 
 
 def test_400_malformed_json(server):
@@ -365,3 +489,84 @@ def test_front_end_imports_neither_torch_nor_xgrammar():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---- vLLM's request rules and extras --------------------------------------------------------------
+
+
+def test_400_max_tokens_beyond_the_context_names_the_field(client):
+    # prompt + max_tokens must fit in max_model_len (256), as in vLLM's and OpenAI's servers: a
+    # request that would run to the end of the context unasked is refused at once.
+    prompt = [504] * 250
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+    ask = [{"role": "user", "content": "Hi"}]
+    for create, field, kwargs in (
+        (client.completions.create, "max_tokens", dict(prompt=prompt, max_tokens=7)),
+        (client.chat.completions.create, "max_tokens", dict(messages=ask, max_tokens=300)),
+        (client.chat.completions.create, "max_completion_tokens", dict(messages=ask, max_completion_tokens=300)),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, **kwargs)
+        err = _error(e.value)
+        assert err["param"] == field and "maximum context length is 256 tokens" in err["message"], err
+
+
+def test_400_for_what_vllm_refuses_too(client):
+    ask = [{"role": "user", "content": "Hi"}]
+    cases = [
+        ("priority", dict(extra_body={"priority": 3})),  # FCFS server: priorities would be ignored
+        ("stream_options", dict(stream_options={"include_usage": True})),  # without stream
+        ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 8})),
+    ]
+    for field, kwargs in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, **kwargs)
+        assert _error(e.value)["param"] == field
+    # A part this text model cannot read is named, not lost in a union's type errors.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    err = _error(e.value)
+    assert err["param"] == "messages" and "'image_url' part" in err["message"] and "more error" not in err["message"]
+
+
+def test_chat_text_parts_prefill_echo_template_kwargs_and_usage_per_chunk(client):
+    greedy = dict(model=MODEL, max_tokens=6, temperature=0)
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "Line one.\nLine two."}], **greedy)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]}], **greedy)
+    # vLLM joins text parts with a newline: the same prompt, the same reply.
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    # An assistant prefill continued, and echoed in front of the reply (vLLM's echo).
+    prefill = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    cont = client.chat.completions.create(messages=prefill, extra_body=extra, **greedy)
+    echoed = client.chat.completions.create(messages=prefill, extra_body={**extra, "echo": True}, **greedy)
+    assert echoed.choices[0].message.content == "1, 2, 3," + cont.choices[0].message.content
+    # The prefill leaves the turn open: fewer prompt tokens than the closed conversation's.
+    closed = client.chat.completions.create(messages=prefill, extra_body={"add_generation_prompt": False}, **greedy)
+    assert cont.usage.prompt_tokens < closed.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=prefill, extra_body={"continue_final_message": True}, **greedy)
+    assert _error(e.value)["param"] == "continue_final_message"
+    # A template of one's own, with its variables.
+    own = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **greedy, extra_body={
+        "chat_template": "{{ greeting }} {% for m in messages %}{{ m.content }}{% endfor %}",
+        "chat_template_kwargs": {"greeting": "Hello there,"}, "add_generation_prompt": False})
+    plain = client.completions.create(model=MODEL, prompt="Hello there, Hi", max_tokens=1)
+    assert own.usage.prompt_tokens == plain.usage.prompt_tokens
+    # continuous_usage_stats: every chunk carries the counts so far.
+    stream = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], stream=True, **greedy,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [chunk.usage.completion_tokens for chunk in stream if chunk.choices and chunk.usage is not None]
+    assert counts and counts == sorted(counts) and counts[-1] >= 1
+
+
+def test_completion_stream_with_continuous_usage(client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [chunk.usage.completion_tokens for chunk in stream if chunk.choices]
+    assert counts == sorted(counts) and counts[-1] == 5

@@ -2,7 +2,7 @@
 names the offending field, and the server keeps serving.
 
 Policy on unknown fields (as vLLM): they are ignored, with a warning in the server's log, so newer
-clients keep working; fields the server knows but cannot honour (echo, suffix, best_of != n)
+clients keep working; fields the server knows but cannot honour (suffix, best_of != n)
 are rejected by name, and so are structured-output specs that do not compile.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ _BAD_COMPLETIONS = [
     ({"allowed_token_ids": [10**12]}, "allowed_token_ids"),
     ({"min_tokens": 5}, "min_tokens"),  # > max_tokens
     ({"priority": 2**70}, "priority"),
-    ({"echo": True}, "echo"),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
     ({"best_of": 3}, "best_of"),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options"),
     ({"request_id": ["not", "a", "string"]}, "request_id"),

@@ -5,7 +5,7 @@ the streaming path free of per-chunk model validation.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do, so newer clients that send
 fields this server does not know still work. Fields whose meaning this server cannot honour
-(`echo`, `suffix`, `best_of` > n) are rejected with a 400 naming them instead of being
+(`suffix`, `best_of` other than n, `truncate_prompt_tokens`) are rejected with a 400 naming them instead of being
 silently dropped.
 
 Types are strict (pydantic's strict mode): `"max_tokens": "16"`, `"max_tokens": true`,
@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenloom.sampling_params import (
     INT64_MAX,
@@ -117,6 +117,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = Field(default=None, description="optional caller-chosen id (vLLM extra)")
+    truncate_prompt_tokens: int | None = None  # vLLM's; refused by name (serving_engine), not dropped
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one
     # of them; see structured.py). Plain dicts, checked there with errors naming the field.
     response_format: dict[str, Any] | None = None
@@ -129,9 +130,12 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)  # OpenAI's default for completions
+    # 16: OpenAI's default for completions. 0 only together with echo (return the prompt, generate
+    # nothing, as vLLM); serving_completion refuses it without echo, naming max_tokens.
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the choice's text (and logprobs) start with the prompt's
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM extra
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -148,12 +152,24 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Said here, before the union's "Input should be a valid string" for every member.
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content[{j}] is a {kind!r} part: this server's model reads text only "
+                                     "(parts of type 'text').")
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -166,4 +182,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True  # vLLM extra
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # continue the last message (an assistant prefill)
+    echo: bool = False  # the reply starts with the last message, when that is the assistant's
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

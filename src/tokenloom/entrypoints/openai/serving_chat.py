@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template, then the same engine path."""
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -85,17 +86,27 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         try:
-            prompt = await self.engine.run_off_loop(processor.apply_chat_template, conversation, req.add_generation_prompt,
-                                                    req.tools or None)
+            prompt = await self.engine.run_off_loop(functools.partial(
+                processor.apply_chat_template, conversation, req.add_generation_prompt, req.tools or None,
+                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs))
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
-            raise bad_request(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+            param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
+            raise bad_request(f"messages could not be rendered with the chat template: {e}", param=param) from None
+        # vLLM's echo: the reply repeats the last message first when it is the assistant's own.
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == "assistant" else ""
         self.check_capacity(params.n)  # again: other requests were admitted while it was rendered
         request_id = req.request_id or random_id("chatcmpl")
-        streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages")
+        streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages",
+                                          {"max_tokens": max_name})
         created = unix_time()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
+            body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice, echo,
+                                continuous_usage)
             return EngineStreamingResponse(body, on_close=lambda: self.engine.abort_nowait(streams[0].request_id))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
@@ -104,6 +115,8 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for c in out.outputs:
             message, finish_reason = self._message(c, choice)
+            if echo and isinstance(message.get("content"), str):
+                message["content"] = echo + message["content"]
             choices.append({
                 "index": c.index,
                 "message": message,
@@ -125,9 +138,15 @@ class OpenAIServingChat(OpenAIServing):
 
     def _message(self, c: CompletionOutput, choice: ToolChoice) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished choice and its finish_reason: `tool_calls` when
-        the reply is calls (a reply cut by max_tokens keeps its text and `length`)."""
+        the reply is calls (a reply cut by max_tokens keeps its text and `length`), except for a
+        named function, where OpenAI and vLLM answer `stop` (and vLLM an empty content)."""
         text, finish = c.text, c.finish_reason
-        if choice.mode in ("required", "named"):
+        if choice.mode == "named":
+            calls = constrained_calls(choice, text) if finish == "stop" else None
+            if calls:
+                return {"role": "assistant", "content": "", "tool_calls": openai_tool_calls(calls)}, finish
+            return {"role": "assistant", "content": text}, finish
+        if choice.mode == "required":
             calls = constrained_calls(choice, text) if finish == "stop" else None
             content = None
         elif choice.mode == "auto":
@@ -147,6 +166,8 @@ class OpenAIServingChat(OpenAIServing):
         num_top: int | None,
         include_usage: bool,
         choice: ToolChoice,
+        echo: str = "",
+        continuous_usage: bool = False,
     ) -> AsyncIterator[bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
@@ -154,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
             first = [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
                 for i in range(stream.num_seqs)
             ]
             yield sse_event({**base, "choices": first, **extra})
@@ -182,7 +203,9 @@ class OpenAIServingChat(OpenAIServing):
                         }
                     )
                 if choices:
-                    yield sse_event({**base, "choices": choices, **extra})
+                    # vLLM's continuous_usage_stats: the counts so far on every chunk.
+                    chunk_usage = {"usage": usage(prompt_tokens, completion_tokens)} if continuous_usage else extra
+                    yield sse_event({**base, "choices": choices, **chunk_usage})
             if include_usage:
                 yield sse_event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         except EngineDeadError as e:
@@ -238,7 +261,7 @@ class _ToolStream:
                     call.update(id=self.call_id, type="function")
                     fn["name"] = self.choice.function
                 delta = {"tool_calls": [call]}
-            return delta, ("tool_calls" if finish == "stop" and self.call_id is not None else finish)
+            return delta, finish  # `stop` for a named function, as OpenAI and vLLM send it
         if finish is None:
             if mode == "required":
                 return {}, None

@@ -1,7 +1,18 @@
-"""POST /v1/completions (OpenAI's legacy text completions)."""
+"""POST /v1/completions (OpenAI's legacy text completions).
+
+Echo, as vLLM does it (lm-evaluation-harness scores loglikelihoods this way): with `echo` each
+choice's text starts with the prompt's (a token-id prompt decoded), and with `logprobs` its
+logprobs cover the prompt's tokens first, from the engine's prompt logprobs (the first prompt
+token has none: nothing precedes it to condition on). Streamed, the prompt comes in each
+choice's first chunk. `max_tokens: 0` with echo scores the prompt and generates nothing: the
+engine cannot run a request for no token, so it runs for one, which is dropped from the text,
+the logprobs and the usage. vLLM's `prompt_logprobs: k` extra puts the engine's prompt logprobs
+on each choice in vLLM's shape (see `_prompt_logprobs_json`).
+"""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -24,7 +35,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     top_entries,
     usage,
 )
-from tokenloom.outputs import CompletionOutput
+from tokenloom.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 def _prompts(req: CompletionRequest) -> list[Any]:
@@ -41,26 +52,73 @@ def _prompts(req: CompletionRequest) -> list[Any]:
     return list(p)
 
 
+@dataclass(slots=True)
+class _Prompt:
+    """What a choice shows of its prompt: the echoed text, and the tokens with the engine's
+    prompt logprobs (one per token, None first)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: PromptLogprobs | None
+
+
+def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
+    """max_tokens 0: the one token the engine had to generate, dropped. The choice ended on the
+    caller's limit ("length"), whatever ended the engine's token (EOS, a stop string)."""
+    reason = c.finish_reason if c.finish_reason in (None, "error", "abort") else "length"
+    return CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [], reason, None)
+
+
+def _prompt_logprobs_json(positions: PromptLogprobs, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id (a JSON key):
+    {logprob, rank, decoded_token}}: the prompt's own token, then the k most likely. The engine
+    may have computed more than k (echo's `logprobs` asked for more): those with rank > k go."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for position in positions:
+        if position is None:
+            result.append(None)
+            continue
+        result.append(
+            {
+                str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for j, (token_id, lp) in enumerate(position.items())
+                if j == 0 or (lp.rank is not None and lp.rank <= k)  # the prompt's token comes first
+            }
+        )
+    return result
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(req.model)
-        if req.echo:
-            raise bad_request("echo is not supported by this server.", param="echo")
         if req.suffix:
             raise bad_request("suffix is not supported by this server.", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of must equal n ({req.n}) on this server, got {req.best_of}.", param="best_of")
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise bad_request("max_tokens must be at least 1, got 0 (0 is allowed only with echo: true, which "
+                              "returns the prompt and generates nothing).", param="max_tokens")
+        if echo_only and req.min_tokens > 0:
+            raise bad_request(f"min_tokens must be <= max_tokens (0), got {req.min_tokens}.", param="min_tokens")
         prompts = _prompts(req)
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, field_names={},
+        # Echo's logprobs come from the prompt logprobs, with as many alternatives as asked for
+        # either way.
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        params = self.sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
+                                      prompt_logprobs=prompt_logprobs, field_names={},
                                       structured_outputs=structured_outputs_of(req))
         self.check_capacity(params.n * len(prompts))
         request_id = req.request_id or random_id("cmpl")
         streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt")
         created = unix_time()
-        num_top = req.logprobs
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(request_id, model, created, streams, params.n, num_top, include_usage)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
+            body = self._stream(req, request_id, model, created, streams, params.n, include_usage, continuous_usage)
             return EngineStreamingResponse(body, on_close=lambda: self.engine.abort_nowait(*[s.request_id for s in streams]))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
@@ -69,17 +127,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = completion_tokens = 0
         for i, out in enumerate(result):
             prompt_tokens += len(out.prompt_token_ids or ())
+            prompt = await self._prompt(req, out)
             for c in out.outputs:
+                if echo_only:
+                    c = _nothing_generated(c)
                 completion_tokens += len(c.token_ids)
-                choices.append(
-                    {
-                        "index": i * params.n + c.index,
-                        "text": c.text,
-                        "logprobs": None if num_top is None else self._logprobs(c, num_top, 0),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                choices.append(self._choice(req, i * params.n + c.index, c, prompt, 0))
         return json_response(
             {
                 "id": request_id,
@@ -93,46 +146,46 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(
         self,
+        req: CompletionRequest,
         request_id: str,
         model: str,
         created: int,
         streams: list[RequestStream],
         n: int,
-        num_top: int | None,
         include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[bytes]:
-        text_offsets: dict[int, int] = {}
+        text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
         prompt_tokens: dict[int, int] = {}
+        # Per prompt, from its first output: the only one that carries the prompt logprobs (with
+        # n > 1 a choice may start in a later output than its prompt's first).
+        prompts: dict[int, _Prompt] = {}
         completion_tokens = 0
+        shows_prompt = req.echo or req.prompt_logprobs is not None
         base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         try:
             async for i, out in self.merged_outputs(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids or ())
+                if i not in prompts:
+                    prompts[i] = await self._prompt(req, out)
                 choices = []
                 for c in out.outputs:
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    index = i * n + c.index
+                    first = index not in text_offsets
+                    if not c.text and not c.token_ids and c.finish_reason is None and not (first and shows_prompt):
                         continue
                     if c.finish_reason == "error":
                         check_output_error(out)
-                    index = i * n + c.index
+                    if req.max_tokens == 0:
+                        c = _nothing_generated(c)
                     completion_tokens += len(c.token_ids)
-                    logprobs = None
-                    if num_top is not None:
-                        logprobs = self._logprobs(c, num_top, text_offsets.get(index, 0))
-                    text_offsets[index] = text_offsets.get(index, 0) + len(c.text)
-                    choices.append(
-                        {
-                            "index": index,
-                            "text": c.text,
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    )
+                    choice = self._choice(req, index, c, prompts[i] if first else None, text_offsets.get(index, 0))
+                    text_offsets[index] = text_offsets.get(index, 0) + len(choice["text"])
+                    choices.append(choice)
                 if choices:
                     chunk = {**base, "choices": choices}
-                    if include_usage:
-                        chunk["usage"] = None
+                    if include_usage:  # vLLM's continuous_usage_stats: the counts so far on every chunk
+                        chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
                     yield sse_event(chunk)
             if include_usage:
                 yield sse_event({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
@@ -142,22 +195,62 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_event(e.to_dict())
         yield SSE_DONE
 
-    def _logprobs(self, c: CompletionOutput, num_top: int, text_offset: int) -> dict[str, Any]:
-        """OpenAI's completions logprobs: parallel lists over the generated tokens."""
+    async def _prompt(self, req: CompletionRequest, out: RequestOutput) -> _Prompt:
+        token_ids = out.prompt_token_ids or []
+        text = ""
+        if req.echo:
+            text = out.prompt
+            if text is None:  # a token-id prompt: echoed decoded, as vLLM does
+                text = await self.engine.run_off_loop(self.engine.tokenizer.decode, token_ids)
+        return _Prompt(text, token_ids, out.prompt_logprobs)
+
+    def _choice(
+        self, req: CompletionRequest, index: int, c: CompletionOutput, prompt: _Prompt | None, text_offset: int
+    ) -> dict[str, Any]:
+        """One choice, or one chunk of a streamed one. `prompt` is given for the choice's first
+        (or only) chunk: with echo its text and logprobs come before the completion's, and with
+        prompt_logprobs the chunk carries them. `text_offset`: where the chunk's text starts."""
+        echoed = prompt if req.echo else None
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if echoed is not None:
+                self._add_logprobs(logprobs, echoed.token_ids, echoed.logprobs, req.logprobs, text_offset)
+                text_offset += len(echoed.text)
+            self._add_logprobs(logprobs, c.token_ids, c.logprobs, req.logprobs, text_offset)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": c.text if echoed is None else echoed.text + c.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if req.prompt_logprobs is not None and prompt is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs_json(prompt.logprobs or [], req.prompt_logprobs)
+        return choice
+
+    def _add_logprobs(
+        self,
+        into: dict[str, list[Any]],
+        token_ids: Sequence[int],
+        positions: Sequence[dict[int, Logprob] | None] | None,
+        num_top: int,
+        text_offset: int,
+    ) -> None:
+        """Appends OpenAI's completions logprobs (parallel lists) of `token_ids` to `into`, each
+        token scored by its position's logprobs (None for a prompt's first token: its logprob and
+        top_logprobs are null, as OpenAI's). The first token starts at `text_offset`."""
         tokenizer = self.engine.tokenizer
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        top_logprobs: list[dict[str, float]] = []
-        text_offsets: list[int] = []
-        for token_id, position in zip(c.token_ids, c.logprobs or ()):
-            lp = position.get(token_id)
+        for token_id, position in zip(token_ids, positions or ()):
+            lp = None if position is None else position.get(token_id)
             text = token_text(tokenizer, token_id, lp)
-            tokens.append(text)
-            token_logprobs.append(None if lp is None else lp.logprob)
-            top = {token_text(tokenizer, t, l): l.logprob for t, l in top_entries(position, num_top)}
-            if not top and lp is not None:
-                top = {text: lp.logprob}
-            top_logprobs.append(top)
-            text_offsets.append(text_offset)
+            top: dict[str, float] | None = None
+            if position is not None:
+                top = {token_text(tokenizer, t, l): l.logprob for t, l in top_entries(position, num_top)}
+                if not top and lp is not None:
+                    top = {text: lp.logprob}
+            into["tokens"].append(text)
+            into["token_logprobs"].append(None if lp is None else lp.logprob)
+            into["top_logprobs"].append(top)
+            into["text_offset"].append(text_offset)
             text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offsets}

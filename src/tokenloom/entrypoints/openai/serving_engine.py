@@ -110,14 +110,22 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         field_names: dict[str, str],
+        prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            # As vLLM: options for a stream that will not be sent are a mistake, not a no-op.
+            raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
+        if req.truncate_prompt_tokens is not None:
+            raise bad_request("truncate_prompt_tokens is not supported by this server: shorten the prompt.",
+                              param="truncate_prompt_tokens")
         kwargs: dict[str, Any] = {
             "n": req.n,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "seed": req.seed,
             "stop": req.stop,
             "stop_token_ids": req.stop_token_ids,
@@ -144,19 +152,23 @@ class OpenAIServing:
     # ---- running requests -----------------------------------------------------------------------
 
     async def add_requests(
-        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int, prompt_param: str
+        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int, prompt_param: str,
+        field_names: dict[str, str] | None = None,
     ) -> list[RequestStream]:
-        """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing."""
+        """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing. A
+        max_tokens that does not fit in the context after a prompt is a 400, as in vLLM's server
+        (`field_names`: the request's name for max_tokens, as in `sampling_params`)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority,
+                                                             max_tokens_within_context=True))
         except ValueError as e:
             self.engine.abort_nowait(*[s.request_id for s in streams])
             # The input processor speaks of `prompt` and `prompt_token_ids`: the request's field is
             # `prompt_param` (prompt or messages).
-            names = {"prompt": prompt_param, "prompt_token_ids": prompt_param}
+            names = {**(field_names or {}), "prompt": prompt_param, "prompt_token_ids": prompt_param}
             raise error_from_value_error(e, names, prompt_param=prompt_param) from None
         except EngineDeadError as e:
             raise engine_dead_error(e) from None
