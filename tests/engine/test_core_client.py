@@ -1,7 +1,9 @@
 """The process boundary: the engine core in a child process dies loudly and never alone."""
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -13,6 +15,10 @@ import pytest
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.engine.core_client import EngineDeadError
+
+
+# tgkill(2)'s number: a signal to one thread of a process.
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
 
 
 def _alive(pid: int) -> bool:
@@ -76,6 +82,22 @@ def test_engine_core_death_while_idle_fails_the_next_call_fast():
         with pytest.raises(EngineDeadError, match=f"{pid} exited"):
             call()
         assert time.monotonic() - t0 < 5.0
+    llm.shutdown()
+
+
+@pytest.mark.skipif(_SYS_TGKILL is None, reason="tgkill's number is known for x86_64 and aarch64 only")
+def test_sigint_to_any_core_thread_ends_an_idle_core():
+    # The kernel may hand a process's SIGINT to any of its threads; Python acts on it only in the
+    # main thread, which must not sleep through it (the keep-alive server sends nothing more).
+    llm = LLM(kv_cache_memory_bytes=64 * 1024**2)
+    assert llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+    pid = llm.llm_engine.engine_core.info.pid
+    other = next(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(_SYS_TGKILL, pid, other, signal.SIGINT) == 0  # to that one thread
+    _wait_dead(pid, timeout=10)
+    with pytest.raises(EngineDeadError, match="KeyboardInterrupt"):
+        llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
     llm.shutdown()
 
 

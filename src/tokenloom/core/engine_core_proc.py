@@ -41,6 +41,11 @@ from tokenloom.messages import (
 logger = logging.getLogger("tokenloom.engine_core")
 
 _SHUTDOWN = object()
+# An idle core wakes this often: Python runs signal handlers only in the main thread, and a
+# SIGINT that the kernel hands to another of the core's threads leaves the main thread asleep
+# in its queue wait until something wakes it (the keep-alive server, polled by /health, sends
+# nothing). A wake-up a second costs nothing measurable.
+_IDLE_WAKE_S = 1.0
 _REJECT = "reject"  # input-queue kind: an ADD message that failed to decode, (request_id, error)
 
 
@@ -190,7 +195,11 @@ class EngineCoreProc:
             # Block only when there is nothing to step: an idle core costs no CPU.
             if not engine.has_unfinished_requests():
                 step_end = None
-                if not self._handle(*self.input_queue.get()):
+                try:
+                    item = self.input_queue.get(timeout=_IDLE_WAKE_S)
+                except queue.Empty:
+                    continue
+                if not self._handle(*item):
                     break
             while not self.input_queue.empty():
                 if not self._handle(*self.input_queue.get_nowait()):
