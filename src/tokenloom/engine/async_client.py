@@ -73,6 +73,9 @@ class AsyncMPClient(MPClient):
                 except EngineDeadError:
                     sent.cancel()
                     raise
+            except asyncio.CancelledError:  # the caller went away: so does its queued send
+                sent.cancel()
+                raise
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request.sent_time = now()
