@@ -122,8 +122,8 @@ class InputProcessor:
                     f"(num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size}): it could never be "
                     "scheduled. Shorten the prompt or give the KV cache more memory."
                 )
-        room = self.max_model_len - prompt_len
-        if max_tokens_within_context and isinstance(params, SamplingParams) and (params.max_tokens or 0) > room:
+        if (max_tokens_within_context and isinstance(params, SamplingParams)
+                and (params.max_tokens or 0) > self.max_model_len - prompt_len):
             raise ValueError(
                 f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and the request has {prompt_len} input tokens "

@@ -122,8 +122,8 @@ class LLM:
         params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), SamplingParams())
         # Only whole outputs come back from here, as from vLLM's LLM: a DELTA (or CUMULATIVE)
         # request would leave just its last piece in the final output.
-        params_list = [p if p.output_kind == RequestOutputKind.FINAL_ONLY else p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                       for p in params_list]
+        final = RequestOutputKind.FINAL_ONLY
+        params_list = [p if p.output_kind == final else p.clone(output_kind=final) for p in params_list]
         prio_list = _broadcast("priority", priority, len(prompt_list), 0, per_item=True)
         engine = self.llm_engine
         ids: list[str] = []

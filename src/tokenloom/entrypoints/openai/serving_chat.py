@@ -141,21 +141,17 @@ class OpenAIServingChat(OpenAIServing):
         the reply is calls (a reply cut by max_tokens keeps its text and `length`), except for a
         named function, where OpenAI and vLLM answer `stop` (and vLLM an empty content)."""
         text, finish = c.text, c.finish_reason
-        if choice.mode == "named":
+        if choice.mode in ("required", "named"):
             calls = constrained_calls(choice, text) if finish == "stop" else None
-            if calls:
-                return {"role": "assistant", "content": "", "tool_calls": openai_tool_calls(calls)}, finish
-            return {"role": "assistant", "content": text}, finish
-        if choice.mode == "required":
-            calls = constrained_calls(choice, text) if finish == "stop" else None
-            content = None
+            content = "" if choice.mode == "named" else None
         elif choice.mode == "auto":
             content, calls = self.tool_parser.extract(text)
         else:
             return {"role": "assistant", "content": text}, finish
         if not calls:
             return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": content, "tool_calls": openai_tool_calls(calls)}, "tool_calls"
+        return ({"role": "assistant", "content": content, "tool_calls": openai_tool_calls(calls)},
+                finish if choice.mode == "named" else "tool_calls")
 
     async def _stream(
         self,
