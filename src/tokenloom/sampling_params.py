@@ -224,6 +224,9 @@ class SamplingParams(
     min_tokens: int = 0
     logprobs: int | None = None  # in [0, MAX_LOGPROBS]
     prompt_logprobs: int | None = None  # in [0, MAX_LOGPROBS]
+    # Keep only the prompt's last k tokens (vLLM's left truncation); -1: as many as the model
+    # takes. Applied by the caller's input processor, which knows max_model_len.
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -336,6 +339,11 @@ class SamplingParams(
             raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.truncate_prompt_tokens is not None:
+            requirement = "None, -1 (the longest prompt the model takes) or an integer >= 1"
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, requirement)
+            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
+                raise _fail("truncate_prompt_tokens", requirement, self.truncate_prompt_tokens)
 
     def _verify_logprobs(self) -> None:
         requirement = f"None or an integer in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not supported)"

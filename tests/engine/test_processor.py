@@ -211,6 +211,48 @@ class _BosTokenizer:
         return ([1] if add_special_tokens else []) + ids
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(processor, tokenizer):
+    text = " ".join(f"word{i}" for i in range(200))  # far beyond MAX_MODEL_LEN tokens and characters
+    ids = tokenizer.encode(text)
+    with pytest.raises(ValueError):
+        processor.process("whole", text, SamplingParams(), 0.0)
+    request, prompt = processor.process("cut", text, SamplingParams(truncate_prompt_tokens=10), 0.0)
+    assert request.prompt_token_ids == ids[-10:] and prompt == tokenizer.decode(ids[-10:])
+    request, prompt = processor.process("ids", ids, SamplingParams(truncate_prompt_tokens=5), 0.0)
+    assert request.prompt_token_ids == ids[-5:] and prompt is None
+    request, prompt = processor.process("both", {"prompt": text, "prompt_token_ids": ids},
+                                        SamplingParams(truncate_prompt_tokens=5), 0.0)
+    assert request.prompt_token_ids == ids[-5:] and prompt == tokenizer.decode(ids[-5:])
+    request, _ = processor.process("all-that-fit", ids, SamplingParams(truncate_prompt_tokens=-1), 0.0)
+    assert request.prompt_token_ids == ids[-(MAX_MODEL_LEN - 1):]
+    # A prompt already short enough is left as it is, its text too.
+    request, prompt = processor.process("short", "Hello", SamplingParams(truncate_prompt_tokens=10), 0.0)
+    assert request.prompt_token_ids == tokenizer.encode("Hello") and prompt == "Hello"
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is 65 but max_model_len is 64"):
+        processor.process("too-big", ids, SamplingParams(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 0.0)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+def test_truncate_prompt_tokens_is_validated(bad):
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be None, -1 .* or an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_truncation_keeps_the_bos_in_front(gemma3_path):
+    """A tokenizer that adds a BOS (Gemma 3's) keeps it when the prompt is cut, as a tokenizer
+    truncating on the left does (vLLM's), and the kept tokens are the text's last ones."""
+    from tokenloom.model.source import load_model_config, load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_path)
+    processor = InputProcessor(tokenizer, load_model_config(gemma3_path), MAX_MODEL_LEN)
+    text = " ".join(f"word{i}" for i in range(200))
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.bos_token_id
+    request, prompt = processor.process("cut", text, SamplingParams(truncate_prompt_tokens=8), 0.0)
+    assert request.prompt_token_ids == [tokenizer.bos_token_id] + ids[-7:]
+    assert prompt == tokenizer.decode(request.prompt_token_ids)
+
+
 def test_no_second_bos_when_the_prompt_already_has_one():
     processor = InputProcessor(_BosTokenizer(), smollm2_config(), MAX_MODEL_LEN)
     with_bos, _ = processor.process("a", "^hi", SamplingParams(), 0.0)

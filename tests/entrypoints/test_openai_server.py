@@ -512,12 +512,35 @@ def test_400_max_tokens_beyond_the_context_names_the_field(client):
         assert err["param"] == field and "maximum context length is 256 tokens" in err["message"], err
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
+    """vLLM's truncate_prompt_tokens: a prompt far beyond the 256-token context runs on its last
+    k tokens, as if those had been sent; -1 keeps the longest prompt the context takes."""
+    long_ids = [504 + i % 300 for i in range(1000)]
+    greedy = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    kept = client.completions.create(prompt=long_ids[-20:], **greedy)
+    cut = client.completions.create(prompt=long_ids, echo=True, **{**greedy, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 20}})
+    assert cut.usage.prompt_tokens == 20 and cut.choices[0].text.endswith(kept.choices[0].text)
+    echoed = client.completions.create(prompt=long_ids[-20:], echo=True, **greedy)
+    assert cut.choices[0].text == echoed.choices[0].text  # the echo is the kept tokens' text
+    text = " ".join(f"word{i}" for i in range(2000))  # ~6000 tokens: refused without truncation
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(prompt=text, **greedy)
+    full = client.completions.create(prompt=text, **{**greedy, "max_tokens": 1,
+                                                     "extra_body": {"truncate_prompt_tokens": -1}})
+    assert full.usage.prompt_tokens == 255 and full.usage.completion_tokens == 1
+    ask = [{"role": "user", "content": text}]
+    chat = client.chat.completions.create(messages=ask, **{**greedy, "extra_body": {"truncate_prompt_tokens": 30}})
+    assert chat.usage.prompt_tokens == 30 and chat.usage.completion_tokens == 3
+
+
 def test_400_for_what_vllm_refuses_too(client):
     ask = [{"role": "user", "content": "Hi"}]
     cases = [
         ("priority", dict(extra_body={"priority": 3})),  # FCFS server: priorities would be ignored
         ("stream_options", dict(stream_options={"include_usage": True})),  # without stream
-        ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 8})),
+        ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 257})),  # > max_model_len
+        ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 0})),
     ]
     for field, kwargs in cases:
         with pytest.raises(openai.BadRequestError) as e:

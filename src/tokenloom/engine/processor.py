@@ -99,7 +99,7 @@ class InputProcessor:
         if priority != 0 and self.scheduling_policy == "fcfs":
             raise ValueError(f"priority is {priority} but the engine schedules first come, first served: "
                              "start it with scheduling_policy='priority' (--scheduling-policy priority) to use priorities.")
-        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, self._truncation(params))
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:
             raise ValueError(
@@ -187,9 +187,25 @@ class InputProcessor:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def _truncation(self, params: Any) -> int | None:
+        """How many of the prompt's last tokens `params.truncate_prompt_tokens` keeps, or None."""
+        keep = getattr(params, "truncate_prompt_tokens", None) if isinstance(params, SamplingParams) else None
+        if keep == -1:
+            return self.max_prompt_tokens
+        if keep is not None and keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens is {keep} but max_model_len is {self.max_model_len}: select a smaller "
+                f"truncation size (-1 keeps the longest prompt the model takes, {self.max_prompt_tokens} tokens)."
+            )
+        return keep
+
+    def _tokenize_prompt(self, prompt: Any, truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids. With `truncate`, only the last
+        `truncate` tokens are kept (a text prompt keeps its BOS in front, as a tokenizer truncating
+        on the left does); the text returned is then the kept tokens' decoded text."""
         prompt_text: str | None = None
         token_ids: Any = None
+        truncated = False
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise ValueError(
@@ -212,11 +228,21 @@ class InputProcessor:
             assert prompt_text is not None
             if not prompt_text:
                 raise ValueError("prompt must not be empty.")
-            self.check_prompt_chars(len(prompt_text))
+            if truncate is None:  # a truncated prompt may be as long as it likes
+                self.check_prompt_chars(len(prompt_text))
             token_ids = self._encode_prompt(prompt_text)
             if not token_ids:
                 raise ValueError(f"prompt {prompt_text!r} tokenizes to no tokens.")
-        return prompt_text, self._check_token_ids(token_ids)
+            if truncate is not None and len(token_ids) > truncate:
+                bos_id = getattr(self.tokenizer, "bos_token_id", None)
+                head = token_ids[:1] if bos_id is not None and token_ids[0] == bos_id else []
+                token_ids = head + token_ids[len(token_ids) - max(truncate - len(head), 0):]
+                truncated = True
+        elif truncate is not None and isinstance(token_ids, (list, tuple)) and len(token_ids) > truncate:
+            token_ids = token_ids[-truncate:]
+            truncated = prompt_text is not None  # a text given with its ids: the text of those kept
+        ids = self._check_token_ids(token_ids)
+        return (self.tokenizer.decode(ids) if truncated else prompt_text), ids
 
     def _encode_prompt(self, text: str) -> list[int]:
         """Tokenizes with the tokenizer's own special tokens (a BOS where it adds one), but not a

@@ -5,8 +5,8 @@ the streaming path free of per-chunk model validation.
 
 Unknown fields are ignored, as OpenAI-compatible servers usually do, so newer clients that send
 fields this server does not know still work. Fields whose meaning this server cannot honour
-(`suffix`, `best_of` other than n, `truncate_prompt_tokens`) are rejected with a 400 naming them instead of being
-silently dropped.
+(`suffix`, `best_of` other than n) are rejected with a 400 naming them instead of being silently
+dropped.
 
 Types are strict (pydantic's strict mode): `"max_tokens": "16"`, `"max_tokens": true`,
 `"stream": "yes"` and `"n": 2.0` get a 400 instead of being coerced. The one leniency kept on
@@ -117,7 +117,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = Field(default=None, description="optional caller-chosen id (vLLM extra)")
-    truncate_prompt_tokens: int | None = None  # vLLM's; refused by name (serving_engine), not dropped
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one
     # of them; see structured.py). Plain dicts, checked there with errors naming the field.
     response_format: dict[str, Any] | None = None

@@ -81,8 +81,10 @@ class OpenAIServingChat(OpenAIServing):
         conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
         processor = self.engine.input_processor
         try:
-            # The rendered prompt holds every message's text: their length alone may rule it out.
-            processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
+            # The rendered prompt holds every message's text: their length alone may rule it out
+            # (unless only its end is kept).
+            if params.truncate_prompt_tokens is None:
+                processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         try:

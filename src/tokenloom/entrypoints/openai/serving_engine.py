@@ -116,9 +116,6 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             # As vLLM: options for a stream that will not be sent are a mistake, not a no-op.
             raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
-        if req.truncate_prompt_tokens is not None:
-            raise bad_request("truncate_prompt_tokens is not supported by this server: shorten the prompt.",
-                              param="truncate_prompt_tokens")
         kwargs: dict[str, Any] = {
             "n": req.n,
             "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -137,6 +134,7 @@ class OpenAIServing:
             "logit_bias": req.logit_bias,
             "allowed_token_ids": req.allowed_token_ids,
             "bad_words": req.bad_words,
+            "truncate_prompt_tokens": req.truncate_prompt_tokens,
             "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
         }
