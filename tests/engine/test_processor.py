@@ -232,12 +232,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(processor, tokenizer):
         processor.process("too-big", ids, SamplingParams(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 0.0)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
-def test_truncate_prompt_tokens_is_validated(bad):
-    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be None, -1 .* or an integer >= 1"):
-        SamplingParams(truncate_prompt_tokens=bad)
-
-
 def test_truncation_keeps_the_bos_in_front(gemma3_path):
     """A tokenizer that adds a BOS (Gemma 3's) keeps it when the prompt is cut, as a tokenizer
     truncating on the left does (vLLM's), and the kept tokens are the text's last ones."""
