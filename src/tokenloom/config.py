@@ -71,6 +71,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 1 << 64):
+            # What numpy's and torch's generators take.
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -123,6 +123,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 # The call id of the engine core's ready handshake: its first message answers it with EngineInfo.
 READY_CALL_ID = -1
+# The engine_error of a core stopped by SIGINT (a terminal's Ctrl-C reaches the whole process
+# group): a stop someone asked for, which callers log as such rather than as a crash.
+ENGINE_STOPPED_BY_SIGINT = "engine core stopped by SIGINT"
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

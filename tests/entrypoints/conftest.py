@@ -59,7 +59,7 @@ class ServerProcess:
         if api_key is not None:
             args += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="tokenloom-serve-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "OPENAI_API_KEY")} | (env or {})
+        env = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")} | (env or {})
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
         cores = child_pids(self.proc.pid)

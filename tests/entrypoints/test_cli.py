@@ -66,3 +66,34 @@ def test_bad_engine_option_is_a_clear_error(capsys):
     assert main(["generate", "--max-num-seqs", "0", "hi"]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs" in err and "positive" in err
+    assert main(["generate", "--seed", "-5", "hi"]) == 2
+    assert "seed must be an integer in [0, 2**64)" in capsys.readouterr().err
+
+
+def test_vllm_spellings_parse_as_tokenloom_options():
+    """vLLM's launch lines: underscores in option names, its dtype names and size suffixes."""
+    from tokenloom.entrypoints.cli import build_parser, normalize_flags
+    from tokenloom.entrypoints.engine_args import engine_config_from_args
+
+    argv = ["serve", "--max_model_len=8K", "--max_num_seqs", "4", "--dtype", "half", "--served-model-name", "my_model",
+            "--enable-prefix-caching", "--gpu-memory-utilization", "0.9"]
+    args = build_parser().parse_args(normalize_flags(argv))
+    config = engine_config_from_args(args)
+    assert (config.max_model_len, config.max_num_seqs, config.dtype) == (8192, 4, "float16")
+    assert config.enable_prefix_caching and args.served_model_name == ["my_model"]  # values keep their underscores
+    assert build_parser().parse_args(["serve", "--max-model-len", "8k"]).max_model_len == 8000
+    assert build_parser().parse_args(["serve", "--dtype", "float"]).dtype == "float"
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--dtype", "float"])).dtype == "float32"
+    assert not build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching
+    assert normalize_flags(["generate", "--", "--a_b"]) == ["generate", "--", "--a_b"]  # positional after --
+
+
+def test_an_engine_that_cannot_start_is_one_line(capsys):
+    """A setting the model refuses (found in the engine core, where the model's context length is
+    known) ends the command with the reason on one line, not the tracebacks of three processes."""
+    from tokenloom.entrypoints.cli import main
+
+    assert main(["generate", "--max-model-len", "100000", "--max-tokens", "1", "hi"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("tokenloom: error: engine core failed to start: max_model_len=100000 is larger than the "
+                       "model's context length (8192).")

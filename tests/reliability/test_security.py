@@ -117,7 +117,7 @@ def test_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
     async def app(scope, receive, send):
         reached.append(scope["path"])
 
-    middleware = api_server.ApiKeyMiddleware(app, api_key="secret")
+    middleware = api_server.ApiKeyMiddleware(app, api_keys=["secret"])
 
     async def call(auth: bytes) -> None:
         scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", auth)] if auth else []}
@@ -135,6 +135,14 @@ def test_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
         asyncio.run(call(auth))
     assert calls == [(b"secreT", b"secret"), (b"secret", b"secret"), (b"", b"secret"), (b"", b"secret")]
     assert reached == ["/v1/completions"]  # only the right key got through
+    # With several keys (vLLM's --api-key K1 K2) each is compared, whichever matches.
+    calls.clear()
+    reached.clear()
+    middleware = api_server.ApiKeyMiddleware(app, api_keys=["one", "two"])
+    for auth in (b"Bearer two", b"Bearer three"):
+        asyncio.run(call(auth))
+    assert calls == [(b"two", b"one"), (b"two", b"two"), (b"three", b"one"), (b"three", b"two")]
+    assert reached == ["/v1/completions"]
     source = ast.parse(Path(api_server.__file__).read_text())
     compares = [
         node for node in ast.walk(source)

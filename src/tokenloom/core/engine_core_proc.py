@@ -29,6 +29,7 @@ import zmq
 
 from tokenloom.config import EngineConfig
 from tokenloom.messages import (
+    ENGINE_STOPPED_BY_SIGINT,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -95,6 +96,9 @@ class EngineCoreProc:
             from tokenloom.core.engine_core import EngineCore
 
             self.engine = EngineCore(config)
+        except ValueError as e:  # a setting the model cannot take: the message says it all
+            self._send_fatal(f"engine core failed to start: {e}")
+            raise SystemExit(1) from e
         except BaseException as e:  # noqa: BLE001 - reported to the caller, then we exit
             self._send_fatal(f"engine core failed to start: {e!r}\n{traceback.format_exc()}")
             raise SystemExit(1) from e
@@ -149,8 +153,8 @@ class EngineCoreProc:
             # Only this thread writes the total; the busy loop reads deltas of it (no lock).
             self.serialize_time_total += time.perf_counter() - t0
 
-    def _send_fatal(self, message: str) -> None:
-        logger.error(message)
+    def _send_fatal(self, message: str, level: int = logging.ERROR) -> None:
+        logger.log(level, message)
         self.output_queue.put(EngineCoreOutputs(engine_error=message))
         self.output_queue.put(_SHUTDOWN)
         time.sleep(0.2)  # let the output thread flush before the process exits
@@ -249,6 +253,10 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc.run_busy_loop()
+    except KeyboardInterrupt:
+        # A stop, not a crash (no traceback); requests in flight still hear of it.
+        proc._send_fatal(ENGINE_STOPPED_BY_SIGINT, level=logging.INFO)
+        os._exit(1)
     except BaseException as e:  # noqa: BLE001 - every in-flight request must hear about it
         proc._send_fatal(f"engine core died: {e!r}\n{traceback.format_exc()}")
         os._exit(1)

@@ -30,11 +30,11 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_client import AsyncMPClient
-from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.processor import InputProcessor
-from tokenloom.messages import EngineCoreOutputs, now
+from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
@@ -308,7 +308,9 @@ class AsyncLLM:
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead_error = error
-        logger.error("engine core is dead: %s", error)
+        # A Ctrl-C reaches the core too: a stop someone asked for, not worth an ERROR line.
+        stopped = str(error).startswith(ENGINE_STOPPED_BY_SIGINT)
+        logger.log(logging.WARNING if stopped else logging.ERROR, "engine core is dead: %s", error)
         try:
             for out in self.output_processor.fail_all(str(error)):
                 if out.request_id in self._streams:
@@ -440,7 +442,7 @@ class AsyncLLM:
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         for stream in self._streams.values():
-            stream.collector.put(EngineDeadError("the engine was shut down"))
+            stream.collector.put(EngineShutDownError("the engine was shut down"))
         self._streams.clear()
         try:
             if self.ledger is not None:

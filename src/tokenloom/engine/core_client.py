@@ -43,6 +43,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died; requests in flight were finished with an error."""
 
 
+class EngineShutDownError(EngineDeadError):
+    """The engine was shut down on purpose (a server stopping) while requests were in flight."""
+
+
 class EngineCoreClient(ABC):
     info: EngineInfo
 

@@ -230,7 +230,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty.")
             if truncate is None:  # a truncated prompt may be as long as it likes
                 self.check_prompt_chars(len(prompt_text))
-            token_ids = self._encode_prompt(prompt_text)
+            token_ids = self.encode_prompt(prompt_text)
             if not token_ids:
                 raise ValueError(f"prompt {prompt_text!r} tokenizes to no tokens.")
             if truncate is not None and len(token_ids) > truncate:
@@ -244,7 +244,7 @@ class InputProcessor:
         ids = self._check_token_ids(token_ids)
         return (self.tokenizer.decode(ids) if truncated else prompt_text), ids
 
-    def _encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str) -> list[int]:
         """Tokenizes with the tokenizer's own special tokens (a BOS where it adds one), but not a
         second BOS in front of a prompt that already starts with it (a chat template's output)."""
         ids = list(self.tokenizer.encode(text))

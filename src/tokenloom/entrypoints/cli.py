@@ -66,13 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def normalize_flags(argv: list[str]) -> list[str]:
+    """`--max_model_len 4096` as `--max-model-len 4096`: vLLM's parser takes underscores in option
+    names, so its launch scripts may use them. Only option names change, never values."""
+    out = []
+    for arg in argv:
+        if arg == "--":  # everything after it is positional
+            out.extend(argv[len(out):])
+            break
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenloom: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the engine starts or a command runs: no traceback
+        print("tokenloom: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from tokenloom.engine.core_client import EngineDeadError  # imported already if that is what it is
+
+        if not isinstance(e, EngineDeadError):
+            raise
+        # The core said why (its log above has the details): one line, not three tracebacks.
+        print(f"tokenloom: error: {str(e).splitlines()[0] if str(e) else 'the engine core died'}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,24 +1,56 @@
-"""Engine options shared by every CLI command that starts an engine (generate, serve, bench)."""
+"""Engine options shared by every CLI command that starts an engine (generate, serve, bench).
+
+vLLM's spellings work too, so that its launch scripts run unchanged where the meaning is the
+same: `--dtype half|float`, `--enable-prefix-caching`, sizes such as `--max-model-len 8k`
+(`human_int`), and options that mean nothing here (GPU memory, CUDA graphs, remote code) are
+accepted with a warning saying so (`warn_ignored_vllm_args`).
+"""
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 
 from tokenloom.config import EngineConfig
 
+logger = logging.getLogger("tokenloom")
+
 _DEFAULTS = EngineConfig()
+# vLLM's --dtype names for the same types.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
+
+
+def human_int(text: str) -> int:
+    """An integer, or one with vLLM's size suffixes: k/m/g are powers of 1000, K/M/G of 1024
+    ("8k" = 8000, "8K" = 8192, "1.5k" = 1500)."""
+    match = _HUMAN_INT.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 8k or 8K, got {text!r}")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    value = float(number) * scale
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="weights and activations (auto: by what the CPU multiplies fastest, float32 under a quantized "
+                        "path; half = float16, float = float32 as in vLLM)")
     g.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache element type (auto: the model dtype); bfloat16 under a float32 model halves the cache on the CPU")
+                   help="KV cache element type (auto: the model dtype, but bfloat16 under a quantized path, as llama.cpp "
+                        "keeps its cache in float16); bfloat16 under a float32 model halves the cache on the CPU")
     g.add_argument("--device", default=_DEFAULTS.device)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=human_int, default=None, help="context length (e.g. 4096, 8k, 8K)")
     g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the KV cache of prompts' shared prefixes (the default)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -41,10 +73,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "also across machines: `ray start --head` first); default uni for one rank, mp for more. "
                         "With --data-parallel-size > 1, ray also runs each replica's engine core as a Ray actor "
                         "placed with a placement group")
+    v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")
+    v.add_argument("--enforce-eager", action="store_true", default=None, help="the model always runs eagerly here (see --compile)")
+    v.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="no model code is ever downloaded or run here: the architectures are tokenloom's own")
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 
+def warn_ignored_vllm_args(args: argparse.Namespace) -> None:
+    for name in ("gpu_memory_utilization", "enforce_eager", "trust_remote_code"):
+        if getattr(args, name, None) is not None:
+            logger.warning("--%s is vLLM's and has no effect in tokenloom (see --help).", name.replace("_", "-"))
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    warn_ignored_vllm_args(args)
+    if getattr(args, "dtype", None) in _DTYPE_ALIASES:
+        args.dtype = _DTYPE_ALIASES[args.dtype]
     fields = EngineConfig.__struct_fields__
     config = EngineConfig(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
     config.validate()

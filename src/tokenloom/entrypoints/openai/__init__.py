@@ -6,7 +6,33 @@ and the server's heavy imports (FastAPI, the engine) happen only when `serve` ru
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+
+def _json_or_plain_list(text: str) -> list[str]:
+    """One value of --allowed-origins and its kin: vLLM's JSON list ('["http://a", "http://b"]')
+    or a plain value (several may follow the flag)."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [text]
+
+
+class _Flatten(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        setattr(namespace, self.dest, [v for group in values for v in group])
+
+
+def _env_api_keys() -> list[str] | None:
+    # vLLM's variable too: a deployment moved from vLLM must not come up without its key.
+    key = os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [key] if key else None
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,9 +44,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("TOKENLOOM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the API routes (default: $TOKENLOOM_API_KEY); "
-        "/health, /version and /metrics stay open",
+        nargs="+",
+        default=_env_api_keys(),
+        help="require 'Authorization: Bearer KEY' on the API routes, any of the keys given (default: "
+        "$TOKENLOOM_API_KEY, else $VLLM_API_KEY); /health, /ping, /version and /metrics stay open",
     )
     p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (default: the model path)")
     p.add_argument(
@@ -49,8 +76,31 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default="hermes",
         choices=["hermes", "json", "llama3_json"],
         help="how replies to tool_choice='auto' are read as tool calls: 'hermes' (<tool_call>{...}</tool_call>, "
-        "ChatML tool templates) or 'json' (the whole reply is a call object or a list of them); default: hermes",
+        "ChatML tool templates) or 'json' (alias 'llama3_json': the whole reply is a call object or a list of "
+        "them); default: hermes",
     )
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM's: tool_choice='auto' is always on here, read by --tool-call-parser")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one, used where a request names none "
+                   "(default: the tokenizer's)")
+    p.add_argument("--response-role", default="assistant", help="the role of the server's chat replies (default: assistant)")
+    p.add_argument("--allowed-origins", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
+                   help="CORS: origins that may call the API from a browser (values or vLLM's JSON list; default: *)")
+    p.add_argument("--allowed-methods", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
+                   help="CORS: allowed methods (default: *)")
+    p.add_argument("--allowed-headers", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
+                   help="CORS: allowed headers (default: *)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under (ASGI root_path)")
+    p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
+                   help="log one INFO line per accepted request (its id, prompt and sampling parameters)")
+    p.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
+                   help="accepted as vLLM's: requests are not logged unless --enable-log-requests")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted as vLLM's: this server logs no periodic stats (see /metrics)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request (they are logged at INFO: see --uvicorn-log-level)")
     p.add_argument(
         "--metrics-prefix",
         default="tokenloom",
@@ -58,7 +108,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="vllm: /metrics names the metrics vLLM also has as vLLM does (vllm:...), so dashboards and alerts "
         "written for vLLM work unchanged; the ledger's own metrics keep tokenloom: (default: tokenloom)",
     )
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's and the engine core's log level ($TOKENLOOM_LOG_LEVEL, if set, wins for the "
+                   "core); info shows the engine's start-up line (CPU path) and access logs")
+    p.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

@@ -1,8 +1,13 @@
 """`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics, GET /ledger (the ledger's live view). Every error leaves in OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health (and vLLM's /ping), GET /version, GET /metrics, GET /ledger (the
+ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message", "type", "param",
+"code"}}` with its HTTP status.
+
+Shutting down (SIGTERM, SIGINT): no new connections; requests in flight get `DRAIN_S` to finish,
+then end with a 503 (`server_shutting_down`; a stream with that error event and `[DONE]`)
+instead of being cut off mid-body.
 """
 from __future__ import annotations
 
@@ -12,13 +17,18 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+import os
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -27,20 +37,25 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIServingError,
+    TokenizeRequest,
     bad_request,
     unix_time,
 )
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
+from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tokenloom.serve")
 
 # Paths that stay open when --api-key is set: probes and scrapers carry no key.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Shutting down: how long requests in flight may still run before they are ended with a 503.
+DRAIN_S = 5.0
 # --max-request-body-bytes: far above any real prompt (a 128k-token prompt is about 1 MiB of
 # JSON), low enough that parsing a body never holds the event loop for long (see README).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
@@ -197,9 +212,9 @@ class ApiKeyMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware): it only gates requests and passes `receive` through
     untouched, so client disconnects still reach the endpoints."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [key.encode() for key in api_keys]  # any of them (vLLM's --api-key K1 K2)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
@@ -213,8 +228,10 @@ class ApiKeyMiddleware:
         scheme, _, token = given.strip().partition(b" ")
         if scheme.lower() != b"bearer":
             token = b""
-        # Constant time in the key's content: no early exit on the first differing byte.
-        if not hmac.compare_digest(token.strip(), self.expected):
+        # Constant time in the key's content: no early exit on the first differing byte, and
+        # every key compared (which one matched is not told by the time taken).
+        token = token.strip()
+        if not any([hmac.compare_digest(token, key) for key in self.expected]):  # a list: no short cut
             error = OpenAIServingError("Invalid or missing API key.", 401, "invalid_request_error", None, "invalid_api_key")
             return await _error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -240,31 +257,47 @@ def build_app(
     engine: AsyncLLM,
     *,
     served_model_names: list[str],
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_waiting_requests: int | None = None,
     shutdown_engine_on_exit: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str = "hermes",
+    chat_template: str | None = None,
+    response_role: str = "assistant",
+    allowed_origins: list[str] | None = None,
+    allowed_methods: list[str] | None = None,
+    allowed_headers: list[str] | None = None,
+    allow_credentials: bool = False,
+    root_path: str = "",
+    log_requests: bool = False,
 ) -> FastAPI:
+    """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
+    preflight is answered before the key is checked; the request itself still needs the key)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        # Here rather than after uvicorn returns: on SIGTERM uvicorn re-raises the signal once
-        # it has shut down, and the process ends there.
         if shutdown_engine_on_exit:
             engine.shutdown()
 
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None, lifespan=lifespan,
+                  root_path=root_path)
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests,
-                             tool_parser=TOOL_PARSERS[tool_call_parser]())
+                             tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
+                             response_role=response_role)
+    tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
+    completions.log_requests = chat.log_requests = log_requests
 
-    # The last one added runs first: the key is checked before the engine's state is revealed.
+    # The last one added runs first: the key is checked before the engine's state is revealed,
+    # and a browser's CORS preflight (which carries no key) is answered before either.
     app.add_middleware(EngineDeadMiddleware, engine=engine)
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_methods=allowed_methods or ["*"],
+                       allow_headers=allowed_headers or ["*"], allow_credentials=allow_credentials)
 
     @app.exception_handler(OpenAIServingError)
     async def _openai_error(_: Request, e: OpenAIServingError) -> Response:
@@ -296,6 +329,16 @@ def build_app(
         req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
         return await chat.create_chat_completion(req, request)
 
+    @app.post("/tokenize", operation_id="tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        req = await _parse_body(request, TokenizeRequest, max_request_body_bytes, engine)
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", operation_id="detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        req = await _parse_body(request, DetokenizeRequest, max_request_body_bytes, engine)
+        return await tokens.detokenize(req)
+
     @app.get("/v1/models", operation_id="list_models", responses={200: {"description": "The served models", "links": _MODEL_LINKS}})
     async def list_models() -> Response:
         created = unix_time()
@@ -306,6 +349,7 @@ def build_app(
                 "created": created,
                 "owned_by": "tokenloom",
                 "root": engine.config.model or "SmolLM2-135M-Instruct",
+                "parent": None,
                 "max_model_len": engine.max_model_len,
                 # What the matmuls compute with (EngineInfo.quantization): "none" or e.g.
                 # "gguf Q4_1x210+Q8_0x1 avx512_vnni".
@@ -315,6 +359,7 @@ def build_app(
         ]
         return json_response({"object": "list", "data": data})
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     @app.get("/health")
     async def health() -> Response:
         # A dead engine is answered by EngineDeadMiddleware (503). With data parallelism the
@@ -375,6 +420,71 @@ def _int_param(query: Any, name: str, default: int, limit: int = 100_000) -> int
     return value
 
 
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a stop by SIGINT or SIGTERM ends `serve()` normally: uvicorn
+        re-raises the signal once it has shut down, so the process died of it (a KeyboardInterrupt
+        traceback for Ctrl-C). A requested stop is a clean exit, status 0, as vLLM's server makes it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's content when it names a file, else the template itself (vLLM's rule)."""
+    if value is None or "{" in value:
+        return value
+    if not os.path.isfile(value):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts (as vLLM binds it): a port in use fails
+    at once, not after the model has loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def _startup_lines(engine: AsyncLLM, url: str) -> list[str]:
+    info = engine.engine_core.info
+    kv_tokens = info.kv_cache_capacity_tokens or info.num_kv_blocks * info.block_size
+    lines = [
+        f"tokenloom serve: listening on {url}",
+        f"tokenloom serve: model {engine.config.model or 'SmolLM2-135M-Instruct'} | dtype {info.dtype} | "
+        f"quantization {info.quantization or 'none'} | max_model_len {info.max_model_len} | KV cache "
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({kv_tokens} tokens of one request), {info.kv_cache_dtype}",
+    ]
+    if info.cpu:
+        lines.append(f"tokenloom serve: CPU {info.cpu}")
+    return lines
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -390,10 +500,17 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
+    chat_template = _chat_template(getattr(args, "chat_template", None))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
     config = engine_config_from_args(args)
+    sock = _listen_socket(args.host, args.port)
     names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
-    engine = AsyncLLM(config, model_name=names[0], metrics_prefix=getattr(args, "metrics_prefix", "tokenloom"))
+    try:
+        engine = AsyncLLM(config, model_name=names[0], metrics_prefix=getattr(args, "metrics_prefix", "tokenloom"))
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(
         engine,
         served_model_names=names,
@@ -402,49 +519,82 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_engine_on_exit=True,
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        chat_template=chat_template,
+        response_role=getattr(args, "response_role", "assistant"),
+        allowed_origins=getattr(args, "allowed_origins", None),
+        allowed_methods=getattr(args, "allowed_methods", None),
+        allowed_headers=getattr(args, "allowed_headers", None),
+        allow_credentials=getattr(args, "allow_credentials", False),
+        root_path=getattr(args, "root_path", ""),
+        log_requests=getattr(args, "log_requests", False),
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    server = _server_class()(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
+                       access_log=not getattr(args, "disable_uvicorn_access_log", False),
+                       # Past the drain, which ends what still runs with a 503: room to send those ends.
+                       timeout_graceful_shutdown=DRAIN_S + 5)
     )
 
-    engine_died = False
+    engine_died = asyncio.Event()
 
     async def serve() -> None:
-        nonlocal engine_died
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         keep_alive = getattr(args, "keep_alive_on_engine_death", False)
-        watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive))
+        watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive, died=engine_died))
+        drain = asyncio.create_task(_end_requests_when_stopping(server, engine, DRAIN_S))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            host = f"[{args.host}]" if ":" in args.host else args.host
-            print(f"tokenloom serve: listening on http://{host}:{args.port}", flush=True)
+            host, port = sock.getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            print("\n".join(_startup_lines(engine, url)), flush=True)
         await task
-        # Exit status 1 tells a supervisor to restart; kept up by hand, a later stop is a clean exit.
-        # The engine's own flag, not the watchdog's result: the watchdog may still be reaping a
-        # core that is exiting on its own (a fatal error it reported) when the server stops.
-        engine_died = not keep_alive and engine.is_dead
         watchdog.cancel()
+        drain.cancel()
 
     try:
         asyncio.run(serve())
     finally:
+        sock.close()
         engine.shutdown()  # a second call is harmless; the core also dies with this process
-    return 0 if server.started and not engine_died else 1
+    # Exit status 1 tells a supervisor to restart: only when the engine's death stopped the server
+    # (kept up by hand, a later stop is a clean exit; so is a stop by SIGINT or SIGTERM).
+    keep_alive = getattr(args, "keep_alive_on_engine_death", False)
+    return 0 if server.started and not (engine_died.is_set() and not keep_alive) else 1
+
+
+async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: float) -> None:
+    """Once the server is stopping, requests in flight get `drain_s` to finish; what still runs
+    then is ended by shutting the engine down, so each stream ends with its error event and
+    [DONE], and each plain request with a 503 (`server_shutting_down`), before uvicorn gives up
+    on their connections (which cuts a body off mid-way)."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_s
+    while engine.get_num_unfinished_seqs() > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    running = engine.get_num_unfinished_seqs()
+    if running:
+        logger.warning("shutting down: ending %d request(s) still running after %.0f s", running, drain_s)
+        engine.shutdown()
 
 
 ENGINE_WATCHDOG_INTERVAL_S = 0.5
 
 
-async def _watch_engine(server: Any, engine: AsyncLLM, *, exit_on_death: bool) -> bool:
+async def _watch_engine(server: Any, engine: AsyncLLM, *, exit_on_death: bool, died: asyncio.Event | None = None) -> bool:
     """vLLM's policy: an engine core that died is not restarted in place, so the server shuts down
     (gracefully: responses in flight still deliver their error) and exits with status 1 for its
     supervisor to restart it. Until then everything answers 503. With --keep-alive-on-engine-death
     (`exit_on_death=False`) it stays up answering 503 on every route. Either way the dead core is
     reaped (no zombie) and its sockets released. Polling also catches a core that dies while no
-    request is in flight. True when the engine died."""
+    request is in flight. True when the engine died (and `died` is set) while the server ran: a
+    core that ends because the server is stopping (a Ctrl-C reaches both) is not a death."""
     while not server.should_exit:
         if engine.is_dead:
+            if died is not None:
+                died.set()
             reason = str(engine.dead_error or "the engine core process exited").splitlines()[0]
             if exit_on_death:
                 logger.error("engine core is dead (%s): shutting the server down", reason)

@@ -188,3 +188,28 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # the reply starts with the last message, when that is the assistant's
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat template as
+    /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # None: the generation endpoints' own tokenization (the tokenizer's special tokens, no second
+    # BOS in front of a template's); True / False: exactly that, as in transformers.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]

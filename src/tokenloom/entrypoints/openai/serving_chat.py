@@ -46,9 +46,13 @@ from tokenloom.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_parser: ToolParser, chat_template: str | None = None,
+                 response_role: str = "assistant", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser  # reads `tool_choice="auto"` replies (--tool-call-parser)
+        # --chat-template: the server's template where a request names none (None: the tokenizer's).
+        self.chat_template = chat_template
+        self.response_role = response_role  # --response-role, as vLLM's (OpenAI: "assistant")
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
         tools = check_tools(req.tools or [])
@@ -90,7 +94,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             prompt = await self.engine.run_off_loop(functools.partial(
                 processor.apply_chat_template, conversation, req.add_generation_prompt, req.tools or None,
-                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs))
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
             param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
@@ -149,10 +154,10 @@ class OpenAIServingChat(OpenAIServing):
         elif choice.mode == "auto":
             content, calls = self.tool_parser.extract(text)
         else:
-            return {"role": "assistant", "content": text}, finish
+            return {"role": self.response_role, "content": text}, finish
         if not calls:
-            return {"role": "assistant", "content": text}, finish
-        return ({"role": "assistant", "content": content, "tool_calls": openai_tool_calls(calls)},
+            return {"role": self.response_role, "content": text}, finish
+        return ({"role": self.response_role, "content": content, "tool_calls": openai_tool_calls(calls)},
                 finish if choice.mode == "named" else "tool_calls")
 
     async def _stream(
@@ -173,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
             first = [
-                {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
+                {"index": i, "delta": {"role": self.response_role, "content": echo}, "logprobs": None, "finish_reason": None}
                 for i in range(stream.num_seqs)
             ]
             yield sse_event({**base, "choices": first, **extra})

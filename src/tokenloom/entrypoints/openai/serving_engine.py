@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenloom.engine.async_llm import AsyncLLM, RequestStream
-from tokenloom.engine.core_client import EngineDeadError
+from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.outputs import Logprob, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -22,6 +22,7 @@ from tokenloom.sampling_params import RequestOutputKind, SamplingParams, Structu
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()  # encodes -inf logprobs as null instead of emitting invalid JSON
+_LOGGED_PROMPT_CHARS = 200  # --enable-log-requests shows this much of a prompt (vLLM: --max-log-len)
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+) (?:must|has|is)\b")
 
 
@@ -37,6 +38,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def engine_dead_error(e: BaseException | None = None) -> OpenAIServingError:
+    if isinstance(e, EngineShutDownError):
+        return OpenAIServingError("The server is shutting down: the request was ended before it finished.",
+                                  503, "service_unavailable_error", None, "server_shutting_down")
     detail = f": {str(e).splitlines()[0]}" if e is not None and str(e) else ""
     return OpenAIServingError(
         f"The engine core is dead{detail}", 503, "service_unavailable_error", None, "engine_dead"
@@ -60,12 +64,13 @@ def error_from_value_error(e: ValueError, field_names: dict[str, str] | None = N
 
 
 class OpenAIServing:
-    """Base of the two endpoint handlers."""
+    """Base of the endpoint handlers."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting_requests: int | None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
+        self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -173,6 +178,9 @@ class OpenAIServing:
         except BaseException:
             self.engine.abort_nowait(*[s.request_id for s in streams])
             raise
+        if self.log_requests:
+            shown = repr(prompts[0])[:_LOGGED_PROMPT_CHARS] if len(prompts) == 1 else f"{len(prompts)} prompts"
+            logger.info("Received request %s: prompt: %s, params: %s", base_id, shown, params)
         return streams
 
     async def merged_outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,0 +1,104 @@
+"""`tokenloom serve` started as a vLLM launch script starts vLLM: its flag spellings, its API-key
+variable, CORS for browser clients, and its /tokenize, /detokenize and /ping routes, with the real
+server and the official `openai` client."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import httpx
+import openai
+import pytest
+from conftest import ServerProcess, pid_alive
+
+VLLM_KEY = "vllm-env-key-42"
+ORIGIN = "http://app.example"
+# A template of our own, so the reply's prompt is visibly the server's --chat-template.
+TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}<<assistant>>"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def vllm_style_server():
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False) as f:
+        f.write(TEMPLATE)
+    args = ["--max_model_len", "256", "--dtype", "float", "--enable-prefix-caching", "--enable-auto-tool-choice",
+            "--chat-template", f.name, "--response-role", "helper", "--allowed-origins", f'["{ORIGIN}"]',
+            "--disable-log-requests", "--disable-log-stats", "--trust-remote-code", "--served-model-name", MODEL,
+            "--kv-cache-memory-bytes", str(64 * 1024**2)]
+    srv = ServerProcess(args, api_key=None, env={"VLLM_API_KEY": VLLM_KEY})
+    srv.api_key = VLLM_KEY  # what the clients below send
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        if srv.core_pid is not None and pid_alive(srv.core_pid):
+            os.kill(srv.core_pid, 9)
+        os.unlink(srv.log.name)
+        os.unlink(f.name)
+
+
+def test_vllm_flags_start_the_server_and_say_what_runs(vllm_style_server):
+    srv = vllm_style_server
+    (card,) = srv.client().models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 256  # --max_model_len, underscores
+    log = srv.log_text()
+    assert "--trust-remote-code is vLLM's and has no effect" in log
+    # The start-up lines name the model, its path and the cache, without --log-level info.
+    assert "tokenloom serve: model" in log and "max_model_len 256" in log and "quantization gguf Q4_1" in log
+
+
+def test_vllm_api_key_variable_guards_the_api(vllm_style_server):
+    srv = vllm_style_server
+    assert httpx.get(srv.url("/v1/models"), timeout=30).status_code == 401
+    assert httpx.get(srv.url("/v1/models"), headers=srv.headers, timeout=30).status_code == 200
+    for method in ("GET", "POST"):  # vLLM's /ping, open like /health
+        assert httpx.request(method, srv.url("/ping"), timeout=30).status_code == 200
+
+
+def test_cors_lets_the_allowed_origin_call_from_a_browser(vllm_style_server):
+    srv = vllm_style_server
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(srv.url("/v1/chat/completions"), headers=preflight, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN  # no key needed
+    r = httpx.options(srv.url("/v1/chat/completions"), headers={**preflight, "Origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(srv.url("/v1/models"), headers={**srv.headers, "Origin": ORIGIN}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_tokenize_and_detokenize_count_what_the_endpoints_count(vllm_style_server):
+    srv = vllm_style_server
+    client = srv.client()
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(srv.url(path), headers=srv.headers, json=body, timeout=60)
+
+    prompt = "The capital of France is"
+    r = post("/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert body["count"] == len(body["tokens"]) == completion.usage.prompt_tokens
+    assert body["max_model_len"] == 256 and "".join(body["token_strs"]).replace("Ġ", " ") == prompt
+    assert post("/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": prompt}
+
+    # A conversation is rendered by the server's --chat-template, as the chat endpoint renders it.
+    messages = [{"role": "user", "content": "Say hi."}]
+    tokens = post("/tokenize", {"messages": messages}).json()["tokens"]
+    rendered = post("/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert rendered == "<<user>>Say hi.\n<<assistant>>"
+    chat = httpx.post(srv.url("/v1/chat/completions"), headers=srv.headers, timeout=60,
+                      json={"messages": messages, "max_tokens": 2, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
+    assert chat.json()["choices"][0]["message"]["role"] == "helper"  # --response-role
+
+    for path, bad, param in (("/detokenize", {"tokens": [10**6]}, "tokens"),
+                             ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("/tokenize", {"model": "nope", "prompt": "a"}, "model")):
+        r = post(path, bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.AuthenticationError):
+        srv.client(api_key="wrong").models.list()
