@@ -1,10 +1,10 @@
 """tokenloom: an LLM inference engine with vLLM's V1 execution path and a ledger of where every
 request's time went."""
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)

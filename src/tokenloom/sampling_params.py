@@ -145,9 +145,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):  # type: igno
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # vLLM's option: JSON without free whitespace between tokens (compact, as json.dumps with
-    # separators=(",", ":")). Free whitespace lets a small model pad forever; see the engine's
-    # cap in structured_output/.
+    # vLLM's option: JSON without free whitespace (xgrammar's separators ", " and ": " only, no
+    # newlines or runs of spaces). Free whitespace lets a small model pad forever; see the
+    # engine's cap in structured_output/.
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:

@@ -188,3 +188,19 @@ def test_undo_llama_permute_inverts_llama_cpp():
     permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 8))
     assert not torch.equal(permuted, w)
     assert torch.equal(_undo_llama_permute(permuted, 8), w)
+
+
+def test_bfloat16_gguf_without_amx_bf16_says_it_dequantizes(caplog):
+    """dtype bfloat16 with a GGUF keeps the quantized weights only where the CPU has AMX-BF16;
+    elsewhere they are dequantized (the float path), and the log says so rather than silently."""
+    with caplog.at_level("WARNING", logger="tokenloom.model.loader"):
+        method = loader.resolve_quantization("auto", "gguf", torch.bfloat16, "cpu")
+    if loader._quant_bf16_pays():
+        assert method == "gguf" and not caplog.records
+    else:
+        assert method == "none"
+        assert "dequantized to bfloat16" in caplog.text and "dtype float32 keeps them quantized" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tokenloom.model.loader"):
+        assert loader.resolve_quantization("auto", "gguf", torch.float32, "cpu") == "gguf"
+    assert not caplog.records

@@ -113,6 +113,11 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
     # bf16 activations on the tiles (ops/quant) and the rest runs as the bf16 float path.
     gguf_bf16 = on_cpu and dtype == torch.bfloat16 and kind == "gguf" and _quant_bf16_pays()
     if method == "auto":
+        if kind == "gguf" and on_cpu and dtype == torch.bfloat16 and not gguf_bf16:
+            # Said, because the quantized weights the user may expect to keep are dequantized.
+            logger.warning("dtype bfloat16 with a GGUF: this CPU has no AMX-BF16 for the quantized kernels' bf16 "
+                           "path, so the weights are dequantized to bfloat16 (the float path); dtype float32 "
+                           "keeps them quantized.")
         return "gguf" if kind == "gguf" and (on_cpu_f32 or gguf_bf16) else "none"
     if method == "gguf" and kind != "gguf":
         raise ValueError("quantization='gguf' computes a GGUF file's quantized tensors; this model "

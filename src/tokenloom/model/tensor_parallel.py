@@ -45,18 +45,20 @@ def check_tensor_parallel(cfg: ModelArchConfig, tp: int) -> None:
     """A ValueError naming the field that `tp` does not split evenly."""
     if tp == 1:
         return
+    # The sizes that pass every check below: what each error offers instead.
+    kv = cfg.num_key_value_heads
+    fits = [d for d in _divisors(cfg.num_attention_heads)
+            if (d % kv == 0 or kv % d == 0) and cfg.intermediate_size % d == 0]
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads="
-                         f"{cfg.num_attention_heads} of this {cfg.architecture} model; use one of "
-                         f"{_divisors(cfg.num_attention_heads)}.")
-    kv = cfg.num_key_value_heads
+                         f"{cfg.num_attention_heads} of this {cfg.architecture} model; use one of {fits}.")
     if (kv % tp) if tp <= kv else (tp % kv):
         raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv} (or be a "
                          f"multiple of it, to replicate KV heads) of this {cfg.architecture} model; "
-                         f"use one of {[d for d in _divisors(cfg.num_attention_heads) if d % kv == 0 or kv % d == 0]}.")
+                         f"use one of {fits}.")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size="
-                         f"{cfg.intermediate_size} of this {cfg.architecture} model.")
+                         f"{cfg.intermediate_size} of this {cfg.architecture} model; use one of {fits}.")
 
 
 def _divisors(n: int) -> list[int]:
