@@ -21,7 +21,7 @@ def _answers(tokenizer, **kwargs) -> tuple[tuple[str, str], list[list[int]]]:
                                                               tokenize=False), add_special_tokens=False)
                for q in QUESTIONS + MORE]
     with LLM(num_kv_blocks=128, **kwargs) as llm:
-        info = llm.llm_engine.engine_core.info
+        info = llm.llm_engine.info  # the public name the README gives
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     return (info.quantization, info.kv_cache_dtype), [o.outputs[0].token_ids for o in outs]

@@ -15,7 +15,7 @@ from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.processor import InputProcessor
-from tokenloom.messages import EngineCoreOutputs, now
+from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.source import load_model_config, load_tokenizer
@@ -129,6 +129,11 @@ class LLMEngine:
     @property
     def is_dead(self) -> bool:
         return self._dead_error is not None
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine core chose and holds (dtype, quantization, KV cache, CPU path)."""
+        return self.engine_core.info
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached KV block (as vLLM's); False while requests still hold blocks."""
