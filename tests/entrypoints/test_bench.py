@@ -1,5 +1,7 @@
-"""`tokenloom bench throughput | latency` on a tiny workload: they run, and their JSON carries the
-fields the README's tables are built from. No timing is asserted (the machine is shared)."""
+"""`tokenloom bench throughput | latency | serve` on a tiny workload: they run, take `vllm bench`'s
+spellings, and their JSON carries the fields the README's tables are built from. No timing is
+asserted (the machine is shared). `bench serve` (and `explain --url`) run against a real server
+started with an API key."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,9 @@ from tokenloom.entrypoints.bench.common import random_prompt_ids, step_profile
 from tokenloom.messages import SchedulerStats
 
 SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
+# The module's `server` (tests/entrypoints/conftest.py), for bench serve and explain --url.
+SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024**2), "--served-model-name", "tiny"]
+SERVER_API_KEY = "bench-key"
 
 
 def _start_bench(*args: str) -> tuple[subprocess.Popen, Any, Any]:
@@ -23,7 +28,9 @@ def _start_bench(*args: str) -> tuple[subprocess.Popen, Any, Any]:
     return subprocess.Popen(cmd, stdout=out, stderr=err, text=True), out, err
 
 
-def _result(run: tuple[subprocess.Popen, Any, Any], timeout: float = 600) -> dict:
+def _result(run: tuple[subprocess.Popen, Any, Any], timeout: float = 600, output_json: Any = None) -> dict:
+    """The command's JSON report; with `output_json`, also checks that its --output-json file
+    holds the same report."""
     proc, out, err = run
     proc.wait(timeout=timeout)
     out.seek(0), err.seek(0)
@@ -33,21 +40,30 @@ def _result(run: tuple[subprocess.Popen, Any, Any], timeout: float = 600) -> dic
     assert len(lines) == 1, stdout[-2000:]
     # Progress goes to stderr, phase by phase, so the JSON on stdout stays one object.
     assert "[bench" in stderr and "timed" in stderr, stderr[-2000:]
-    return json.loads(lines[0]) | {"_stderr": stderr}
+    result = json.loads(lines[0])
+    if output_json is not None:
+        assert json.loads(output_json.read_text()) == result
+    return result | {"_stderr": stderr}
 
 
 @pytest.fixture(scope="module")
-def hf_baseline_runs():
+def hf_baseline_runs(tmp_path_factory):
     """Both commands with a transformers baseline, started together: each spends most of its
     start-up (imports, transformers' GGUF parse) on one core, so side by side they take little
-    longer than one. No timing is asserted, so sharing the machine changes no check."""
+    longer than one. No timing is asserted, so sharing the machine changes no check. Each also
+    writes its report to `--output-json` (vLLM's flag); latency's warm-up is given by vLLM's name."""
+    folder = tmp_path_factory.mktemp("bench")
     procs = {
         "throughput": _start_bench("throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
-                                   "--baseline", "hf", "--hf-batch-size", "2", "--profile", "--num-iters", "2"),
+                                   "--baseline", "hf", "--hf-batch-size", "2", "--profile", "--num-iters", "2",
+                                   "--output-json", str(folder / "throughput.json")),
         "latency": _start_bench("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",
-                                "--num-iters", "2", "--warmup", "1", "--baseline", "hf", "--profile"),
+                                "--num-iters", "2", "--num-iters-warmup", "0", "--baseline", "hf", "--profile",
+                                "--output-json", str(folder / "latency.json")),
     }
+    procs["folder"] = folder
     yield procs
+    del procs["folder"]
     for proc, out, err in procs.values():
         if proc.poll() is None:
             proc.kill()
@@ -62,7 +78,7 @@ def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
 
 
 def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
-    r = _result(hf_baseline_runs["throughput"])
+    r = _result(hf_baseline_runs["throughput"], output_json=hf_baseline_runs["folder"] / "throughput.json")
     assert (r["num_prompts"], r["input_len"], r["output_len"]) == (4, 8, 4)
     assert len(r["tokenloom"]["elapsed_runs_s"]) == len(r["baseline"]["elapsed_runs_s"]) == 2
     ours, base = r["tokenloom"], r["baseline"]
@@ -107,8 +123,8 @@ def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
 
 
 def test_latency_with_hf_baseline(hf_baseline_runs):
-    r = _result(hf_baseline_runs["latency"])
-    assert (r["batch_size"], r["num_iters"], r["warmup"]) == (2, 2, 1)
+    r = _result(hf_baseline_runs["latency"], output_json=hf_baseline_runs["folder"] / "latency.json")
+    assert (r["batch_size"], r["num_iters"], r["warmup"]) == (2, 2, 0)  # --num-iters-warmup 0
     for run in (r["tokenloom"], r["baseline"]):
         for part in ("prefill", "decode_per_token", "e2e"):
             assert run[part]["median_ms"] > 0 and run[part]["p90_ms"] >= run[part]["median_ms"] * 0.999
@@ -168,3 +184,92 @@ def test_step_profile_shares_add_up():
     d = p["decode_steps"]
     assert d["total_s"] == pytest.approx(0.025)
     assert d["engine_overhead_pct"] == pytest.approx(100 * (1 - 0.021 / 0.025))
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`tokenloom ARGS` as a user runs it, without the caller's API-key variables (unless `env` sets them)."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "OPENAI_API_KEY")}
+    return subprocess.run([sys.executable, "-m", "tokenloom.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=clean | (env or {}))
+
+
+def _one_clear_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """A refused run: exit status 1, one line on stderr saying why, no traceback."""
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-1000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenloom: error: "), proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_bench_serve_takes_vllm_flags_for_chat(server, tmp_path):
+    # vllm bench serve's spellings: --host/--port instead of a URL, the chat endpoint and backend,
+    # the random dataset's lengths, --ignore-eos, and the report written to --output-json.
+    report = tmp_path / "serve.json"
+    ttft = "tokenloom:time_to_first_token_seconds_sum"
+    before = server.metrics()[ttft]
+    proc = _cli("bench", "serve", "--host", "127.0.0.1", "--port", str(server.port), "--backend", "openai-chat",
+                "--endpoint", "/v1/chat/completions", "--dataset-name", "random", "--random-input-len", "8",
+                "--random-output-len", "4", "--ignore-eos", "--num-prompts", "2", "--api-key", SERVER_API_KEY,
+                "--json", "--output-json", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(report.read_text()) == r
+    assert (r["model"], r["endpoint"], r["completed"], r["failed"]) == ("tiny", "/v1/chat/completions", 2, 0)
+    assert r["total_output_tokens"] == 2 * 4 and r["input_len"] == 8 and r["output_len"] == 4
+    # Chat requests went through the chat template: more prompt tokens than the 8 words.
+    assert r["total_input_tokens"] > 2 * (8 + 8)
+    # The client's TTFT holds the server's (from arrival to the first token) inside it. A chat
+    # stream opens with a role-only chunk, sent before any token: taken for the first token, it
+    # would make the client's TTFT shorter than the server's.
+    server_mean_ttft_ms = (server.metrics()[ttft] - before) / 2 * 1000
+    assert r["mean_ttft_ms"] >= server_mean_ttft_ms > 0 and r["mean_itl_ms"] > 0
+
+
+def test_bench_serve_completions_through_base_url(server):
+    # --base-url wins over --host/--port (vLLM's rule); a trailing /v1 is fine; --backend vllm
+    # sends completions, of exactly --input-len prompt tokens (token ids).
+    proc = _cli("bench", "serve", "--base-url", server.url("/v1"), "--port", "1", "--backend", "vllm",
+                "--input-len", "8", "--output-len", "3", "--num-prompts", "2", "--json",
+                env={"TOKENLOOM_API_KEY": SERVER_API_KEY})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["endpoint"], r["completed"], r["total_input_tokens"], r["total_output_tokens"]) == (
+        "/v1/completions", 2, 16, 6)
+
+
+def test_bench_serve_errors_are_one_line(server):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+    _one_clear_line(_cli("bench", "serve", "--port", str(nobody), "--num-prompts", "2"), "cannot connect")
+    _one_clear_line(_cli("bench", "serve", "--base-url", f"127.0.0.1:{server.port}", "--num-prompts", "2"),
+                    "not a server URL", "http://")
+    _one_clear_line(_cli("bench", "serve", "--port", str(server.port), "--num-prompts", "2"),
+                    "HTTP 401", "no API key was given", "--api-key")
+    _one_clear_line(_cli("bench", "serve", "--port", str(server.port), "--num-prompts", "2", "--api-key", "wrong",
+                         "--model", "tiny"), "HTTP 401", "refused")
+    # Flags that cannot work are usage errors (status 2), named.
+    for argv, needed in ((["--dataset-name", "sharegpt"], "--dataset-name sharegpt"),
+                         (["--endpoint", "/v1/embeddings"], "--endpoint"),
+                         (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai")):
+        proc = _cli("bench", "serve", "--port", str(server.port), *argv)
+        assert proc.returncode == 2 and needed in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr)
+
+
+def test_explain_url_takes_the_api_key(server):
+    server.client().completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    url = server.base_url
+    refused = _cli("explain", "--url", url, "--json")
+    assert refused.returncode == 2 and "HTTP 401" in refused.stderr and "--api-key" in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    by_flag = _cli("explain", "--url", url, "--api-key", SERVER_API_KEY, "--json")
+    assert by_flag.returncode == 0, by_flag.stderr[-2000:]
+    assert json.loads(by_flag.stdout)["num_requests"] >= 1
+    by_env = _cli("explain", "--url", url, "--json", env={"TOKENLOOM_API_KEY": SERVER_API_KEY})
+    assert by_env.returncode == 0, by_env.stderr[-2000:]
+    assert "$TOKENLOOM_API_KEY" in _cli("explain", "--help").stdout

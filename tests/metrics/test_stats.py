@@ -35,3 +35,63 @@ def test_kv_cache_group_blocks_break_the_totals_down_by_group():
     m.record_core_state({"num_free_blocks": 13, "num_total_blocks": 19, "kv_cache_group_used_blocks": [4, 1, 1]})
     got = _samples(registry, "tokenloom:kv_cache_group_blocks")
     assert got[("0", "used")] == 4 and got[("0", "wanted")] == 0
+
+
+def _histograms(registry) -> dict[str, dict]:
+    """{family name: {"count", "sum", "labels"}} of every histogram (one label set each here)."""
+    out: dict[str, dict] = {}
+    for family in registry.collect():
+        if family.type != "histogram":
+            continue
+        for s in family.samples:
+            h = out.setdefault(family.name, {})
+            if s.name.endswith("_count"):
+                h["count"], h["labels"] = s.value, dict(s.labels)
+            elif s.name.endswith("_sum"):
+                h["sum"] = s.value
+    return out
+
+
+def test_request_size_histograms_count_as_vllm_counts_n_children():
+    # vLLM fans n=3 out into three child requests: each observes the prompt, its own generated
+    # tokens and max_tokens; n and the longest child's tokens are observed once, for the parent.
+    registry = CollectorRegistry()
+    m = PrometheusMetrics("tiny", registry=registry, metrics_prefix="vllm", max_model_len=100)
+    m.record_finished_request("length", 7, 4 + 2 + 5, 1.0, 0.1, n=3, max_tokens=5, completion_tokens=[4, 2, 5])
+    m.record_finished_request("stop", 3, 1, 1.0, 0.1, n=1, max_tokens=None, completion_tokens=[1])
+    h = _histograms(registry)
+    assert (h["vllm:request_prompt_tokens"]["count"], h["vllm:request_prompt_tokens"]["sum"]) == (4, 3 * 7 + 3)
+    assert (h["vllm:request_generation_tokens"]["count"], h["vllm:request_generation_tokens"]["sum"]) == (4, 12)
+    assert (h["vllm:request_params_max_tokens"]["count"], h["vllm:request_params_max_tokens"]["sum"]) == (3, 15)
+    assert (h["vllm:request_params_n"]["count"], h["vllm:request_params_n"]["sum"]) == (2, 4)
+    longest = h["vllm:request_max_num_generation_tokens"]
+    assert (longest["count"], longest["sum"]) == (2, 5 + 1)
+    # Latency and success stay per user request (tokenloom times the request the caller sent).
+    assert h["vllm:e2e_request_latency_seconds"]["count"] == 2
+    # An owner that does not know n (or the completions) leaves request_params_n alone and
+    # counts one completion.
+    m.record_finished_request("stop", 2, 6, 1.0, 0.1)
+    h = _histograms(registry)
+    assert h["vllm:request_params_n"]["count"] == 2 and h["vllm:request_generation_tokens"]["sum"] == 18
+    # Token buckets: vLLM's 1-2-5 series up to max_model_len.
+    bounds = [s.labels["le"] for f in registry.collect() if f.name == "vllm:request_prompt_tokens"
+              for s in f.samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+
+
+def test_engine_label_only_where_vllm_names_describe_one_engine():
+    def labels(registry, name):
+        return next({k: v for k, v in s.labels.items() if k != "le"}
+                    for f in registry.collect() if f.name == name for s in f.samples)
+
+    vllm, own, dp = CollectorRegistry(), CollectorRegistry(), CollectorRegistry()
+    PrometheusMetrics("tiny", registry=vllm, metrics_prefix="vllm")
+    PrometheusMetrics("tiny", registry=own)
+    PrometheusMetrics("tiny", registry=dp, metrics_prefix="vllm", data_parallel_size=2)
+    for name in ("num_requests_running", "request_queue_time_seconds", "request_params_n"):
+        assert labels(vllm, f"vllm:{name}") == {"model_name": "tiny", "engine": "0"}, name
+        assert labels(own, f"tokenloom:{name}") == {"model_name": "tiny"}, name
+        # With data parallelism these are the totals over the replicas: no one engine's.
+        assert labels(dp, f"vllm:{name}") == {"model_name": "tiny"}, name
+    assert labels(vllm, "tokenloom:request_wait_seconds") == {"model_name": "tiny", "reason": "step_boundary"}
+    assert labels(dp, "tokenloom:replica_up") == {"model_name": "tiny", "engine": "0"}

@@ -1,4 +1,4 @@
-"""`tokenloom explain TRACE|--url URL [--top 5] [--json] [--plot out.png]`: where a run's time went.
+"""`tokenloom explain TRACE|--url URL [--api-key KEY] [--top 5] [--json] [--plot out.png]`: where a run's time went.
 
 Reads a trace written with `LLM(trace_path=...)` / `--trace PATH`, or the live ledger of a running
 server (`--url http://host:port`, its `GET /ledger`: the same records, for the recent past), and
@@ -60,6 +60,8 @@ def add_explain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", metavar="TRACE", nargs="?", default=None,
                    help="a trace file written with --trace / LLM(trace_path=...)")
     p.add_argument("--url", default=None, help="a running `tokenloom serve` (http://host:port): its live ledger")
+    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
+                   help="the key of a server started with --api-key, for --url (default: $TOKENLOOM_API_KEY)")
     p.add_argument("--top", type=int, default=5, help="how many of the slowest requests to show (default: 5)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--plot", metavar="PNG", default=None, help="also draw it: the verdict as the title, each request's parts, steps, budget, "
@@ -73,7 +75,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     if (args.trace is None) == (args.url is None):
         raise ValueError("give a TRACE file or --url of a running server (one of them).")
     if args.url is not None:
-        trace = fetch_live_trace(args.url)
+        trace = fetch_live_trace(args.url, api_key=args.api_key)
     else:
         try:
             trace = load_trace(args.trace)
@@ -92,20 +94,24 @@ def _run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def fetch_live_trace(url: str, timeout: float = 30.0) -> dict[str, Any]:
-    """A running server's `GET /ledger?format=trace`: its recent steps and requests as a trace."""
+def fetch_live_trace(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict[str, Any]:
+    """A running server's `GET /ledger?format=trace`: its recent steps and requests as a trace.
+    `api_key`: a server started with --api-key keeps /ledger behind it."""
     import urllib.error
     import urllib.request
 
     full = url.rstrip("/") + "/ledger?format=trace"
-    headers = {}
-    key = os.environ.get("TOKENLOOM_API_KEY")
-    if key:  # a server started with --api-key keeps /ledger behind it
-        headers["Authorization"] = f"Bearer {key}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(full, headers=headers), timeout=timeout) as resp:  # noqa: S310
             return json.loads(resp.read())
-    except (urllib.error.URLError, OSError) as e:
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            given = "the key given was refused" if api_key else "no API key was given"
+            raise ValueError(f"{url} answered HTTP {e.code} for its ledger: {given}; pass the server's key with "
+                             "--api-key (or $TOKENLOOM_API_KEY).") from None
+        raise ValueError(f"could not read the ledger of {url}: {e}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
         raise ValueError(f"could not read the ledger of {url}: {e}") from None
 
 

@@ -1,6 +1,12 @@
 """Prometheus exposition for one engine: vLLM's metric names with the `tokenloom:` prefix, or with
 `metrics_prefix="vllm"` (`serve --metrics-prefix vllm`) those vLLM also has under vLLM's own
-`vllm:` names (stats.VLLM_NAMES), so its dashboards and alerts work unchanged.
+`vllm:` names (stats.VLLM_NAMES), so dashboards and alerts written for vLLM's current metrics
+find their series. vLLM's deprecated `gpu_cache_usage_perc` and `time_per_output_token_seconds`
+are not among them because vLLM no longer exports them: its 0.12 PrometheusStatLogger has no
+`gpu_cache_usage_perc` and shows `time_per_output_token_seconds` only with
+`--show-hidden-metrics-for-version=0.11` ("remove in 0.13"), and its later histogram bucket table
+(vllm/v1/metrics/buckets.py) has no family for it. Their replacements are `kv_cache_usage_perc`
+and `inter_token_latency_seconds`.
 
 Every engine owns its `CollectorRegistry`, so several servers (or engines in one test process)
 never collide on metric names. Fed from two places only:
@@ -15,48 +21,90 @@ the replicas, counters over their steps), and `tokenloom:replica_*` metrics with
 label (vLLM's label for a DP replica: `engine="0"`) show each replica: whether it is up, its
 running and waiting requests, KV cache usage, and the core requests sent to it, finished by it
 and failed by its death. They exist only when M > 1.
+
+Per finished request, vLLM's request-size histograms: `request_prompt_tokens` and
+`request_generation_tokens` (one observation per completion, as vLLM observes each of the n
+child requests it fans a request out into), `request_params_max_tokens` (likewise per
+completion), `request_params_n` and `request_max_num_generation_tokens` (once per user request,
+when its last completion finished). Their token buckets are vLLM's 1-2-5 series up to
+max_model_len. Latency histograms, `request_success` and the token counters stay per user
+request: tokenloom times the request the caller sent (its parts add up to its e2e,
+metrics/timeline.py), not each child, whose stamps are not kept apart.
+
+With `metrics_prefix="vllm"` the metrics under vLLM's names also carry vLLM's `engine` label
+(`engine="0"`), so a query written for vLLM with `{engine="0"}` matches. Not with data
+parallelism: there the vLLM-named series are the totals over all replicas, which no single
+engine index describes; each replica's own series are `tokenloom:replica_*{engine}`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenloom.messages import SchedulerStats
 from tokenloom.metrics.replica import ReplicaMetrics
-from tokenloom.metrics.stats import LedgerMetrics, metric_name
+from tokenloom.metrics.stats import LedgerMetrics, MetricNaming
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# Bucket bounds in seconds, a little wider than vLLM's at the slow end: a CPU engine is slow.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
-_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# vLLM's bucket bounds in seconds (vllm/v1/metrics/buckets.py), so a vLLM dashboard's quantiles
+# mean the same here. They reach far on purpose: a long prompt prefilled on a CPU is slow to its
+# first token, and a request beyond the last bound is only counted in +Inf, where no quantile
+# can place it.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0, 160.0, 640.0, 2560.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                          40.0, 80.0)
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# The token histograms' buckets run to max_model_len, as vLLM's; an owner that does not say
+# gets a generous cap (at worst, buckets no request can reach).
+_DEFAULT_MAX_MODEL_LEN = 131072
 _FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value` (100 -> up to 100)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class PrometheusMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 metrics_prefix: str = "tokenloom", data_parallel_size: int = 1) -> None:
+                 metrics_prefix: str = "tokenloom", data_parallel_size: int = 1,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: where the request-size histograms' buckets end (vLLM's choice); None:
+        `_DEFAULT_MAX_MODEL_LEN`."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self._last_totals: dict[tuple[int, str], int] = {}  # (engine, name) -> the core's running total
-        labels = ["model_name"]
+        naming = MetricNaming(model_name, metrics_prefix,
+                              engine="0" if metrics_prefix == "vllm" and data_parallel_size == 1 else None)
+        full = naming.full
         r = self.registry
 
-        def full(name: str) -> str:
-            return metric_name(name, metrics_prefix)
-
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(full(name), doc, labels, registry=r).labels(model_name)
+            labels = naming.labels(name)
+            return Gauge(full(name), doc, list(labels), registry=r).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(full(name), doc, labels, registry=r).labels(model_name)
+            labels = naming.labels(name)
+            return Counter(full(name), doc, list(labels), registry=r).labels(**labels)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(full(name), doc, labels, buckets=buckets, registry=r).labels(model_name)
+            labels = naming.labels(name)
+            return Histogram(full(name), doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set of the scheduler.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -77,10 +125,13 @@ class PrometheusMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        success_labels = naming.labels("request_success")
         success = Counter(
-            full("request_success"), "Finished requests, by finish reason.", labels + ["finished_reason"], registry=r
+            full("request_success"), "Finished requests, by finish reason.", [*success_labels, "finished_reason"],
+            registry=r,
         )
-        self._request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
+        self._request_success = {reason: success.labels(**success_labels, finished_reason=reason)
+                                 for reason in _FINISH_REASONS}
         self.request_errors = counter(
             "request_errors",
             "Requests the engine failed on their own (finish_reason=error) while it kept running: rejected "
@@ -103,7 +154,19 @@ class PrometheusMetrics:
             "Mean time between output tokens after the first, per request.",
             _TOKEN_LATENCY_BUCKETS,
         )
-        self.ledger = LedgerMetrics(r, model_name, metrics_prefix)  # the ledger's metrics, in the same registry
+        token_buckets = build_1_2_5_buckets(max_model_len or _DEFAULT_MAX_MODEL_LEN)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request (once per completion).", token_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished completion.", token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Per finished request, the generated tokens of its longest completion.", token_buckets)
+        self.request_params_n = histogram("request_params_n", "The n of each finished request.", _PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each finished request (once per completion).",
+            token_buckets)
+        self.ledger = LedgerMetrics(r, naming)  # the ledger's metrics, in the same registry
         self.replicas: ReplicaMetrics | None = (
             ReplicaMetrics(r, model_name, full, data_parallel_size) if data_parallel_size > 1 else None)
 
@@ -188,7 +251,28 @@ class PrometheusMetrics:
         num_generation_tokens: int,
         e2e_s: float,
         ttft_s: float | None,
+        *,
+        n: int | None = None,
+        max_tokens: int | None = None,
+        completion_tokens: Sequence[int] | None = None,
     ) -> None:
+        """One finished user request. `n`, `max_tokens`: its sampling parameters (None: not
+        known, and `request_params_*` are left alone); `completion_tokens`: the tokens each of
+        its completions generated (None: one completion, of `num_generation_tokens`).
+
+        The request-size histograms count as vLLM does: it fans a request with n > 1 out into n
+        child requests and observes each when it finishes (prompt tokens, generated tokens,
+        max_tokens: n observations), then n and the longest child's tokens once, with the last
+        child (vllm/v1/engine/parallel_sampling.py, ParentRequest.observe_finished_request)."""
+        completions = list(completion_tokens) if completion_tokens is not None else [num_generation_tokens]
+        for tokens in completions:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(tokens)
+            if max_tokens:  # vLLM skips a max_tokens of None (and 0)
+                self.request_params_max_tokens.observe(max_tokens)
+        if n is not None:
+            self.request_params_n.observe(n)
+        self.request_max_num_generation_tokens.observe(max(completions, default=0))
         counter = self._request_success.get(finish_reason)
         if counter is not None:
             counter.inc()

@@ -45,15 +45,18 @@ if TYPE_CHECKING:
 
 PREFIX = "tokenloom:"
 METRICS_PREFIXES = ("tokenloom", "vllm")
-# The metrics vLLM also has, under the same name and meaning. With metrics_prefix="vllm" (`serve
-# --metrics-prefix vllm`) these are named `vllm:<name>`, so dashboards and alerts written for
-# vLLM work unchanged; the ledger's own metrics keep `tokenloom:`.
+# The metrics vLLM also has, under the same name and meaning (vllm/v1/metrics/loggers.py,
+# PrometheusStatLogger). With metrics_prefix="vllm" (`serve --metrics-prefix vllm`) these are
+# named `vllm:<name>` and labelled as vLLM labels them, so dashboards and alerts written for
+# vLLM find their series; the ledger's own metrics keep `tokenloom:`.
 VLLM_NAMES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success",
     "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
     "inter_token_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
     "request_decode_time_seconds", "request_inference_time_seconds", "iteration_tokens_total",
+    "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+    "request_params_n", "request_params_max_tokens",
 })
 
 
@@ -62,6 +65,25 @@ def metric_name(name: str, metrics_prefix: str = "tokenloom") -> str:
     if metrics_prefix not in METRICS_PREFIXES:
         raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}, got {metrics_prefix!r}.")
     return f"vllm:{name}" if metrics_prefix == "vllm" and name in VLLM_NAMES else PREFIX + name
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNaming:
+    """How one engine's metrics are named and labelled. `engine`: the value of vLLM's `engine`
+    label on the metrics named as vLLM's (None: no such label). Everything carries `model_name`."""
+
+    model_name: str = "tokenloom"
+    metrics_prefix: str = "tokenloom"
+    engine: str | None = None
+
+    def full(self, name: str) -> str:
+        return metric_name(name, self.metrics_prefix)
+
+    def labels(self, name: str) -> dict[str, str]:
+        """The label values every series of `name` carries (label names in that order)."""
+        if self.engine is not None and self.full(name).startswith("vllm:"):
+            return {"model_name": self.model_name, "engine": self.engine}
+        return {"model_name": self.model_name}
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                     320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -82,11 +104,12 @@ _QUEUE_PARTS = ("queue_step_boundary", "queue_token_budget", "queue_max_num_seqs
 
 
 class LedgerMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str = "tokenloom",
-                 metrics_prefix: str = "tokenloom") -> None:
+    def __init__(self, registry: CollectorRegistry, naming: MetricNaming | None = None) -> None:
         self.registry = registry
+        naming = naming if naming is not None else MetricNaming()
+        self._naming = naming
+        model_name = naming.model_name
         self._model_name = model_name
-        self._prefix = metrics_prefix
 
         self.queue_time = self._histogram(
             "request_queue_time_seconds", "Seconds a finished request spent waiting in the engine core.",
@@ -139,13 +162,14 @@ class LedgerMetrics:
             ["model_name", "kv_cache_group", "state"], registry=registry)
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
-        h = Histogram(metric_name(name, self._prefix), doc, ["model_name"], buckets=buckets, registry=self.registry)
-        return h.labels(self._model_name)
+        labels = self._naming.labels(name)
+        h = Histogram(self._naming.full(name), doc, list(labels), buckets=buckets, registry=self.registry)
+        return h.labels(**labels)
 
     def _histograms(self, name: str, doc: str, buckets: tuple, label: str, values: tuple) -> dict[str, Any]:
-        h = Histogram(metric_name(name, self._prefix), doc, ["model_name", label], buckets=buckets,
-                      registry=self.registry)
-        return {v: h.labels(self._model_name, v) for v in values}
+        labels = self._naming.labels(name)
+        h = Histogram(self._naming.full(name), doc, [*labels, label], buckets=buckets, registry=self.registry)
+        return {v: h.labels(**labels, **{label: v}) for v in values}
 
     def _counters(self, name: str, doc: str, label: str, values: tuple) -> dict[str, Any]:
         c = Counter(PREFIX + name, doc, ["model_name", label], registry=self.registry)

@@ -370,8 +370,26 @@ def positive(name: str, value: int) -> None:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
 
 
-def emit(result: dict[str, Any], as_json: bool, report: Callable[[dict[str, Any]], None]) -> int:
-    """Print a bench result as one JSON object or as its human report; the command's exit code."""
+def check_output_json(path: str | None) -> None:
+    """Refuses an `--output-json` FILE that cannot be written before the benchmark runs, not
+    after it (a long run would be lost)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output-json {path}: the folder {folder} does not exist.")
+    if os.path.isdir(path):
+        raise ValueError(f"--output-json {path} is a folder, not a file.")
+
+
+def emit(result: dict[str, Any], as_json: bool, report: Callable[[dict[str, Any]], None],
+         output_json: str | None = None) -> int:
+    """Print a bench result as one JSON object or as its human report, and with `output_json`
+    also write the JSON to that file (as vLLM's `bench --output-json`); the command's exit code."""
+    if output_json is not None:
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
     if as_json:
         print(json.dumps(result))
     else:

@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     p.add_argument("--num-iters", type=int, default=5, help="timed iterations")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--warmup", "--num-iters-warmup", dest="warmup", type=int, default=1,
+                   help="untimed iterations first (--num-iters-warmup: vllm bench latency's name)")
     p.add_argument("--baseline", choices=["hf", "llamacpp"], default=None,
                    help="also run transformers generate() at the same batch size (hf), or llama.cpp on the same GGUF (llamacpp, batch 1)")
     p.add_argument("--baseline-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -35,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="python of an environment with llama-cpp-python installed (for --baseline llamacpp)")
     p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--output-json", metavar="FILE", default=None,
+                   help="also write the results, as --json prints them, to FILE (as vllm bench latency)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -182,7 +185,7 @@ class _LlamaCpp:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import emit, positive
+    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         positive(name, getattr(args, name))
@@ -192,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--baseline llamacpp needs --llamacpp-python: the python of an environment with llama-cpp-python installed.")
     if args.baseline == "llamacpp" and args.batch_size != 1:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
+    check_output_json(args.output_json)
     from tokenloom.entrypoints.bench.machine import Progress, machine_info
 
     batches = _iteration_prompts(args)
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         result["speedup_e2e"] = base["e2e"]["median_ms"] / ours["e2e"]["median_ms"]
         result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
         result["speedup_cpu"] = base["cpu_per_iteration"]["median_ms"] / ours["cpu_per_iteration"]["median_ms"]
-    return emit(result, args.json, _print_report)
+    return emit(result, args.json, _print_report, args.output_json)
 
 
 def _print_report(result: dict[str, Any]) -> None:

@@ -1,11 +1,18 @@
 """`tokenloom bench serve`: load an OpenAI-compatible server and measure it as a client sees it.
 
-Requests are streamed completions (`/v1/completions`, `stream: true`, `ignore_eos: true`, greedy)
-with random prompts of `--input-len` tokens, sent with Poisson arrivals at `--request-rate`
-requests/s (`inf`: all at once). Per request the client records the time to the first token
-(TTFT), the gaps between streamed chunks (ITL), the mean time per output token after the first
-(TPOT) and the end-to-end latency; the report gives their mean, p50, p90 and p99 in ms, plus the
-request and output-token throughputs over the whole run.
+Requests are streamed completions (`/v1/completions`) or chat completions
+(`/v1/chat/completions`, `--backend openai-chat`), all `stream: true`, `ignore_eos: true`,
+greedy, with random prompts of `--input-len` tokens, sent with Poisson arrivals at
+`--request-rate` requests/s (`inf`: all at once). Per request the client records the time to the
+first token (TTFT), the gaps between streamed chunks (ITL), the mean time per output token after
+the first (TPOT) and the end-to-end latency; the report gives their mean, p50, p90 and p99 in
+ms, plus the request and output-token throughputs over the whole run.
+
+`vllm bench serve`'s spellings work: `--host/--port` (when there is no `--base-url`), `--endpoint`,
+`--backend openai|vllm|openai-chat`, `--dataset-name random` with `--random-input-len` and
+`--random-output-len`, `--ignore-eos`. Before the run one `GET /v1/models` checks that the server
+answers and takes the key: a server that is not there, a bad URL or a refused key end the command
+with one line and exit status 1.
 """
 from __future__ import annotations
 
@@ -31,21 +38,86 @@ _WORDS = (
 ).split()
 
 
+# What each endpoint is asked for, and the `--backend` names (vLLM's) that speak to it.
+_ENDPOINT_KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_BACKEND_KINDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="load an OpenAI-compatible server with streamed completions")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server with streamed (chat) completions")
+    p.add_argument("--base-url", default=None,
+                   help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the server's host when --base-url is not given (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the server's port when --base-url is not given (default: 8000)")
+    p.add_argument("--endpoint", default=None,
+                   help="/v1/completions or /v1/chat/completions (default: the one --backend speaks to, else "
+                        "/v1/completions)")
+    p.add_argument("--backend", choices=sorted(_BACKEND_KINDS), default=None,
+                   help="vllm bench serve's name for the request kind: openai or vllm (completions), openai-chat (chat "
+                        "completions); default: the --endpoint's")
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--dataset-name", default="random",
+                   help="random, the only dataset: random prompts of --input-len tokens (vllm bench serve's default)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, Poisson arrivals (default: inf, all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--input-len", type=int, default=32, help="prompt length in tokens")
-    p.add_argument("--output-len", type=int, default=16, help="max_tokens of every request (ignore_eos: it is reached)")
-    p.add_argument("--prompt-kind", choices=["token-ids", "words"], default="token-ids", help="random token ids, or random common words (about one token each)")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=32,
+                   help="prompt length in tokens")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=16,
+                   help="max_tokens of every request (ignore_eos: it is reached)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="accepted for vllm bench serve's command lines: every request sets ignore_eos anyway")
+    p.add_argument("--prompt-kind", choices=["token-ids", "words"], default=None,
+                   help="random token ids, or random common words (about one token each); default: token-ids for "
+                        "completions, words for chat (a chat message is text)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="the server's API key (default: $TOKENLOOM_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--output-json", metavar="FILE", default=None,
+                   help="also write the results, as --json prints them, to FILE")
     p.set_defaults(func=run)
+
+
+class ServerUnreachable(Exception):
+    """The server cannot be benchmarked at all (not there, a bad URL, a refused key): the
+    command ends with this one line, not with a table of failed requests or a traceback."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    base: str  # the server's root, without /v1
+    endpoint: str  # /v1/completions or /v1/chat/completions
+    kind: str  # "completions" or "chat"
+
+    @property
+    def url(self) -> str:
+        return self.base + self.endpoint
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """Where to send what, from vllm bench serve's flags: `--base-url` if given, else
+    http://HOST:PORT, plus `--endpoint`; `--backend` and `--endpoint` must agree (vLLM sends a
+    chat request only with openai-chat, and only to a chat endpoint)."""
+    endpoint = args.endpoint
+    if endpoint is None:
+        endpoint = "/v1/chat/completions" if _BACKEND_KINDS.get(args.backend) == "chat" else "/v1/completions"
+    endpoint = "/" + endpoint.strip("/")
+    kind = _ENDPOINT_KINDS.get(endpoint)
+    if kind is None:
+        raise ValueError(f"--endpoint must be one of {', '.join(_ENDPOINT_KINDS)}, got {args.endpoint!r}.")
+    if args.backend is not None and _BACKEND_KINDS[args.backend] != kind:
+        wanted = "openai-chat" if kind == "chat" else "openai"
+        raise ValueError(f"--backend {args.backend} does not speak to --endpoint {endpoint}: use --backend {wanted} "
+                         "(as vllm bench serve).")
+    base = args.base_url if args.base_url is not None else f"http://{args.host}:{args.port}"
+    base = base.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    return Target(base, endpoint, kind)
 
 
 @dataclass(slots=True)
@@ -76,7 +148,17 @@ def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(num)]
 
 
-async def _one_request(client: Any, url: str, body: dict[str, Any], timeout: float) -> RequestResult:
+def _has_output(choice: dict[str, Any], kind: str) -> bool:
+    """Whether a streamed choice carries generated output. A chat stream opens with a chunk that
+    holds only the role: it is no token, and counting it would make the TTFT look instant."""
+    if kind == "chat":
+        delta = choice.get("delta") or {}
+        return bool(delta.get("content") or delta.get("reasoning_content"))
+    return True
+
+
+async def _one_request(client: Any, url: str, body: dict[str, Any], timeout: float,
+                       kind: str = "completions") -> RequestResult:
     result = RequestResult()
     start = time.perf_counter()
     last = start
@@ -99,7 +181,8 @@ async def _one_request(client: Any, url: str, body: dict[str, Any], timeout: flo
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
-                if not chunk.get("choices"):
+                choices = chunk.get("choices")
+                if not choices or not _has_output(choices[0], kind):
                     continue
                 t = time.perf_counter()
                 if chunks == 0:
@@ -138,49 +221,86 @@ def _summary(name: str, values_s: list[float]) -> dict[str, float]:
     }
 
 
+async def list_models(client: Any, base: str, has_key: bool) -> list[str]:
+    """The server's model names (`GET /v1/models`); raises ServerUnreachable, in words, when the
+    server cannot be benchmarked at all."""
+    import httpx
+
+    url = f"{base}/v1/models"
+    try:
+        response = await client.get(url)
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+        raise ServerUnreachable(f"{base!r} is not a server URL ({e}): give --base-url as http://HOST:PORT, "
+                                "or --host and --port.") from None
+    except httpx.ConnectError as e:
+        raise ServerUnreachable(f"cannot connect to {base} ({e}): is the server running there? (--host/--port or "
+                                "--base-url)") from None
+    except httpx.TimeoutException:
+        raise ServerUnreachable(f"{url} did not answer within {client.timeout.read}s.") from None
+    except httpx.HTTPError as e:
+        raise ServerUnreachable(f"GET {url} failed: {type(e).__name__}: {e}") from None
+    if response.status_code in (401, 403):
+        given = "the key given was refused" if has_key else "no API key was given"
+        raise ServerUnreachable(f"{url} answered HTTP {response.status_code}: {given}; pass the server's key with "
+                                "--api-key (or $TOKENLOOM_API_KEY / $OPENAI_API_KEY).")
+    if response.status_code != 200:
+        raise ServerUnreachable(f"{url} answered HTTP {response.status_code}: {response.text[:200]!r}; is {base} an "
+                                "OpenAI-compatible server?")
+    try:
+        return [m["id"] for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ServerUnreachable(f"{url} did not list models as an OpenAI-compatible server does: "
+                                f"{response.text[:200]!r}") from None
+
+
+def request_body(target: Target, model: str, prompt: Any, output_len: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.kind == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    base = args.base_url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
+    target = resolve_target(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+        models = await list_models(client, target.base, bool(args.api_key))
         model = args.model
         if model is None:
-            response = await client.get(f"{base}/v1/models")
-            response.raise_for_status()
-            model = response.json()["data"][0]["id"]
+            if not models:
+                raise ServerUnreachable(f"{target.base}/v1/models lists no model; name one with --model.")
+            model = models[0]
         prompts = make_prompts(args.prompt_kind, args.num_prompts, args.input_len, args.seed)
         delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        url = f"{base}/v1/completions"
 
         async def limited(body: dict[str, Any]) -> RequestResult:
             if limit is None:
-                return await _one_request(client, url, body, args.timeout)
+                return await _one_request(client, target.url, body, args.timeout, target.kind)
             async with limit:
-                return await _one_request(client, url, body, args.timeout)
+                return await _one_request(client, target.url, body, args.timeout, target.kind)
 
         tasks = []
         start = time.perf_counter()
         for prompt, delay in zip(prompts, delays):
             if delay:
                 await asyncio.sleep(delay)
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": args.output_len,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            tasks.append(asyncio.create_task(limited(body)))
+            tasks.append(asyncio.create_task(limited(request_body(target, model, prompt, args.output_len))))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return report(results, duration, args, model)
+    return report(results, duration, args, model) | {"endpoint": target.endpoint, "base_url": target.base}
 
 
 def report(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -215,6 +335,7 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"{' tokenloom bench serve ':=^60}")
     rows = [
         ("Model", result["model"]),
+        ("Endpoint", result.get("endpoint", "")),
         ("Successful requests", result["completed"]),
         ("Failed requests", result["failed"]),
         ("Benchmark duration (s)", f"{result['duration_s']:.2f}"),
@@ -236,12 +357,24 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.bench.common import check_output_json, emit
+
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    result = asyncio.run(benchmark(args))
-    if args.json:
-        print(json.dumps(result, indent=None))
-    else:
-        _print_table(result)
+    if args.dataset_name != "random":
+        raise ValueError(f"--dataset-name {args.dataset_name} is not available: tokenloom bench serve sends random "
+                         "prompts only (--dataset-name random, sized by --random-input-len / --random-output-len).")
+    kind = resolve_target(args).kind
+    if args.prompt_kind is None:
+        args.prompt_kind = "words" if kind == "chat" else "token-ids"
+    elif kind == "chat" and args.prompt_kind == "token-ids":
+        raise ValueError("--prompt-kind token-ids needs /v1/completions: a chat message is text (use words).")
+    check_output_json(args.output_json)
+    try:
+        result = asyncio.run(benchmark(args))
+    except ServerUnreachable as e:
+        print(f"tokenloom: error: {e}", file=sys.stderr)
+        return 1
+    emit(result, args.json, _print_table, args.output_json)
     return 0 if result["completed"] else 1

@@ -46,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="print the engine step profile (schedule / prepare / forward / sample / update / loop)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--output-json", metavar="FILE", default=None,
+                   help="also write the results, as --json prints them, to FILE (as vllm bench throughput)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -293,7 +295,7 @@ def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import emit, positive, random_prompt_ids
+    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive, random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
     from tokenloom.entrypoints.bench.machine import Progress, machine_info
@@ -308,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--baseline-dtype needs --baseline hf or --baseline vllm.")
     if args.baseline_dtype is not None and args.baseline == "llamacpp":
         raise ValueError("--baseline-dtype does not apply to --baseline llamacpp (it runs the GGUF as shipped).")
+    check_output_json(args.output_json)
     tokenizer = load_tokenizer(args.model)
     vocab = load_model_config(args.model).vocab_size
     prompt_sets = [random_prompt_ids(tokenizer, vocab, args.num_prompts, args.input_len, args.seed + 1000 * i)
@@ -349,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         per_round = [r[label] / r[engines[0].label] for r in rounds]
         result["ratio_rounds"] = per_round
         result["ratio_median_of_rounds"] = _median_run(per_round)
-    return emit(result, args.json, _print_report)
+    return emit(result, args.json, _print_report, args.output_json)
 
 
 def _print_report(result: dict[str, Any]) -> None:
