@@ -62,6 +62,11 @@ class RequestMetrics:
     parts: dict[str, float] = field(default_factory=dict)
     wait_by_cause: dict[str, float] = field(default_factory=dict)
     dominant_wait: str | None = None
+    # Its n and max_tokens, and the tokens each finished completion generated, in the order
+    # they finished: vLLM's request-size metrics (metrics/prometheus.py).
+    n: int = 1
+    max_tokens: int | None = None
+    completion_tokens: list[int] = field(default_factory=list)
 
     def record_tokens(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:

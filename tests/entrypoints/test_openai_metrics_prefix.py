@@ -64,8 +64,8 @@ def test_vllm_request_size_histograms_and_engine_label(server):
     assert generated["count"] - before["request_generation_tokens"]["count"] == 1
     assert generated["sum"] - before["request_generation_tokens"]["sum"] == usage.completion_tokens
     assert longest["sum"] - before["request_max_num_generation_tokens"]["sum"] == usage.completion_tokens
-    # vLLM's 1-2-5 token buckets.
-    assert list(prompt["buckets"])[:8] == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0"]
+    # vLLM's 1-2-5 token buckets, up to max_model_len (256 here).
+    assert list(prompt["buckets"]) == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "+Inf"]
     # vLLM's TTFT bounds (vllm/v1/metrics/buckets.py): a slow CPU prefill still lands in a bucket.
     ttft = _histogram(families, "vllm:time_to_first_token_seconds")
     assert [float(le) for le in ttft["buckets"] if le != "+Inf"] == [
@@ -80,3 +80,30 @@ def test_vllm_request_size_histograms_and_engine_label(server):
                    for s in families[name].samples), name
     # tokenloom's own metrics keep their own labels.
     assert all("engine" not in s.labels for s in families["tokenloom:request_part_seconds"].samples)
+
+
+def test_n_counts_as_vllm_counts_its_children(server):
+    """A request with n=2 counts as vLLM counts the two child requests it fans it out into: prompt
+    tokens, generated tokens and max_tokens once per completion, n and the longest completion
+    once per request. Streamed (each output holds only what is new) and not."""
+    names = ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens", "request_params_n",
+             "request_max_num_generation_tokens")
+    before = {n: _histogram(_families(server), f"vllm:{n}") for n in names}
+    client = server.client()
+    plain = client.completions.create(model="tiny", prompt="One, two,", max_tokens=3, extra_body={"ignore_eos": True})
+    fanned = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=4, n=2,
+                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, n=2, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    streamed = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    families = _families(server)
+    got = {n: _histogram(families, f"vllm:{n}") for n in names}
+    delta = {n: (got[n]["count"] - before[n]["count"], got[n]["sum"] - before[n]["sum"]) for n in names}
+    prompts = plain.usage.prompt_tokens + 2 * fanned.usage.prompt_tokens + 2 * streamed.prompt_tokens
+    assert delta["request_prompt_tokens"] == (5, prompts)
+    assert fanned.usage.completion_tokens == 8 and streamed.completion_tokens == 10
+    assert delta["request_generation_tokens"] == (5, 3 + 8 + 10)
+    assert delta["request_params_max_tokens"] == (5, 3 + 2 * 4 + 2 * 5)
+    assert delta["request_params_n"] == (3, 1 + 2 + 2)
+    assert got["request_params_n"]["buckets"]["1.0"] - before["request_params_n"]["buckets"]["1.0"] == 1
+    assert delta["request_max_num_generation_tokens"] == (3, 3 + 4 + 5)

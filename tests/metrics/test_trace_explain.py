@@ -95,3 +95,25 @@ def test_bounded_memory():
     assert len(rec.requests) == 2 and rec.num_requests_dropped == 2
     config = next(e for e in rec.to_json()["traceEvents"] if e.get("cat") == "config")
     assert config["args"]["num_requests_dropped"] == 2
+
+
+def test_a_run_waiting_for_grammars_is_grammar_bound_and_the_plot_shows_the_wait(tmp_path):
+    """Time spent waiting for a structured-output grammar to compile is its own verdict group and
+    its own slice of the plot's bars, so the slices still add up to each request's e2e."""
+    from tokenloom.metrics.plot_parts import request_slices
+
+    path = tmp_path / "t.json"
+    rec = TraceRecorder(path, config={"max_num_batched_tokens": 16, "num_kv_blocks": 4, "block_size": 16})
+    compiling = finished("json", 100.0, [(B.GRAMMAR_COMPILE, 1.0), (B.PREFILL, 0.05), (B.DECODE, 0.05)])
+    rec.record_request(compiling)
+    rec.record_request(finished("plain", 100.0, [(B.PREFILL, 0.05), (B.DECODE, 0.05)]))
+    rec.write()
+    report = analyze(load_trace(path), top=2)
+    assert report["verdict"] == "grammar-bound"
+    assert report["group_seconds"]["grammar-bound"] == pytest.approx(1.0)
+    assert "verdict: grammar-bound" in format_report(report)
+    slowest = report["slowest"][0]  # a request's summary, as the plot reads it
+    assert slowest["request_id"] == "json"
+    slices = request_slices(slowest)
+    assert slices["wait: grammar compile"] == pytest.approx(1.0)
+    assert sum(slices.values()) == pytest.approx(compiling.metrics.e2e_latency, abs=1e-9)

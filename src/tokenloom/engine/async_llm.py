@@ -88,7 +88,7 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
-            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix,
+            PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix, max_model_len=self.max_model_len,
                               data_parallel_size=config.data_parallel_size) if log_stats else None)
         # The ledger's caller side: returned stamps, and the trace file (`--trace`).
         self.ledger: FrontendLedger | None = None
@@ -302,7 +302,8 @@ class AsyncLLM:
         reasons = [c.finish_reason for c in out.outputs if c.finish_reason is not None]
         e2e = m.e2e_latency if m.e2e_latency is not None else now() - m.arrival_time
         self.metrics.record_finished_request(
-            reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e, m.time_to_first_token
+            reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e, m.time_to_first_token,
+            n=m.n, max_tokens=m.max_tokens, completion_tokens=m.completion_tokens or None,
         )
         self.metrics.record_request_output(out)
 

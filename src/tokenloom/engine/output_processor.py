@@ -168,7 +168,8 @@ class RequestState:
         self.num_logprobs_sent = 0
         # Registered right after tokenizing and validating: the ledger's "tokenized" stamp.
         self.metrics = RequestMetrics(
-            request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now()
+            request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now(),
+            max_tokens=params.max_tokens,
         )
         self.num_cached_tokens = 0
         self.queue = queue
@@ -290,7 +291,8 @@ class OutputProcessor:
                 parent.prompt = prompt
                 parent.prompt_token_ids = request.prompt_token_ids
                 parent.metrics = RequestMetrics(
-                    request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now()
+                    request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now(),
+                    n=parent.n, max_tokens=params.max_tokens,
                 )
                 parent.account = Account(parent.metrics)
             if queue is not None:
@@ -446,6 +448,9 @@ class OutputProcessor:
         parent = state.parent
         if parent is not None and parent.metrics is not None:
             parent.metrics.detokenized_time = metrics.detokenized_time
+            parent.metrics.completion_tokens.append(metrics.num_generation_tokens)
+        else:
+            metrics.completion_tokens.append(metrics.num_generation_tokens)
 
     def _route(self, state: RequestState, completion: CompletionOutput, sink: list[RequestOutput],
                parents: dict[str, ParentRequest]) -> None:

@@ -18,6 +18,7 @@ and summed over all requests; the verdict is the group with the largest total:
 | block-bound | waiting for KV blocks (directly or behind the head), and preempted time (wait + recompute) |
 | seq-limit-bound | waiting because max_num_seqs requests were running (directly or behind the head) |
 | prefill-bound ("long prefills starve decodes") | waiting for a long prefill step to end, and decodes computed in steps that were mostly someone else's prefill |
+| grammar-bound | waiting for a structured-output grammar to compile |
 | compute-bound | prefill and decode steps, and waiting for any other step in flight to end |
 | frontend-bound | tokenize, detokenize, IPC in and out (with the core's output queue), the caller's other work |
 
@@ -48,6 +49,8 @@ VERDICT_ADVICE = {
     "prefill-bound": "cut prefills into smaller chunks: lower --max-num-batched-tokens so decodes run between "
                      "chunks (chunked-prefill tuning; vLLM's --max-num-batched-tokens and "
                      "--long-prefill-token-threshold)",
+    "grammar-bound": "reuse structured-output specs (compiled grammars are cached by spec), or send a "
+                     "request's schema before the burst that needs it",
     "compute-bound": "the steps themselves: a faster dtype or quantization, more cores; batching more "
                      "(--max-num-seqs) buys throughput at this latency",
     "frontend-bound": "the caller's work per request: fewer n children or logprobs, smaller outputs per message",

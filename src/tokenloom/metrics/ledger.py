@@ -39,7 +39,8 @@ class FrontendLedger:
         (AsyncLLM); by default the ledger builds its own and feeds it (LLMEngine). `live`: keep
         the recent past for the live view (a server's `GET /ledger`, metrics/live.py)."""
         self._feeds_metrics = metrics is None
-        self.metrics = metrics if metrics is not None else PrometheusMetrics(model_name)
+        self.metrics = metrics if metrics is not None else PrometheusMetrics(
+            model_name, max_model_len=info.max_model_len if info is not None else None)
         self._message_sent_time = 0.0  # of the message being processed (AsyncLLM: in chunks)
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
@@ -82,6 +83,7 @@ class FrontendLedger:
                 m.num_generation_tokens,
                 e2e if e2e is not None else 0.0,
                 m.time_to_first_token,
+                n=m.n, max_tokens=m.max_tokens, completion_tokens=m.completion_tokens or None,
             )
             self.metrics.record_request_output(output)
         if self.recent is not None:

@@ -63,6 +63,7 @@ VERDICT_HEADLINES = {
     "block-bound": "KV blocks run out",
     "seq-limit-bound": "max_num_seqs is reached",
     "prefill-bound": "long prefills starve decodes",
+    "grammar-bound": "requests wait for their structured-output grammars to compile",
     "compute-bound": "the model's own steps take the time",
     "frontend-bound": "the front end (tokenize, detokenize, IPC) takes the time",
 }
@@ -190,13 +191,15 @@ def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str
     waits for what blocked the head); waiting for the step in flight and decoding count as
     compute, except behind or alongside a long prefill chunk, which counts as prefill-bound
     (core_ledger.is_long_prefill); the output queue (core_overhead) counts with IPC as
-    frontend; core_unattributed counts for no group."""
+    frontend; waiting for a grammar to compile is its own group; core_unattributed counts for no
+    group."""
     long_prefill = causes.get("long_prefill", 0.0)
     return {
         "budget-bound": causes.get("token_budget", 0.0),
         "block-bound": causes.get("no_kv_blocks", 0.0) + causes.get("preempted", 0.0),
         "seq-limit-bound": causes.get("max_num_seqs", 0.0),
         "prefill-bound": long_prefill,
+        "grammar-bound": causes.get("grammar_compile", 0.0),
         "compute-bound": max(sum(parts.get(p, 0.0) for p in COMPUTE_PARTS) - long_prefill, 0.0),
         "frontend-bound": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
     }

@@ -106,7 +106,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default="tokenloom",
         choices=["tokenloom", "vllm"],
         help="vllm: /metrics names the metrics vLLM also has as vLLM does (vllm:...), so dashboards and alerts "
-        "written for vLLM work unchanged; the ledger's own metrics keep tokenloom: (default: tokenloom)",
+        "written for vLLM's current metrics find their series; the ledger's own metrics keep tokenloom: "
+        "(default: tokenloom)",
     )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's and the engine core's log level ($TOKENLOOM_LOG_LEVEL, if set, wins for the "
