@@ -168,6 +168,12 @@ class CpuMeter:
         self.result["caller_cpu_util"] = caller / wall if wall > 0 else 0.0
 
 
+def megabytes_cell(num_bytes: int | None) -> str:
+    """A report cell in MB; a baseline that does not report the figure shows "-", not a 0.0 that
+    reads as a measurement."""
+    return "-" if not num_bytes else f"{num_bytes / 1e6:.1f}"
+
+
 def memory_cell(run: dict[str, Any], key: str, width: int) -> str:
     """A report cell: a run's memory figure (`process_memory_mib`'s keys) in MiB, or "-" for a
     baseline that reports none (vLLM's engine process is not ours to read)."""

@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, memory_cell, result_runs
+    from tokenloom.entrypoints.bench.common import format_profile, megabytes_cell, memory_cell, result_runs
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
@@ -259,7 +259,7 @@ def _print_report(result: dict[str, Any]) -> None:
     print(f"{'':<28}" + "".join(f"{r['backend']:>22}" for r in runs))
     print(f"{'dtype':<28}" + "".join(f"{r['dtype'][:21]:>22}" for r in runs))
     if "weight_bytes_per_token" in result["tokenloom"]:
-        print(f"{'weights read / token (MB)':<28}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>22.1f}" for r in runs))
+        print(f"{'weights read / token (MB)':<28}" + "".join(f"{megabytes_cell(r.get('weight_bytes_per_token')):>22}" for r in runs))
     if result["tokenloom"].get("memory"):
         print(f"{'resident memory (MiB)':<28}" + "".join(memory_cell(r, 'rss_mib', 22) for r in runs))
         print(f"{'peak resident (MiB)':<28}" + "".join(memory_cell(r, 'peak_rss_mib', 22) for r in runs))

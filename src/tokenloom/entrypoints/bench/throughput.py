@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import sys
 from typing import Any
 
@@ -64,6 +65,8 @@ def _rates(num_prompts: int, num_in: int, num_out: int, elapsed: float) -> dict[
 
 
 def _median_run(elapsed: list[float]) -> float:
+    """The median run's time: a run's own (its CPU time and memory are reported with it), the
+    upper middle one of an even count."""
     return sorted(elapsed)[len(elapsed) // 2]
 
 
@@ -351,12 +354,12 @@ def run(args: argparse.Namespace) -> int:
         label = engines[1 + best].label
         per_round = [r[label] / r[engines[0].label] for r in rounds]
         result["ratio_rounds"] = per_round
-        result["ratio_median_of_rounds"] = _median_run(per_round)
+        result["ratio_median_of_rounds"] = statistics.median(per_round)  # two rounds: their mean
     return emit(result, args.json, _print_report, args.output_json)
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, memory_cell
+    from tokenloom.entrypoints.bench.common import format_profile, megabytes_cell, memory_cell
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench throughput ':=^72}")
@@ -374,7 +377,7 @@ def _print_report(result: dict[str, Any]) -> None:
     ):
         print(f"{label:<24}" + "".join(f"{fmt.format(r[key]):>24}" for r in runs))
     if any("weight_bytes_per_token" in r for r in runs):
-        print(f"{'weights read / token (MB)':<24}" + "".join(f"{r.get('weight_bytes_per_token', 0) / 1e6:>24.1f}" for r in runs))
+        print(f"{'weights read / token (MB)':<24}" + "".join(f"{megabytes_cell(r.get('weight_bytes_per_token')):>24}" for r in runs))
     if any("memory" in r for r in runs):
         print(f"{'resident memory (MiB)':<24}" + "".join(memory_cell(r, 'rss_mib', 24) for r in runs))
     if result["num_iters"] > 1:
