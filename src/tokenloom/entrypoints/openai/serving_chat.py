@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: the model's chat template, then the same engine path."""
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,12 +45,9 @@ from tokenloom.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser, chat_template: str | None = None,
-                 response_role: str = "assistant", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_parser: ToolParser, response_role: str = "assistant", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser  # reads `tool_choice="auto"` replies (--tool-call-parser)
-        # --chat-template: the server's template where a request names none (None: the tokenizer's).
-        self.chat_template = chat_template
         self.response_role = response_role  # --response-role, as vLLM's (OpenAI: "assistant")
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
@@ -91,15 +87,7 @@ class OpenAIServingChat(OpenAIServing):
                 processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
-        try:
-            prompt = await self.engine.run_off_loop(functools.partial(
-                processor.apply_chat_template, conversation, req.add_generation_prompt, req.tools or None,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs))
-        except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
-            param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
-            raise bad_request(f"messages could not be rendered with the chat template: {e}", param=param) from None
+        prompt = await self.render_conversation(req, conversation)
         # vLLM's echo: the reply repeats the last message first when it is the assistant's own.
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""

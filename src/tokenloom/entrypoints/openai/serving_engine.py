@@ -4,6 +4,7 @@ requests against the engine with client disconnects turned into aborts."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -66,10 +67,13 @@ def error_from_value_error(e: ValueError, field_names: dict[str, str] | None = N
 class OpenAIServing:
     """Base of the endpoint handlers."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting_requests: int | None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting_requests: int | None,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
+        # --chat-template: the server's template where a request names none (None: the tokenizer's).
+        self.chat_template = chat_template
         self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
 
     # ---- admission ----------------------------------------------------------------------------
@@ -105,6 +109,20 @@ class OpenAIServing:
                 None,
                 "server_overloaded",
             )
+
+    async def render_conversation(self, req: Any, conversation: list[dict[str, Any]]) -> str:
+        """The prompt text of `conversation` (a chat request's messages as templates take them),
+        rendered off the loop by the request's chat template, else the server's, else the
+        tokenizer's, with the request's template options; a template error is a 400."""
+        try:
+            return await self.engine.run_off_loop(functools.partial(
+                self.engine.input_processor.apply_chat_template, conversation, req.add_generation_prompt,
+                req.tools or None, continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs))
+        except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
+            param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
+            raise bad_request(f"messages could not be rendered with the chat template: {e}", param=param) from None
 
     # ---- request fields -> SamplingParams -----------------------------------------------------
 

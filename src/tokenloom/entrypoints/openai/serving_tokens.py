@@ -14,26 +14,14 @@ from tokenloom.entrypoints.openai.tools import template_message
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chat_template = chat_template  # --chat-template, as /v1/chat/completions uses it
-
     async def tokenize(self, req: TokenizeRequest) -> Response:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Give exactly one of prompt and messages.", param="prompt")
         processor = self.engine.input_processor
         text = req.prompt
-        if req.messages is not None:
-            conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
-            try:
-                text = await self.engine.run_off_loop(functools.partial(
-                    processor.apply_chat_template, conversation, req.add_generation_prompt, req.tools or None,
-                    continue_final_message=req.continue_final_message,
-                    chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
-                    chat_template_kwargs=req.chat_template_kwargs))
-            except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
-                raise bad_request(f"messages could not be rendered with the chat template: {e}", param="messages") from None
+        if req.messages is not None:  # rendered as /v1/chat/completions renders them
+            text = await self.render_conversation(req, [template_message(m, i) for i, m in enumerate(req.messages)])
         assert text is not None
         tokenizer = self.engine.tokenizer
         if req.add_special_tokens is None:
