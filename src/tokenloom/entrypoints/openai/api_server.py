@@ -445,12 +445,14 @@ def _server_class() -> type:
 
 def _chat_template(value: str | None) -> str | None:
     """--chat-template: a file's content when it names a file, else the template itself (vLLM's rule)."""
-    if value is None or "{" in value:
-        return value
-    if not os.path.isfile(value):
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
-    with open(value, encoding="utf-8") as f:
-        return f.read()
+    return value
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
@@ -536,10 +538,10 @@ def run_serve(args: argparse.Namespace) -> int:
     )
 
     engine_died = asyncio.Event()
+    keep_alive = getattr(args, "keep_alive_on_engine_death", False)
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
-        keep_alive = getattr(args, "keep_alive_on_engine_death", False)
         watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive, died=engine_died))
         drain = asyncio.create_task(_end_requests_when_stopping(server, engine, DRAIN_S))
         while not server.started and not task.done():
@@ -559,7 +561,6 @@ def run_serve(args: argparse.Namespace) -> int:
         engine.shutdown()  # a second call is harmless; the core also dies with this process
     # Exit status 1 tells a supervisor to restart: only when the engine's death stopped the server
     # (kept up by hand, a later stop is a clean exit; so is a stop by SIGINT or SIGTERM).
-    keep_alive = getattr(args, "keep_alive_on_engine_death", False)
     return 0 if server.started and not (engine_died.is_set() and not keep_alive) else 1
 
 
@@ -572,9 +573,9 @@ async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: fl
         await asyncio.sleep(0.1)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_s
-    while engine.get_num_unfinished_seqs() > 0 and loop.time() < deadline:
+    while engine.get_num_unfinished_requests() > 0 and loop.time() < deadline:
         await asyncio.sleep(0.1)
-    running = engine.get_num_unfinished_seqs()
+    running = engine.get_num_unfinished_requests()
     if running:
         logger.warning("shutting down: ending %d request(s) still running after %.0f s", running, drain_s)
         engine.shutdown()
