@@ -245,6 +245,11 @@ class SamplingParams(
     def __post_init__(self) -> None:
         self._verify()
 
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """vLLM's constructor for callers holding optional values: a None means the default."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
     def _verify(self) -> None:
         """Checks the type and range of every field, normalising where vLLM does (stop str ->
         [str], top_k -1 -> 0, seed -1 -> None, logprobs True -> 1, string logit_bias keys ->

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -193,3 +196,67 @@ def test_engine_core_death_while_idle_fails_the_next_request_fast():
     finally:
         llm.shutdown()
         loop.close()
+
+
+def test_vllm_surface_and_a_second_event_loop_then_shutdown():
+    """As vLLM code uses an AsyncLLM: built outside any loop, driven by one `asyncio.run` and then
+    another (a notebook, a test per loop), with vLLM's extra arguments as None and its health
+    checks; after shutdown, a request is refused as a dead engine's, not with a closed pool's or
+    socket's error."""
+    llm = AsyncLLM(EngineConfig(kv_cache_memory_bytes=KV_BYTES, max_model_len=256))
+    greedy = SamplingParams(max_tokens=4, temperature=0, output_kind=FINAL)
+
+    async def once(request_id: str) -> str:
+        outs = [out async for out in llm.generate("Hello", greedy, request_id, lora_request=None,
+                                                  trace_headers=None, tokenization_kwargs=None)]
+        return outs[-1].outputs[0].text
+
+    try:
+        first = asyncio.run(once("a"))
+        # The first loop is closed; the second takes the engine over (it hung before).
+        assert asyncio.run(asyncio.wait_for(once("b"), 60)) == first
+        assert llm.is_running and not llm.errored and llm.get_tokenizer() is llm.tokenizer
+        asyncio.run(llm.check_health())
+
+        async def with_lora():
+            return [out async for out in llm.generate("Hi", greedy, "c", lora_request=object())]
+
+        with pytest.raises(ValueError, match="lora_request is not supported"):
+            asyncio.run(with_lora())
+    finally:
+        llm.shutdown()
+    assert llm.errored and not llm.is_running
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        asyncio.run(once("after"))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.check_health())
+
+
+def test_an_engine_dropped_without_shutdown_is_collected():
+    """`del engine` without shutdown(), then a garbage collection (which may come at any
+    allocation): the collector frees the engine and its core without blocking (it blocked forever
+    in zmq's context termination, the sockets left open)."""
+    script = textwrap.dedent(
+        """
+        import asyncio, gc, os, time
+        from tokenloom.config import EngineConfig
+        from tokenloom.engine.async_llm import AsyncLLM
+        from tokenloom.sampling_params import SamplingParams
+
+        engine = AsyncLLM(EngineConfig(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256))
+        pid = engine.engine_core.info.pid
+
+        async def main():
+            async for _ in engine.generate("Hi", SamplingParams(max_tokens=2), "x"):
+                pass
+
+        asyncio.run(main())
+        del engine
+        gc.collect()
+        print("collected", pid, flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("collected"), proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[1])
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

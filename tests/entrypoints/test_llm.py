@@ -290,3 +290,24 @@ def test_chat_takes_text_parts_a_prefill_tools_and_a_template(default_llm):
     out = default_llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, add_generation_prompt=False,
                            chat_template=template, chat_template_kwargs={"greeting": "Hello"}, tools=tools)[0]
     assert out.prompt == "tool:get_weather\nHello Hi\n"
+
+
+def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
+    """vLLM's offline idioms: `get_default_sampling_params()` changed and passed back, a
+    `lora_request=None` passed through (anything else refused by name), and a call after
+    shutdown refused as a dead engine's rather than with a closed socket's ZMQError."""
+    from tokenloom.engine.core_client import EngineDeadError
+
+    llm = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256)
+    try:
+        params = llm.get_default_sampling_params()
+        assert params == SamplingParams()
+        params.max_tokens, params.temperature = 3, 0.0
+        out = llm.generate("Hi", params, False, None)[0]  # vLLM's positional order: use_tqdm, lora_request
+        assert len(out.outputs[0].token_ids) <= 3
+        with pytest.raises(ValueError, match="lora_request is not supported"):
+            llm.generate("Hi", params, use_tqdm=False, lora_request=object())
+    finally:
+        llm.shutdown()
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        llm.generate("Hi", params, use_tqdm=False)

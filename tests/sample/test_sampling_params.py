@@ -323,3 +323,10 @@ _PLAUSIBLE = {
 def test_plausible_kwargs_construct_or_raise_value_error_naming_a_field(kwargs):
     """Values near the valid ranges, so that many construct and round-trip."""
     _construct_or_name_a_field(kwargs)
+
+
+def test_from_optional_takes_none_for_the_default():
+    # vLLM's constructor for callers holding optional values (e.g. a request's unset fields).
+    assert SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=3) == SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_optional(top_p=2.0)

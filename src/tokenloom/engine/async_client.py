@@ -50,6 +50,13 @@ class AsyncMPClient(MPClient):
         # Apart from the sync client's ids, so a late answer to a timed-out async call is dropped.
         self._async_call_ids = itertools.count(_FIRST_ASYNC_CALL_ID)
 
+    def rebind_loop(self) -> None:
+        """A new event loop took over (the one this client last ran in has ended, as after a
+        second `asyncio.run`): its asyncio sockets and pending utility futures belonged to the
+        old loop; new sockets are made on first use in the new one."""
+        self._ain = self._aout = None
+        self._utility_futures.clear()
+
     def _sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         if self._ain is None or self._aout is None:
             self._ain = zmq.asyncio.Socket.from_socket(self.input_socket)

@@ -30,10 +30,10 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_client import AsyncMPClient
-from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
+from tokenloom.engine.core_client import ENGINE_SHUT_DOWN, EngineDeadError, EngineShutDownError
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
-from tokenloom.engine.processor import InputProcessor
+from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
 from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
@@ -167,10 +167,17 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        *,
+        lora_request: Any = None,
+        tokenization_kwargs: Any = None,
+        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (cumulative, delta or final only, as
         `sampling_params.output_kind` says) until the finished one. Closing or cancelling the
-        generator before then aborts the request in the core."""
+        generator before then aborts the request in the core. vLLM's other arguments are taken
+        as None (see check_vllm_only_args)."""
+        check_vllm_only_args(lora_request, tokenization_kwargs, data_parallel_rank)
         stream = await self.add_request(request_id, prompt, sampling_params, priority)
         outputs = self.stream_outputs(stream)
         try:
@@ -226,10 +233,20 @@ class AsyncLLM:
     # ---- the output handler -----------------------------------------------------------------
 
     def _ensure_output_handler(self) -> None:
-        if self._output_handler is None:
-            self._output_handler = asyncio.get_running_loop().create_task(
-                self._run_output_handler(), name="tokenloom-output-handler"
-            )
+        loop = asyncio.get_running_loop()
+        handler = self._output_handler
+        if handler is not None and handler.get_loop() is loop and not handler.done():
+            return
+        if handler is not None and handler.get_loop() is not loop:
+            old = handler.get_loop()
+            if old.is_running():
+                raise RuntimeError("this AsyncLLM is in use by another running event loop; use one AsyncLLM per loop.")
+            # The loop it ran in has ended (a second asyncio.run, a notebook cell): its handler,
+            # asyncio sockets and consumers went with it. The core is still up: rebind and go on;
+            # requests left over from that loop have no consumer any more, so they are aborted.
+            self.engine_core.rebind_loop()
+            self.abort_nowait(*list(self._streams))
+        self._output_handler = loop.create_task(self._run_output_handler(), name="tokenloom-output-handler")
 
     async def _run_output_handler(self) -> None:
         try:
@@ -368,6 +385,28 @@ class AsyncLLM:
         if self.engine_core.is_dead:
             raise EngineDeadError(self.engine_core._dead_reason or "engine core is dead")
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's name: the engine can take no more requests (its core died or it was shut down)."""
+        return self.is_dead
+
+    @property
+    def is_running(self) -> bool:
+        return not self.is_dead
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.is_dead
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the engine can take no more requests (vLLM's health check)."""
+        self._check_alive()
+        if self.is_dead:
+            raise EngineDeadError(str(self._dead_error or "the engine core process exited"))
+
     @property
     def is_dead(self) -> bool:
         return self._dead_error is not None or self.engine_core.is_dead or self.engine_core.process_exited()
@@ -443,7 +482,7 @@ class AsyncLLM:
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         for stream in self._streams.values():
-            stream.collector.put(EngineShutDownError("the engine was shut down"))
+            stream.collector.put(EngineShutDownError(ENGINE_SHUT_DOWN))
         self._streams.clear()
         try:
             if self.ledger is not None:

@@ -47,6 +47,8 @@ class EngineShutDownError(EngineDeadError):
     """The engine was shut down on purpose (a server stopping) while requests were in flight."""
 
 
+ENGINE_SHUT_DOWN = "the engine was shut down"
+
 class EngineCoreClient(ABC):
     info: EngineInfo
 
@@ -108,7 +110,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-def _cleanup(proc: "ProcessHandle", ctx: zmq.Context, tmpdir: str) -> None:
+def _cleanup(proc: "ProcessHandle", ctx: zmq.Context, sockets: tuple[zmq.Socket, ...], tmpdir: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -116,6 +118,11 @@ def _cleanup(proc: "ProcessHandle", ctx: zmq.Context, tmpdir: str) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    # The finalizer holds the sockets and closes them by name: when the client is freed by the
+    # cycle collector, the context's weak set of its sockets may already be empty, so destroy()
+    # closed none of them and term() waited forever for them (a gc.collect() that never returned).
+    for sock in sockets:
+        sock.close(linger=0)
     ctx.destroy(linger=0)
     shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -187,7 +194,8 @@ class MPClient(EngineCoreClient):
             self.ctx.destroy(linger=0)
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             raise
-        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self.ctx, self._tmpdir)
+        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self.ctx, (self.input_socket, self.output_socket),
+                                           self._tmpdir)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._dead_reason: str | None = None
@@ -332,3 +340,5 @@ class MPClient(EngineCoreClient):
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
         self._finalizer()
+        if self._dead_reason is None:  # later calls raise this, not a closed socket's ZMQError
+            self._dead_reason = ENGINE_SHUT_DOWN

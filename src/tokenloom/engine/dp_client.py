@@ -338,7 +338,7 @@ class DPAsyncClient(_DPClientBase):
             self._queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
             self._readers = [loop.create_task(self._read(i), name=f"tokenloom-dp-reader-{i}")
-                             for i in range(len(self.clients))]
+                             for i in self.live_indices()]
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -361,6 +361,14 @@ class DPAsyncClient(_DPClientBase):
             await asyncio.to_thread(client.wait_exited)
         finally:
             client.shutdown()
+
+    def rebind_loop(self) -> None:
+        """A new event loop took over (see AsyncMPClient.rebind_loop): the readers and their queue
+        went with the old one; new ones start on the next get_output_async()."""
+        for client in self.clients:
+            client.rebind_loop()
+        self._queue = None
+        self._readers = []
 
     def shutdown(self) -> None:
         for task in self._readers:

@@ -14,7 +14,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.processor import InputProcessor
+from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
@@ -70,7 +70,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        *,
+        lora_request: Any = None,
+        tokenization_kwargs: Any = None,
+        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
     ) -> None:
+        check_vllm_only_args(lora_request, tokenization_kwargs)
         if self._dead_error is not None:
             raise self._dead_error
         params = params if params is not None else SamplingParams()

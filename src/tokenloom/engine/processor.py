@@ -325,6 +325,20 @@ class InputProcessor:
         return result
 
 
+def check_vllm_only_args(lora_request: Any = None, tokenization_kwargs: Any = None,
+                         data_parallel_rank: Any = None) -> None:
+    """vLLM's request arguments that code written for it passes, often as None: None is accepted,
+    anything else is refused by name rather than ignored (tokenloom has no LoRA; a prompt is cut
+    with SamplingParams.truncate_prompt_tokens; replicas are chosen by load)."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: tokenloom serves one model without LoRA adapters.")
+    if tokenization_kwargs is not None:
+        raise ValueError("tokenization_kwargs is not supported: to cut a prompt, set "
+                         "SamplingParams(truncate_prompt_tokens=k).")
+    if data_parallel_rank is not None:
+        raise ValueError("data_parallel_rank is not supported: requests go to the least loaded replica.")
+
+
 def _text_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """A message whose content is OpenAI's list of parts, with the parts' text joined by newlines
     (as vLLM does for a text-only model; the templates of text models expect a string)."""

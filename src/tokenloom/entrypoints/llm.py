@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.metrics.stats import Metric
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
@@ -92,6 +93,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A fresh SamplingParams with the defaults this engine applies, to change and pass back
+        (vLLM's idiom). tokenloom does not read a model's generation_config.json (vLLM's
+        `--generation-config auto` does): the defaults are SamplingParams' own."""
+        return SamplingParams()
+
     def get_metrics(self) -> list[Metric]:
         """The engine's `tokenloom:` metrics (counters, gauges, histograms) as plain objects:
         vLLM's basic set plus the ledger's (wait seconds by reason, budget spent per step,
@@ -112,12 +119,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in input order.
+        """Runs every prompt to completion; outputs come back in input order (vLLM's arguments,
+        in vLLM's order; `lora_request` must be None).
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
         """
+        check_vllm_only_args(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), SamplingParams())
         # Only whole outputs come back from here, as from vLLM's LLM: a DELTA (or CUMULATIVE)
