@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -244,6 +245,9 @@ class AsyncLLM:
             # The loop it ran in has ended (a second asyncio.run, a notebook cell): its handler,
             # asyncio sockets and consumers went with it. The core is still up: rebind and go on;
             # requests left over from that loop have no consumer any more, so they are aborted.
+            if not handler.done():  # a loop stopped but not closed must not read on if it runs again
+                with contextlib.suppress(RuntimeError):  # a closed loop takes no callbacks
+                    handler.cancel()
             self.engine_core.rebind_loop()
             self.abort_nowait(*list(self._streams))
         self._output_handler = loop.create_task(self._run_output_handler(), name="tokenloom-output-handler")
