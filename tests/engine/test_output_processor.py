@@ -125,6 +125,16 @@ def test_duplicate_request_id_is_rejected(processor, tokenizer):
         add(processor, tokenizer)
 
 
+@pytest.mark.parametrize("first_n, second_n", [(1, 2), (2, 1), (2, 2)])
+def test_a_user_id_in_flight_is_rejected_whatever_its_n(tokenizer, first_n, second_n):
+    """An n = 1 request and an n > 1 one under one id would both finish as that id (and an abort
+    would reach only one): the second is refused, whichever came first."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_user_request(make_request(tokenizer, "same", n=first_n, temperature=1.0), None)
+    with pytest.raises(ValueError, match="'same' is already in flight"):
+        processor.add_user_request(make_request(tokenizer, "same", n=second_n, temperature=1.0), None)
+
+
 def test_outputs_of_several_requests_in_one_step(processor, tokenizer):
     add(processor, tokenizer, "a")
     add(processor, tokenizer, "b", output_kind=DELTA)

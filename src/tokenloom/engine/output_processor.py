@@ -247,6 +247,10 @@ class OutputProcessor:
         """Registers a user's request and returns what to send to the engine core: the request
         itself, or with n > 1 its n children. They share the prompt (and so its KV blocks, via
         the prefix cache); their outputs are folded back into one RequestOutput per step."""
+        # The user's id, whatever n it came with: an n = 1 request and the parent of an n > 1
+        # one under the same id would both be answered as that id.
+        if request.request_id in self.parent_requests or request.request_id in self.request_states:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight.")
         if request.sampling_params.n == 1:
             self.add_request(request, prompt, queue=queue)
             return [request]
