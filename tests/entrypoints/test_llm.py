@@ -311,3 +311,19 @@ def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
         llm.shutdown()
     with pytest.raises(EngineDeadError, match="the engine was shut down"):
         llm.generate("Hi", params, use_tqdm=False)
+
+
+def test_vllm_only_keywords_are_taken_with_a_warning(caplog):
+    """`LLM(model, gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True)`, as vLLM
+    scripts write it, runs (a warning names each); a keyword neither engine knows stays an error."""
+    with pytest.raises(TypeError, match="'gpu_memory_utilisation'"):
+        LLM(gpu_memory_utilisation=0.9)
+    with caplog.at_level("WARNING", logger="tokenloom.entrypoints.llm"):
+        llm = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256, gpu_memory_utilization=0.9,
+                  enforce_eager=True, trust_remote_code=True)
+    try:
+        assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    for name in ("gpu_memory_utilization", "enforce_eager", "trust_remote_code"):
+        assert f"LLM({name}=...) is vLLM's and has no effect" in caplog.text

@@ -82,9 +82,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 
+# vLLM's engine arguments that mean nothing here (GPU memory, CUDA graphs, remote code, swap,
+# its periodic stats log): its launch lines and `LLM(...)` calls pass them, so they are taken and
+# a warning says so.
+VLLM_ONLY_ARGS = ("gpu_memory_utilization", "enforce_eager", "trust_remote_code", "swap_space", "disable_log_stats")
+
+
 def warn_ignored_vllm_args(args: argparse.Namespace) -> None:
-    for name in ("gpu_memory_utilization", "enforce_eager", "trust_remote_code"):
-        if getattr(args, name, None) is not None:
+    for name in VLLM_ONLY_ARGS:
+        if getattr(args, name, None) not in (None, False):
             logger.warning("--%s is vLLM's and has no effect in tokenloom (see --help).", name.replace("_", "-"))
 
 

@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -11,9 +12,12 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.processor import check_vllm_only_args
+from tokenloom.entrypoints.engine_args import VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -61,7 +65,16 @@ class LLM:
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        **vllm_only: Any,
     ) -> None:
+        """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
+        `trust_remote_code`, `swap_space`, `disable_log_stats`) are taken with a warning; any
+        other unknown keyword is a TypeError, as before."""
+        unknown = sorted(set(vllm_only) - set(VLLM_ONLY_ARGS))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
+        for name in vllm_only:
+            logger.warning("LLM(%s=...) is vLLM's and has no effect in tokenloom.", name)
         config = EngineConfig(
             model=model,
             dtype=dtype,
