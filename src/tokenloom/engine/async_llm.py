@@ -320,13 +320,7 @@ class AsyncLLM:
         m = out.metrics
         if self.metrics is None or m is None:
             return
-        reasons = [c.finish_reason for c in out.outputs if c.finish_reason is not None]
-        e2e = m.e2e_latency if m.e2e_latency is not None else now() - m.arrival_time
-        self.metrics.record_finished_request(
-            reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e, m.time_to_first_token,
-            n=m.n, max_tokens=m.max_tokens, completion_tokens=m.completion_tokens or None,
-        )
-        self.metrics.record_request_output(out)
+        self.metrics.record_finished_output(out, m.e2e_latency if m.e2e_latency is not None else now() - m.arrival_time)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead_error = error
@@ -408,8 +402,8 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raises EngineDeadError when the engine can take no more requests (vLLM's health check)."""
         self._check_alive()
-        if self.is_dead:
-            raise EngineDeadError(str(self._dead_error or "the engine core process exited"))
+        if self.is_dead:  # its process exited, not yet noticed by the client
+            raise EngineDeadError("the engine core process exited")
 
     @property
     def is_dead(self) -> bool:

@@ -49,6 +49,7 @@ class EngineShutDownError(EngineDeadError):
 
 ENGINE_SHUT_DOWN = "the engine was shut down"
 
+
 class EngineCoreClient(ABC):
     info: EngineInfo
 

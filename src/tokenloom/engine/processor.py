@@ -189,7 +189,7 @@ class InputProcessor:
 
     def _truncation(self, params: Any) -> int | None:
         """How many of the prompt's last tokens `params.truncate_prompt_tokens` keeps, or None."""
-        keep = getattr(params, "truncate_prompt_tokens", None) if isinstance(params, SamplingParams) else None
+        keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
         if keep == -1:
             return self.max_prompt_tokens
         if keep is not None and keep > self.max_model_len:

@@ -75,17 +75,7 @@ class FrontendLedger:
         """A finished output whose account is complete (OutputProcessor.pop_ready): once each."""
         m = output.metrics
         if self._feeds_metrics and m is not None:
-            reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
-            e2e = m.e2e_latency
-            self.metrics.record_finished_request(
-                reasons[0] if reasons else "stop",
-                m.num_prompt_tokens,
-                m.num_generation_tokens,
-                e2e if e2e is not None else 0.0,
-                m.time_to_first_token,
-                n=m.n, max_tokens=m.max_tokens, completion_tokens=m.completion_tokens or None,
-            )
-            self.metrics.record_request_output(output)
+            self.metrics.record_finished_output(output, m.e2e_latency if m.e2e_latency is not None else 0.0)
         if self.recent is not None:
             self.recent.record_request(output)
 

@@ -288,5 +288,17 @@ class PrometheusMetrics:
         """A finished output, for the ledger's metrics."""
         self.ledger.record_finished(output)
 
+    def record_finished_output(self, output: RequestOutput, e2e_s: float) -> None:
+        """A finished request as its final output holds it (its RequestMetrics): vLLM's metrics
+        and the ledger's, once per request. `e2e_s`: its end-to-end latency as the caller took it."""
+        m = output.metrics
+        assert m is not None
+        reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
+        self.record_finished_request(
+            reasons[0] if reasons else "stop", m.num_prompt_tokens, m.num_generation_tokens, e2e_s,
+            m.time_to_first_token, n=m.n, max_tokens=m.max_tokens, completion_tokens=m.completion_tokens or None,
+        )
+        self.record_request_output(output)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -357,11 +357,10 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import check_output_json, emit
+    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive
 
     for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+        positive(name, getattr(args, name))
     if args.dataset_name != "random":
         raise ValueError(f"--dataset-name {args.dataset_name} is not available: tokenloom bench serve sends random "
                          "prompts only (--dataset-name random, sized by --random-input-len / --random-output-len).")
