@@ -1,7 +1,7 @@
 """Plain configuration shared by the caller and the engine core."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -53,6 +53,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # "mp" (local processes) or "ray" (Ray actors, also across the machines of a Ray cluster).
     # None: "uni" for one rank, "mp" for more; data-parallel replicas are local processes.
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    # Default sampling parameters (vLLM's --generation-config): "auto" takes the model's
+    # generation_config.json (temperature, top_p, top_k, min_p, penalties, max_new_tokens) as the
+    # defaults a request that leaves them unset gets; "vllm" keeps SamplingParams' own; a folder
+    # reads its generation_config.json (and then its max_new_tokens caps every request's
+    # max_tokens). `override_generation_config` is merged on top (model/generation_defaults.py).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     @property
     def executor_backend(self) -> str:
@@ -99,6 +106,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if tp > 1 and self.compile:
             raise ValueError(f"compile=True is not supported with tensor_parallel_size={tp} "
                              "(the collectives break the graph); leave compile off.")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}.")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a dict such as {'temperature': 0.5}, got "
+                             f"{self.override_generation_config!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

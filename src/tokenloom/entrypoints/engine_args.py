@@ -8,6 +8,7 @@ accepted with a warning saying so (`warn_ignored_vllm_args`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 
@@ -33,6 +34,17 @@ def human_int(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
     return int(value)
+
+
+def json_dict(text: str) -> dict:
+    """A JSON object given on the command line (vLLM's --override-generation-config)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}': {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "also across machines: `ray start --head` first); default uni for one rank, mp for more. "
                         "With --data-parallel-size > 1, ray also runs each replica's engine core as a Ray actor "
                         "placed with a placement group")
+    g.add_argument("--generation-config", default=_DEFAULTS.generation_config, metavar="auto|vllm|DIR",
+                   help="default sampling parameters: auto takes the model's generation_config.json (temperature, top_p, "
+                        "top_k, min_p, penalties, max_new_tokens) for what a request leaves unset, as vLLM does; vllm "
+                        "keeps SamplingParams' defaults; a folder reads its generation_config.json, whose max_new_tokens "
+                        "then caps every request")
+    g.add_argument("--override-generation-config", type=json_dict, default=None, metavar="JSON",
+                   help='sampling defaults merged over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")

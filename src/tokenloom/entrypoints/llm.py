@@ -14,6 +14,7 @@ from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.entrypoints.engine_args import VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
+from tokenloom.model.generation_config import default_sampling_params
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,6 +66,8 @@ class LLM:
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
         **vllm_only: Any,
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
@@ -98,7 +101,12 @@ class LLM:
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
         )
+        config.validate()
+        # Before the engine starts: a model's unusable generation_config.json is said at once.
+        self.default_sampling_params = default_sampling_params(model, generation_config, override_generation_config)
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
             weakref.finalize(self, self.llm_engine.flush_trace)
@@ -107,10 +115,11 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """A fresh SamplingParams with the defaults this engine applies, to change and pass back
-        (vLLM's idiom). tokenloom does not read a model's generation_config.json (vLLM's
-        `--generation-config auto` does): the defaults are SamplingParams' own."""
-        return SamplingParams()
+        """A fresh SamplingParams with the defaults `generate` and `chat` apply when given none, to
+        change and pass back (vLLM's idiom): the model's generation_config.json's sampling fields
+        (`generation_config="auto"`, as vLLM), those of another folder's, or SamplingParams' own
+        ("vllm"), with `override_generation_config` on top."""
+        return SamplingParams.from_optional(**self.default_sampling_params)
 
     def get_metrics(self) -> list[Metric]:
         """The engine's `tokenloom:` metrics (counters, gauges, histograms) as plain objects:
@@ -142,7 +151,8 @@ class LLM:
         """
         check_vllm_only_args(lora_request)
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), SamplingParams())
+        defaults = self.get_default_sampling_params() if sampling_params is None else None
+        params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), defaults)
         # Only whole outputs come back from here, as from vLLM's LLM: a DELTA (or CUMULATIVE)
         # request would leave just its last piece in the final output.
         final = RequestOutputKind.FINAL_ONLY

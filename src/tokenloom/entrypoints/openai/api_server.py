@@ -49,6 +49,7 @@ from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
+from tokenloom.model.generation_config import default_sampling_params as generation_defaults, max_tokens_cap
 
 logger = logging.getLogger("tokenloom.serve")
 
@@ -270,6 +271,7 @@ def build_app(
     allow_credentials: bool = False,
     root_path: str = "",
     log_requests: bool = False,
+    default_sampling_params: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
@@ -289,6 +291,14 @@ def build_app(
                              response_role=response_role)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     completions.log_requests = chat.log_requests = log_requests
+    config = engine.config
+    if default_sampling_params is None:
+        default_sampling_params = generation_defaults(config.model, config.generation_config,
+                                                      config.override_generation_config)
+    for serving in (completions, chat):
+        serving.default_sampling_params = default_sampling_params
+        serving.max_tokens_cap = max_tokens_cap(config.generation_config, default_sampling_params,
+                                                config.override_generation_config)
 
     # The last one added runs first: the key is checked before the engine's state is revealed,
     # and a browser's CORS preflight (which carries no key) is answered before either.
@@ -506,6 +516,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
     config = engine_config_from_args(args)
+    # Before the socket and the engine: a model's unusable generation_config.json is one line.
+    sampling_defaults = generation_defaults(config.model, config.generation_config, config.override_generation_config)
     sock = _listen_socket(args.host, args.port)
     names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
     try:
@@ -528,6 +540,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_headers=getattr(args, "allowed_headers", None),
         allow_credentials=getattr(args, "allow_credentials", False),
         root_path=getattr(args, "root_path", ""),
+        default_sampling_params=sampling_defaults,
         log_requests=getattr(args, "log_requests", False),
     )
     server = _server_class()(

@@ -75,6 +75,10 @@ class OpenAIServing:
         # --chat-template: the server's template where a request names none (None: the tokenizer's).
         self.chat_template = chat_template
         self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
+        # --generation-config: what a request that leaves a sampling field unset gets (the
+        # model's generation_config.json, as vLLM), and the most max_tokens any may ask for.
+        self.default_sampling_params: dict[str, Any] = {}
+        self.max_tokens_cap: int | None = None
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -139,10 +143,15 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             # As vLLM: options for a stream that will not be sent are a mistake, not a no-op.
             raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
+        # Priority, as vLLM's: the request's value, else the server's default (the model's
+        # generation config), else OpenAI's (SamplingParams' own).
+        defaults = self.default_sampling_params
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        if self.max_tokens_cap is not None:
+            max_tokens = self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
         kwargs: dict[str, Any] = {
             "n": req.n,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
@@ -161,8 +170,11 @@ class OpenAIServing:
             "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
         }
-        for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty"):
             value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         try:
