@@ -4,7 +4,8 @@ from tokenloom.sampling_params import RequestOutputKind, SamplingParams, Structu
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)
@@ -16,4 +17,17 @@ def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torc
         from tokenloom import outputs
 
         return getattr(outputs, name)
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from tokenloom.entrypoints import engine_args
+
+        return getattr(engine_args, name)
+    if name == "LLMEngine":
+        from tokenloom.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    # vLLM V1's `AsyncLLMEngine` is an alias of its AsyncLLM; so is tokenloom's.
+    if name in ("AsyncLLMEngine", "AsyncLLM"):
+        from tokenloom.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)

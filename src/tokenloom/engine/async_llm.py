@@ -111,6 +111,24 @@ class AsyncLLM:
     def from_kwargs(cls, **kwargs: Any) -> "AsyncLLM":
         return cls(EngineConfig(**kwargs))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: list[Any] | None = None) -> "AsyncLLM":
+        """vLLM's constructor: `engine_args` is anything whose `create_engine_config()` returns an
+        EngineConfig (tokenloom's `AsyncEngineArgs`; taken by that method so that engine/ needs
+        nothing from entrypoints/). `start_engine_loop` is taken and changes nothing: the output
+        handler starts with the first request either way (as vLLM's does when no event loop is
+        running yet). `usage_context` is vLLM's usage-telemetry label (unused); `stat_loggers`
+        must be empty, since tokenloom's metrics are its own Prometheus ones."""
+        if stat_loggers:
+            raise ValueError("stat_loggers is not supported: tokenloom's metrics are exported by its own "
+                             "Prometheus collectors (see AsyncLLM.metrics).")
+        config = engine_args.create_engine_config()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"engine_args.create_engine_config() returned {type(config).__name__}, not tokenloom's "
+                            "EngineConfig: pass tokenloom.AsyncEngineArgs.")
+        return cls(config)
+
     # ---- requests ---------------------------------------------------------------------------
 
     async def add_request(

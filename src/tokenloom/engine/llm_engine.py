@@ -60,6 +60,22 @@ class LLMEngine:
     def from_kwargs(cls, multiprocess: bool = True, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(**kwargs), multiprocess=multiprocess)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, usage_context: Any = None, stat_loggers: list[Any] | None = None,
+                         enable_multiprocessing: bool = True) -> "LLMEngine":
+        """vLLM's constructor: `engine_args` is anything whose `create_engine_config()` returns an
+        EngineConfig (tokenloom's `EngineArgs`; taken by that method so that engine/ needs nothing
+        from entrypoints/). `enable_multiprocessing=False` runs the core in this process.
+        `usage_context` is vLLM's usage-telemetry label (unused); `stat_loggers` must be empty,
+        since tokenloom's metrics come from `get_metrics()`, not from vLLM's logger classes."""
+        if stat_loggers:
+            raise ValueError("stat_loggers is not supported: read tokenloom's metrics with LLMEngine.get_metrics().")
+        config = engine_args.create_engine_config()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"engine_args.create_engine_config() returned {type(config).__name__}, not tokenloom's "
+                            "EngineConfig: pass tokenloom.EngineArgs.")
+        return cls(config, multiprocess=enable_multiprocessing)
+
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 

@@ -8,9 +8,13 @@ accepted with a warning saying so (`warn_ignored_vllm_args`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
+from typing import Any
+
+import msgspec
 
 from tokenloom.config import EngineConfig
 
@@ -121,3 +125,89 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
     config.validate()
     return config
+
+
+def _with_engine_config_fields(cls: type) -> type:
+    """Puts EngineConfig's fields, with their types and defaults, ahead of `cls`'s own before
+    @dataclass reads them: the engine arguments are the config's fields by construction, so a
+    field added to EngineConfig is an EngineArgs field (and reaches the engine) without a second
+    list to keep in step. `model` stays positional, as in vLLM (`EngineArgs("path")`)."""
+    annotations: dict[str, Any] = {}
+    for f in msgspec.structs.fields(EngineConfig):
+        annotations[f.name] = f.type
+        if f.default_factory is not msgspec.NODEFAULT:
+            default = dataclasses.field(default_factory=f.default_factory)
+        else:
+            default = dataclasses.field(default=f.default, kw_only=False if f.name == "model" else dataclasses.MISSING)
+        setattr(cls, f.name, default)
+    own = cls.__dict__.get("__annotations__", {})
+    clash = sorted(set(own) & set(annotations))
+    if clash:
+        raise TypeError(f"{cls.__name__} redeclares EngineConfig's field(s) {clash}.")
+    cls.__annotations__ = {**annotations, **own}
+    return cls
+
+
+@dataclasses.dataclass(kw_only=True)
+@_with_engine_config_fields
+class EngineArgs:
+    """vLLM's `EngineArgs`, so that scripts written for vLLM build tokenloom's engines unchanged:
+    `LLMEngine.from_engine_args(EngineArgs(model=path, max_model_len=512))`, or from a command
+    line with `EngineArgs.add_cli_args(parser)` and `EngineArgs.from_cli_args(args)`.
+
+    The fields are EngineConfig's (same names as vLLM's where vLLM has them, same defaults as
+    `LLM(...)` and the CLI), plus vLLM's that mean nothing here (VLLM_ONLY_ARGS), which are taken
+    and warned about when the config is built. vLLM's other arguments (tokenizer, LoRA, speculative
+    decoding, ...) are a TypeError, as any unknown name is in vLLM: taking them silently would run
+    something other than what the script asked for.
+    """
+
+    # VLLM_ONLY_ARGS: taken so vLLM's scripts run; a value other than None/False is warned about.
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool | None = None
+    trust_remote_code: bool | None = None
+    swap_space: float | None = None
+    disable_log_stats: bool | None = None
+
+    def create_engine_config(self, usage_context: Any = None, headless: bool = False) -> EngineConfig:
+        """The validated EngineConfig these arguments describe (vLLM returns its VllmConfig here),
+        built the way the CLI builds it: vLLM's dtype names half/float read as float16/float32,
+        a warning for each vLLM-only argument set, a ValueError naming a field with a bad value.
+        `usage_context` is vLLM's usage-telemetry label, which tokenloom has no use for."""
+        if headless:
+            raise ValueError("headless=True is not supported: tokenloom's engine cores always run "
+                             "under the front end that starts them.")
+        args = argparse.Namespace(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return engine_config_from_args(args)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """The CLI's engine options (`add_engine_args`, vLLM's spellings included) plus vLLM's
+        `--swap-space` and `--disable-log-stats`, which `tokenloom serve` handles itself; returns
+        the parser, as vLLM's does."""
+        add_engine_args(parser)
+        v = parser.add_argument_group("more of vLLM's engine arguments, with no effect here (a warning says so)")
+        v.add_argument("--swap-space", type=float, default=None,
+                       help="vLLM's CPU swap space in GiB; preempted requests are recomputed here")
+        v.add_argument("--disable-log-stats", action="store_true", default=None, help="no periodic stats are logged here")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The arguments a parser built by `add_cli_args` parsed (other attributes of `args`,
+        such as a subcommand's own options, are left out, as in vLLM)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+@dataclasses.dataclass(kw_only=True)
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args` (tokenloom's `AsyncLLMEngine`).
+    The same fields as EngineArgs: vLLM's one addition, `enable_log_requests`, is the server's
+    `--enable-log-requests` here (AsyncLLM itself logs no requests)."""
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, async_args_only: bool = False) -> argparse.ArgumentParser:
+        """EngineArgs' options unless `async_args_only` (there are no async-only ones here)."""
+        if not async_args_only:
+            EngineArgs.add_cli_args(parser)
+        return parser

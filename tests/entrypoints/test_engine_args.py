@@ -1,0 +1,133 @@
+"""vLLM's way of building engines, run on tokenloom: EngineArgs / AsyncEngineArgs,
+LLMEngine.from_engine_args / AsyncLLMEngine.from_engine_args and the add_cli_args/from_cli_args
+round trip, on the real embedded model (one LLM for the reference, one LLMEngine, one AsyncLLM)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from tokenloom import (LLM, AsyncEngineArgs, AsyncLLMEngine, EngineArgs, LLMEngine, RequestOutputKind,
+                       SamplingParams)
+from tokenloom.config import EngineConfig
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.engine_args import VLLM_ONLY_ARGS
+
+KV_BYTES = 64 * 1024**2
+# Small enough to start fast; each differs from EngineConfig's default, so a field lost on the way
+# to the engine shows in `engine.config`.
+SETTINGS = dict(max_model_len=256, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=4, seed=7)
+PROMPTS = ["The capital of France is", "Hello, my name is"]
+GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+@pytest.fixture(scope="module")
+def reference_ids(smollm2_path: str) -> list[list[int]]:
+    """What the offline API generates greedily with the same settings."""
+    with LLM(smollm2_path, dtype="float32", **SETTINGS) as llm:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
+
+
+def test_vllm_engine_loop_matches_llm_generate(smollm2_path, reference_ids):
+    # vLLM's examples/offline_inference/llm_engine_example.py, with tokenloom's imports.
+    engine = LLMEngine.from_engine_args(EngineArgs(model=smollm2_path, dtype="float", **SETTINGS))
+    try:
+        assert engine.config == EngineConfig(model=smollm2_path, dtype="float32", **SETTINGS)
+        assert engine.max_model_len == 256
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(**GREEDY))
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+    assert [finished[str(i)] for i in range(len(PROMPTS))] == reference_ids
+
+
+def test_async_engine_args_generate_streams_and_finishes(smollm2_path, reference_ids):
+    assert AsyncLLMEngine is AsyncLLM  # as vLLM V1 aliases it
+
+    async def run() -> tuple[EngineConfig, list]:
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=smollm2_path, dtype="float", **SETTINGS),
+                                                 start_engine_loop=True)
+        try:
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **GREEDY)
+            return engine.config, [out async for out in engine.generate(PROMPTS[0], params, "a")]
+        finally:
+            engine.shutdown()
+            await asyncio.sleep(0)
+
+    config, outs = asyncio.run(run())
+    assert config == EngineConfig(model=smollm2_path, dtype="float32", **SETTINGS)
+    assert len(outs) > 1, "the tokens were not streamed"
+    assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert [t for out in outs for t in out.outputs[0].token_ids] == reference_ids[0]
+
+
+def test_from_engine_args_refuses_stat_loggers():
+    # Refused before anything starts: tokenloom has its own metrics, not vLLM's logger classes.
+    args = EngineArgs(**SETTINGS)
+    with pytest.raises(ValueError, match="stat_loggers"):
+        LLMEngine.from_engine_args(args, stat_loggers=[object()])
+    with pytest.raises(ValueError, match="stat_loggers"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**SETTINGS), stat_loggers=[object()])
+
+
+def test_cli_args_take_vllm_flags(caplog):
+    parser = argparse.ArgumentParser()
+    assert EngineArgs.add_cli_args(parser) is parser
+    args = parser.parse_args([
+        "--model", "/models/m.gguf", "--max-model-len", "1k", "--dtype", "float", "--enforce-eager",
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_BYTES),
+        "--seed", "3", "--override-generation-config", '{"temperature": 0.5}',
+    ])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert type(engine_args) is EngineArgs
+    with caplog.at_level(logging.WARNING, logger="tokenloom"):
+        config = engine_args.create_engine_config()
+    assert config == EngineConfig(model="/models/m.gguf", max_model_len=1000, dtype="float32", max_num_seqs=8,
+                                  enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES, seed=3,
+                                  override_generation_config={"temperature": 0.5})
+    warned = _warnings(caplog)
+    assert "enforce-eager" in warned and "gpu-memory-utilization" not in warned
+
+    # AsyncEngineArgs: the same options, and vLLM's --swap-space / --disable-log-stats parse too.
+    parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    async_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--swap-space", "4", "--disable-log-stats"]))
+    assert type(async_args) is AsyncEngineArgs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenloom"):
+        assert async_args.create_engine_config() == EngineConfig()
+    assert "swap-space" in _warnings(caplog) and "disable-log-stats" in _warnings(caplog)
+
+
+def test_keywords_as_vllm_takes_them(caplog):
+    vllm_only = dict(gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True, swap_space=4,
+                     disable_log_stats=True)
+    assert set(vllm_only) == set(VLLM_ONLY_ARGS)
+    engine_args = EngineArgs("/models/m.gguf", max_model_len=512, **vllm_only)
+    assert "max_model_len=512" in repr(engine_args)
+    with caplog.at_level(logging.WARNING, logger="tokenloom"):
+        config = dataclasses.replace(engine_args, dtype="half").create_engine_config()
+    assert config == EngineConfig(model="/models/m.gguf", max_model_len=512, dtype="float16")
+    warned = _warnings(caplog)
+    assert all(name.replace("_", "-") in warned for name in vllm_only), warned
+
+
+def test_unknown_keyword_and_bad_value_are_named():
+    with pytest.raises(TypeError, match="tokenizer"):
+        EngineArgs(model="/models/m.gguf", tokenizer="/models/tok")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineArgs(max_num_seqs=0).create_engine_config()
+    with pytest.raises(ValueError, match="^dtype"):
+        EngineArgs(dtype="fp8").create_engine_config()
