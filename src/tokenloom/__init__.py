@@ -1,11 +1,12 @@
 """tokenloom: an LLM inference engine with vLLM's V1 execution path and a ledger of where every
 request's time went."""
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "__version__"]
+           "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)
@@ -21,6 +22,10 @@ def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torc
         from tokenloom.entrypoints import engine_args
 
         return getattr(engine_args, name)
+    if name in ("BeamSearchOutput", "BeamSearchSequence"):
+        from tokenloom.entrypoints import beam_search
+
+        return getattr(beam_search, name)
     if name == "LLMEngine":
         from tokenloom.engine.llm_engine import LLMEngine
 

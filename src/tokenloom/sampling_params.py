@@ -440,3 +440,40 @@ def _index_or_none(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+# Beam search asks the engine for each beam's 2 * beam_width most likely next tokens (as vLLM and
+# transformers do), which the logprobs cap bounds.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# A score divides by length ** length_penalty: beyond this a long sequence's power overflows a
+# float (transformers' and vLLM's usual values lie in [0, 2]).
+MAX_LENGTH_PENALTY = 10.0
+
+
+class BeamSearchParams(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+    """vLLM's beam search parameters (`LLM.beam_search`, the server's `use_beam_search`): the
+    `beam_width` most likely sequences by cumulative log probability, over `max_tokens` tokens.
+    `length_penalty` divides a finished sequence's score by its length (prompt included, as
+    vLLM's and transformers' scores do) to that power; `temperature` 0 ranks each step's
+    candidates by the raw logits' log probabilities alone."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.beam_width = _int("beam_width", self.beam_width, f"an integer in [1, {MAX_BEAM_WIDTH}]", 1, MAX_BEAM_WIDTH)
+        self.max_tokens = _int("max_tokens", self.max_tokens, "an integer >= 1", 1)
+        self.temperature = _float("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}]")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise _fail("temperature", f"a number in [0, {MAX_TEMPERATURE:g}]", self.temperature)
+        requirement = f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]"
+        self.length_penalty = _float("length_penalty", self.length_penalty, requirement)
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise _fail("length_penalty", requirement, self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, _bool(name, getattr(self, name)))

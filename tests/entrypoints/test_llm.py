@@ -248,6 +248,29 @@ def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
     assert len(same) >= need, [(i, a, b) for i, (a, b) in enumerate(zip(ours, ref)) if i not in same]
 
 
+def test_beam_search_is_transformers_beam_search(default_llm, hf_smollm2, prompt_ids):
+    """Where no sequence ends (ignore_eos here, no EOS there), vLLM's beam search and
+    transformers' are the same search: the beam_width best sequences by cumulative log
+    probability, each step's candidates the beams' 2 * beam_width most likely tokens. On the
+    float path they find the same sequences, in the same order, with the same scores
+    (transformers divides by the generated length; length_penalty 1)."""
+    from tokenloom.sampling_params import BeamSearchParams
+
+    width, steps = 3, 8
+    prompts = prompt_ids[:3]
+    ours = default_llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                                   BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
+    for ids, out in zip(prompts, ours):
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            ref = hf_smollm2.generate(inp, attention_mask=torch.ones_like(inp), num_beams=width,
+                                      num_return_sequences=width, max_new_tokens=steps, do_sample=False,
+                                      early_stopping=False, length_penalty=1.0, eos_token_id=None, pad_token_id=2,
+                                      output_scores=True, return_dict_in_generate=True)
+        assert [s.tokens[len(ids):] for s in out.sequences] == [r[len(ids):].tolist() for r in ref.sequences]
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx((ref.sequences_scores * steps).tolist(), abs=2e-3)
+
+
 def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
     """No kv_cache_memory_bytes: room for max_num_seqs sequences of max_model_len tokens (below
     the 768 MiB and 24,576-token caps), whatever the dtype; the engine reports what it chose for this CPU."""
@@ -314,14 +337,16 @@ def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
 
 
 def test_vllm_only_keywords_are_taken_with_a_warning(caplog):
-    """`LLM(model, gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True)`, as vLLM
-    scripts write it, runs (a warning names each); a keyword neither engine knows stays an error."""
+    """`LLM(model, dtype="float", gpu_memory_utilization=0.9, enforce_eager=True,
+    trust_remote_code=True)`, as vLLM scripts write it, runs (a warning names each no-effect one;
+    "float" is vLLM's name of float32); a keyword neither engine knows stays an error."""
     with pytest.raises(TypeError, match="'gpu_memory_utilisation'"):
         LLM(gpu_memory_utilisation=0.9)
     with caplog.at_level("WARNING", logger="tokenloom.entrypoints.llm"):
         llm = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256, gpu_memory_utilization=0.9,
-                  enforce_eager=True, trust_remote_code=True)
+                  enforce_eager=True, trust_remote_code=True, dtype="float", quantization=None)
     try:
+        assert llm.llm_engine.engine_core.info.dtype == "float32"
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()

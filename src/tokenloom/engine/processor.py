@@ -199,6 +199,12 @@ class InputProcessor:
             )
         return keep
 
+    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """A prompt (str, token ids or prompt dict) as `process` reads it: its text (None for
+        token ids) and checked token ids. For callers that build requests from a prompt's tokens
+        (beam search)."""
+        return self._tokenize_prompt(prompt)
+
     def _tokenize_prompt(self, prompt: Any, truncate: int | None = None) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids. With `truncate`, only the last
         `truncate` tokens are kept (a text prompt keeps its BOS in front, as a tokenizer truncating

@@ -22,7 +22,7 @@ logger = logging.getLogger("tokenloom")
 
 _DEFAULTS = EngineConfig()
 # vLLM's --dtype names for the same types.
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
 
 
@@ -119,8 +119,8 @@ def warn_ignored_vllm_args(args: argparse.Namespace) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     warn_ignored_vllm_args(args)
-    if getattr(args, "dtype", None) in _DTYPE_ALIASES:
-        args.dtype = _DTYPE_ALIASES[args.dtype]
+    if getattr(args, "dtype", None) in DTYPE_ALIASES:
+        args.dtype = DTYPE_ALIASES[args.dtype]
     fields = EngineConfig.__struct_fields__
     config = EngineConfig(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
     config.validate()

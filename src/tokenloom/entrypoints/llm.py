@@ -12,11 +12,12 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.processor import check_vllm_only_args
-from tokenloom.entrypoints.engine_args import VLLM_ONLY_ARGS
+from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
+from tokenloom.entrypoints.engine_args import DTYPE_ALIASES, VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class LLM:
             logger.warning("LLM(%s=...) is vLLM's and has no effect in tokenloom.", name)
         config = EngineConfig(
             model=model,
-            dtype=dtype,
+            dtype=DTYPE_ALIASES.get(dtype, dtype),  # vLLM's "half" and "float"
             kv_cache_dtype=kv_cache_dtype,
             device=device,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -197,6 +198,56 @@ class LLM:
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the `params.beam_width` most likely sequences over
+        `params.max_tokens` tokens (entrypoints/beam_search.py), best first. As in vLLM, a
+        sequence's `tokens` and `text` include the prompt's. `concurrency_limit` prompts are
+        searched at a time (default: all); each step runs every live beam as one engine request."""
+        check_vllm_only_args(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
+                                              or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}.")
+        engine = self.llm_engine
+        processor = engine.input_processor
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            text, ids = processor.tokenize_prompt(prompt)
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(f"max_tokens is too large: {params.max_tokens}. The prompt has {len(ids)} tokens and "
+                                 f"max_model_len is {engine.max_model_len} ({params.max_tokens} > "
+                                 f"{engine.max_model_len} - {len(ids)}).")
+            searches.append(BeamSearch(ids, params, processor.eos_token_ids, text))
+        limit = concurrency_limit or max(len(searches), 1)
+        steps = tqdm(total=len(searches) * params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm)
+        try:
+            for start in range(0, len(searches), limit):
+                group = searches[start:start + limit]
+                while live := [s for s in group if not s.done]:
+                    ids = []
+                    for search in live:
+                        step_params = search.step_params()
+                        for beam in search.beams:
+                            ids.append(engine.next_request_id())
+                            engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params)
+                    outputs = iter(self._run_engine(ids, use_tqdm=False))
+                    for search in live:
+                        before = search.num_steps
+                        search.advance([next(outputs) for _ in search.beams])
+                        # A search that ends early counts its remaining steps as done.
+                        steps.update((params.max_tokens if search.done else search.num_steps) - before)
+        finally:
+            steps.close()
+        return [BeamSearchOutput(s.best(engine.tokenizer, with_prompt=True)) for s in searches]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenloom.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LENGTH_PENALTY,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
@@ -118,6 +119,9 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     request_id: str | None = Field(default=None, description="optional caller-chosen id (vLLM extra)")
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
+    # vLLM's beam search (entrypoints/beam_search.py): the n best sequences, n the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one
     # of them; see structured.py). Plain dicts, checked there with errors naming the field.
     response_format: dict[str, Any] | None = None

@@ -70,20 +70,23 @@ class OpenAIServingChat(OpenAIServing):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(
-            req,
-            max_tokens=max_tokens,
-            logprobs=num_top,
-            field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
-            structured_outputs=structured,
-        )
-        self.check_capacity(params.n)
+        if req.use_beam_search:
+            beam = self.beam_search_params(req, structured)
+        else:
+            params = self.sampling_params(
+                req,
+                max_tokens=max_tokens,
+                logprobs=num_top,
+                field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
+                structured_outputs=structured,
+            )
+        self.check_capacity(req.n)
         conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
         processor = self.engine.input_processor
         try:
             # The rendered prompt holds every message's text: their length alone may rule it out
             # (unless only its end is kept).
-            if params.truncate_prompt_tokens is None:
+            if req.truncate_prompt_tokens is None:
                 processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
@@ -91,10 +94,14 @@ class OpenAIServingChat(OpenAIServing):
         # vLLM's echo: the reply repeats the last message first when it is the assistant's own.
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""
-        self.check_capacity(params.n)  # again: other requests were admitted while it was rendered
+        self.check_capacity(req.n)  # again: other requests were admitted while it was rendered
         request_id = req.request_id or random_id("chatcmpl")
-        streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages",
-                                          {"max_tokens": max_name})
+        if req.use_beam_search:
+            streams = await self.start_beam_searches(request_id, [prompt], beam, max_tokens, req.priority, "messages",
+                                                     max_name)
+        else:
+            streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages",
+                                              {"max_tokens": max_name})
         created = unix_time()
         if req.stream:
             options = req.stream_options
@@ -102,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
             body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice, echo,
                                 continuous_usage)
-            return EngineStreamingResponse(body, on_close=lambda: self.engine.abort_nowait(streams[0].request_id))
+            return EngineStreamingResponse(body, on_close=lambda: self.abort_streams(streams))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
             return Response(status_code=499)

@@ -107,19 +107,28 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
-        params = self.sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
-                                      prompt_logprobs=prompt_logprobs, field_names={},
-                                      structured_outputs=structured_outputs_of(req))
-        self.check_capacity(params.n * len(prompts))
+        if req.use_beam_search:
+            if echo_only:
+                raise bad_request("max_tokens 0 (echo only) cannot be combined with use_beam_search.", param="max_tokens")
+            beam = self.beam_search_params(req, structured_outputs_of(req))
+        else:
+            params = self.sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
+                                          prompt_logprobs=prompt_logprobs, field_names={},
+                                          structured_outputs=structured_outputs_of(req))
+        n = req.n
+        self.check_capacity(n * len(prompts))
         request_id = req.request_id or random_id("cmpl")
-        streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt")
+        if req.use_beam_search:
+            streams = await self.start_beam_searches(request_id, prompts, beam, req.max_tokens, req.priority, "prompt")
+        else:
+            streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt")
         created = unix_time()
         if req.stream:
             options = req.stream_options
             include_usage = bool(options and options.include_usage)
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
-            body = self._stream(req, request_id, model, created, streams, params.n, include_usage, continuous_usage)
-            return EngineStreamingResponse(body, on_close=lambda: self.engine.abort_nowait(*[s.request_id for s in streams]))
+            body = self._stream(req, request_id, model, created, streams, n, include_usage, continuous_usage)
+            return EngineStreamingResponse(body, on_close=lambda: self.abort_streams(streams))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
             return Response(status_code=499)  # nobody is listening
@@ -132,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if echo_only:
                     c = _nothing_generated(c)
                 completion_tokens += len(c.token_ids)
-                choices.append(self._choice(req, i * params.n + c.index, c, prompt, 0))
+                choices.append(self._choice(req, i * n + c.index, c, prompt, 0))
         return json_response(
             {
                 "id": request_id,

@@ -18,7 +18,8 @@ from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.outputs import Logprob, RequestOutput
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
+from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,22 @@ def error_from_value_error(e: ValueError, field_names: dict[str, str] | None = N
     elif "max_model_len" in message or "prompt" in message.lower():
         param = prompt_param
     return bad_request(message, param=param)
+
+
+class BeamSearchStream:
+    """A beam search running as a task (entrypoints/beam_search.py), where an engine request's
+    RequestStream would stand: its one output is the finished search."""
+
+    def __init__(self, request_id: str, task: asyncio.Future, num_seqs: int) -> None:
+        self.request_id = request_id
+        self.task = task
+        self.num_seqs = num_seqs  # the choices it returns (the beam width), as RequestStream's
+
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            yield await asyncio.shield(self.task)
+        finally:
+            self.task.cancel()  # nothing once it has finished; a reader gone early ends the search
 
 
 class OpenAIServing:
@@ -182,6 +199,68 @@ class OpenAIServing:
         except ValueError as e:
             raise error_from_value_error(e, field_names) from None
 
+    # Fields that beam search does not use (vLLM ignores them silently): refused by name instead,
+    # with the value each must keep.
+    _NOT_FOR_BEAM_SEARCH = {"top_p": None, "top_k": None, "min_p": None, "presence_penalty": None,
+                            "frequency_penalty": None, "repetition_penalty": None, "stop": None,
+                            "stop_token_ids": None, "min_tokens": 0, "logit_bias": None, "allowed_token_ids": None,
+                            "bad_words": None, "truncate_prompt_tokens": None}
+
+    def beam_search_params(self, req: _SamplingFields, structured_outputs: StructuredOutputsParams | None) -> BeamSearchParams:
+        """vLLM's `use_beam_search`: `n` is the beam width, and the temperature is the request's,
+        else the server's default, else OpenAI's 1.0 (as vLLM's). Its max_tokens is set per
+        prompt by `start_beam_searches`."""
+        for name, unset in self._NOT_FOR_BEAM_SEARCH.items():
+            if getattr(req, name, unset) != unset:
+                raise bad_request(f"{name} cannot be combined with use_beam_search (beam search ranks whole "
+                                  "sequences by their log probability and uses no other sampling field).", param=name)
+        if structured_outputs is not None or getattr(req, "prompt_logprobs", None) is not None:
+            param = "prompt_logprobs" if structured_outputs is None else "response_format"
+            raise bad_request(f"{param} cannot be combined with use_beam_search.", param=param)
+        temperature = req.temperature if req.temperature is not None else self.default_sampling_params.get("temperature", 1.0)
+        try:
+            return BeamSearchParams(beam_width=req.n, max_tokens=1, temperature=temperature, ignore_eos=req.ignore_eos,
+                                    length_penalty=req.length_penalty,
+                                    include_stop_str_in_output=req.include_stop_str_in_output,
+                                    skip_special_tokens=req.skip_special_tokens)
+        except ValueError as e:
+            raise error_from_value_error(e, {"beam_width": "n"}) from None
+
+    async def start_beam_searches(self, base_id: str, prompts: list[Any], params: BeamSearchParams,
+                                  max_tokens: int | None, priority: int, prompt_param: str,
+                                  max_name: str = "max_tokens") -> list[BeamSearchStream]:
+        """One beam search per prompt, each a task on the loop (`run_beam_search`). Its length is
+        the request's max_tokens (a 400 when the context cannot hold it, as for sampling), else
+        the server's default, else the rest of the context, and at most the server's cap."""
+        processor = self.engine.input_processor
+        max_model_len = self.engine.max_model_len
+        searches = []
+        for prompt in prompts:
+            try:
+                text, ids = await self.engine.run_off_loop(processor.tokenize_prompt, prompt)
+                if len(ids) >= max_model_len:
+                    raise ValueError(f"The prompt is {len(ids)} tokens long but max_model_len is {max_model_len}.")
+            except ValueError as e:
+                raise error_from_value_error(e, {"prompt": prompt_param, "prompt_token_ids": prompt_param},
+                                             prompt_param=prompt_param) from None
+            room = max_model_len - len(ids)
+            if max_tokens is not None and max_tokens > room:
+                raise bad_request(f"max_tokens is too large: {max_tokens}. This model's maximum context length "
+                                  f"is {max_model_len} tokens and the request has {len(ids)} input tokens "
+                                  f"({max_tokens} > {max_model_len} - {len(ids)}).", param=max_name)
+            wanted = max_tokens if max_tokens is not None else self.default_sampling_params.get("max_tokens")
+            length = min(n for n in (room, wanted, self.max_tokens_cap) if n is not None)
+            searches.append(BeamSearch(ids, msgspec.structs.replace(params, max_tokens=length),
+                                       processor.eos_token_ids, text))
+        streams = []
+        for i, search in enumerate(searches):
+            request_id = base_id if len(searches) == 1 else f"{base_id}-{i}"
+            task = asyncio.ensure_future(run_beam_search(self.engine, request_id, search, priority))
+            streams.append(BeamSearchStream(request_id, task, params.beam_width))
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt(s), beam search: %s", base_id, len(prompts), params)
+        return streams
+
     # ---- running requests -----------------------------------------------------------------------
 
     async def add_requests(
@@ -217,7 +296,7 @@ class OpenAIServing:
         """(prompt index, output) from every stream, in arrival order. Closing it early (or an
         error in one stream) aborts the requests that have not finished."""
         if len(streams) == 1:
-            gen = self.engine.stream_outputs(streams[0])
+            gen = self._outputs(streams[0])
             try:
                 async for out in gen:
                     yield 0, out
@@ -225,7 +304,7 @@ class OpenAIServing:
                 await gen.aclose()  # runs its abort synchronously: safe under cancellation
             return
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.engine.stream_outputs(s) for s in streams]
+        gens = [self._outputs(s) for s in streams]
 
         async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
             try:
@@ -250,7 +329,17 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
-            self.engine.abort_nowait(*[s.request_id for s in streams])
+            self.abort_streams(streams)
+
+    def _outputs(self, stream: RequestStream | BeamSearchStream) -> AsyncGenerator[RequestOutput, None]:
+        return stream.outputs() if isinstance(stream, BeamSearchStream) else self.engine.stream_outputs(stream)
+
+    def abort_streams(self, streams: list[RequestStream] | list[BeamSearchStream]) -> None:
+        """Ends the requests (or beam searches) that have not finished; nothing for those that have."""
+        for stream in streams:
+            if isinstance(stream, BeamSearchStream):
+                stream.task.cancel()
+        self.engine.abort_nowait(*[s.request_id for s in streams if isinstance(s, RequestStream)])
 
     async def collect_final(self, streams: list[RequestStream]) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
