@@ -233,12 +233,16 @@ class LLM:
             for start in range(0, len(searches), limit):
                 group = searches[start:start + limit]
                 while live := [s for s in group if not s.done]:
-                    ids = []
-                    for search in live:
-                        step_params = search.step_params()
-                        for beam in search.beams:
-                            ids.append(engine.next_request_id())
-                            engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params)
+                    ids: list[str] = []
+                    try:
+                        for search in live:
+                            step_params = search.step_params()
+                            for beam in search.beams:
+                                ids.append(engine.next_request_id())
+                                engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params)
+                    except BaseException:
+                        engine.abort_request(ids)  # none of the step's requests stays queued
+                        raise
                     outputs = iter(self._run_engine(ids, use_tqdm=False))
                     for search in live:
                         before = search.num_steps
