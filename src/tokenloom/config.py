@@ -1,6 +1,8 @@
 """Plain configuration shared by the caller and the engine core."""
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -70,6 +72,27 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     def validate(self) -> None:
+        """Refuses what the engine core could not use, naming the field, in the caller: a value
+        of the wrong type would otherwise end the core at start-up (it decodes this struct with
+        its types) with only "exited with code 1" to show for it."""
+        for name in ("model", "trace_path"):  # a pathlib.Path is a path too (it cannot cross to the core)
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        try:
+            msgspec.convert(msgspec.structs.asdict(self), type(self))
+        except msgspec.ValidationError as e:
+            match = re.match(r"Expected `(.+?)`, got `(.+?)` - at `\$\.(\w+)`", str(e))
+            if match is not None:
+                expected, _, name = match.groups()
+                expected = expected.replace(" | null", " or None").replace("object", "dict").replace("array", "list")
+                raise ValueError(f"{name} must be of type {expected}, got {getattr(self, name)!r}.") from None
+            if not str(e).startswith("Invalid enum value"):  # those are named with their choices below
+                raise ValueError(f"invalid engine configuration: {e}") from None
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be a positive number of bytes (or None: sized from "
+                             f"max_num_seqs and max_model_len), got {self.kv_cache_memory_bytes!r}.")
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -106,11 +129,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if tp > 1 and self.compile:
             raise ValueError(f"compile=True is not supported with tensor_parallel_size={tp} "
                              "(the collectives break the graph); leave compile off.")
-        if not isinstance(self.generation_config, str) or not self.generation_config:
+        if not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}.")
-        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
-            raise ValueError("override_generation_config must be a dict such as {'temperature': 0.5}, got "
-                             f"{self.override_generation_config!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ServerProcess  # tests/entrypoints/conftest.py
 from tokenloom.entrypoints.cli import main
 from tokenloom.model.generation_config import default_sampling_params, max_tokens_cap
 from tokenloom.sampling_params import SamplingParams
@@ -111,8 +112,6 @@ def test_served_defaults_and_cap_from_a_generation_config_folder(model_dir):
     """`--generation-config DIR`: the folder's fields are every request's defaults and its
     max_new_tokens (here the override's, which wins over the folder's) caps every request, as
     vLLM's server does."""
-    from conftest import ServerProcess
-
     srv = ServerProcess([model_dir, "--generation-config", model_dir, "--max-model-len", "128",
                          "--kv-cache-memory-bytes", str(16 * 1024**2), "--override-generation-config",
                          '{"max_new_tokens": 5}'], None)

@@ -16,9 +16,9 @@ from starlette.responses import Response, StreamingResponse
 
 from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
+from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.outputs import Logprob, RequestOutput
-from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
