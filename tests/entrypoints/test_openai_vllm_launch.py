@@ -25,7 +25,8 @@ def vllm_style_server():
     args = ["--max_model_len", "256", "--dtype", "float", "--enable-prefix-caching", "--enable-auto-tool-choice",
             "--chat-template", f.name, "--response-role", "helper", "--allowed-origins", f'["{ORIGIN}"]',
             "--disable-log-requests", "--disable-log-stats", "--trust-remote-code", "--served-model-name", MODEL,
-            "--kv-cache-memory-bytes", str(64 * 1024**2)]
+            "--kv-cache-memory-bytes", str(64 * 1024**2), "--enable-prompt-tokens-details",
+            "--return-tokens-as-token-ids"]
     srv = ServerProcess(args, api_key=None, env={"VLLM_API_KEY": VLLM_KEY})
     srv.api_key = VLLM_KEY  # what the clients below send
     try:
@@ -102,3 +103,37 @@ def test_tokenize_and_detokenize_count_what_the_endpoints_count(vllm_style_serve
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.AuthenticationError):
         srv.client(api_key="wrong").models.list()
+
+
+def test_cached_prompt_tokens_and_tokens_as_ids(vllm_style_server):
+    """--enable-prompt-tokens-details: usage says how many prompt tokens the prefix cache served
+    (none the first time, whole blocks the second); --return-tokens-as-token-ids: logprobs name
+    tokens `token_id:<id>`, the ids whose text the plain entries show (a request can say no)."""
+    srv = vllm_style_server
+    client = srv.client()
+    messages = [{"role": "user", "content": "Tell me about the history of the printing press in Europe, in detail."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, extra_body={"return_tokens_as_token_ids": False})
+    prompt_tokens = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < prompt_tokens and cached % 16 == 0, (cached, prompt_tokens)
+    entries = first.choices[0].logprobs.content
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    assert all(e.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in e.top_logprobs)
+               for e in entries)
+    texts = [httpx.post(srv.url("/detokenize"), headers=srv.headers, json={"tokens": [i]}, timeout=60).json()["prompt"]
+             for i in ids]
+    assert [e.token for e in second.choices[0].logprobs.content] == texts
+    # Streamed, the closing usage chunk says it too; completions sum it over their prompts.
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    assert [c.usage for c in stream if c.usage][-1].prompt_tokens_details.cached_tokens == cached
+    prompts = ["The printing press, invented by Johannes Gutenberg around 1440, changed how books were made and read "
+               "across Europe, because"] * 2
+    completions = [client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, logprobs=1) for _ in range(2)]
+    first_cached, again_cached = (c.usage.prompt_tokens_details.cached_tokens for c in completions)
+    assert again_cached > first_cached and again_cached % 16 == 0 and again_cached >= 2 * 16
+    assert completions[0].choices[0].logprobs.tokens[0].startswith("token_id:")

@@ -85,6 +85,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a Jinja chat template, or the path of a file holding one, used where a request names none "
                    "(default: the tokenizer's)")
     p.add_argument("--response-role", default="assistant", help="the role of the server's chat replies (default: assistant)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage gets prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as 'token_id:<id>' (a request's return_tokens_as_token_ids overrides it)")
     p.add_argument("--allowed-origins", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
                    help="CORS: origins that may call the API from a browser (values or vLLM's JSON list; default: *)")
     p.add_argument("--allowed-methods", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],

@@ -272,6 +272,8 @@ def build_app(
     root_path: str = "",
     log_requests: bool = False,
     default_sampling_params: dict[str, Any] | None = None,
+    enable_prompt_tokens_details: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
@@ -296,6 +298,8 @@ def build_app(
         default_sampling_params = generation_defaults(config.model, config.generation_config,
                                                       config.override_generation_config)
     for serving in (completions, chat):
+        serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+        serving.return_tokens_as_token_ids = return_tokens_as_token_ids
         serving.default_sampling_params = default_sampling_params
         serving.max_tokens_cap = max_tokens_cap(config.generation_config, default_sampling_params,
                                                 config.override_generation_config)
@@ -541,6 +545,8 @@ def run_serve(args: argparse.Namespace) -> int:
         allow_credentials=getattr(args, "allow_credentials", False),
         root_path=getattr(args, "root_path", ""),
         default_sampling_params=sampling_defaults,
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         log_requests=getattr(args, "log_requests", False),
     )
     server = _server_class()(

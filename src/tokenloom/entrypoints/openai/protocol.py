@@ -121,6 +121,8 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
     # vLLM's beam search (entrypoints/beam_search.py): the n best sequences, n the beam width.
     use_beam_search: bool = False
+    # vLLM's: logprobs' tokens as "token_id:<id>" (None: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (one
     # of them; see structured.py). Plain dicts, checked there with errors naming the field.

@@ -70,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
+        as_ids = self.tokens_as_ids(req)
         if req.use_beam_search:
             beam = self.beam_search_params(req, structured)
         else:
@@ -108,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(options and options.include_usage)
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
             body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice, echo,
-                                continuous_usage)
+                                continuous_usage, as_ids)
             return EngineStreamingResponse(body, on_close=lambda: self.abort_streams(streams))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
@@ -122,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({
                 "index": c.index,
                 "message": message,
-                "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top)},
+                "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top, as_ids)},
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
@@ -134,7 +135,7 @@ class OpenAIServingChat(OpenAIServing):
                 "created": created,
                 "model": model,
                 "choices": choices,
-                "usage": usage(len(out.prompt_token_ids or ()), completion_tokens),
+                "usage": usage(len(out.prompt_token_ids or ()), completion_tokens, self.cached_tokens(out.num_cached_tokens)),
             }
         )
 
@@ -166,10 +167,11 @@ class OpenAIServingChat(OpenAIServing):
         choice: ToolChoice,
         echo: str = "",
         continuous_usage: bool = False,
+        as_ids: bool = False,
     ) -> AsyncIterator[bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         try:
             # OpenAI opens every choice with a chunk that carries only the role.
             first = [
@@ -180,6 +182,7 @@ class OpenAIServingChat(OpenAIServing):
             tool_streams = [_ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())
+                cached = max(cached, out.num_cached_tokens)
                 choices = []
                 for c in out.outputs:
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -195,30 +198,32 @@ class OpenAIServingChat(OpenAIServing):
                         {
                             "index": c.index,
                             "delta": delta,
-                            "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top)},
+                            "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top, as_ids)},
                             "finish_reason": finish_reason,
                             "stop_reason": c.stop_reason,
                         }
                     )
                 if choices:
                     # vLLM's continuous_usage_stats: the counts so far on every chunk.
-                    chunk_usage = {"usage": usage(prompt_tokens, completion_tokens)} if continuous_usage else extra
+                    chunk_usage = ({"usage": usage(prompt_tokens, completion_tokens, self.cached_tokens(cached))}
+                                   if continuous_usage else extra)
                     yield sse_event({**base, "choices": choices, **chunk_usage})
             if include_usage:
-                yield sse_event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                yield sse_event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens(cached))})
         except EngineDeadError as e:
             yield sse_event(engine_dead_error(e).to_dict())
         except OpenAIServingError as e:
             yield sse_event(e.to_dict())
         yield SSE_DONE
 
-    def _logprobs(self, c: CompletionOutput, num_top: int) -> list[dict[str, Any]]:
-        """OpenAI's chat logprobs `content`: one entry per generated token."""
+    def _logprobs(self, c: CompletionOutput, num_top: int, as_ids: bool = False) -> list[dict[str, Any]]:
+        """OpenAI's chat logprobs `content`: one entry per generated token (tokens as
+        `token_id:<id>` with `as_ids`)."""
         tokenizer = self.engine.tokenizer
         content = []
         for token_id, position in zip(c.token_ids, c.logprobs or ()):
             lp = position.get(token_id)
-            text = token_text(tokenizer, token_id, lp)
+            text = token_text(tokenizer, token_id, lp, as_ids)
             content.append(
                 {
                     "token": text,
@@ -226,7 +231,7 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {"token": t_text, "logprob": l.logprob, "bytes": list(t_text.encode("utf-8"))}
-                        for t_text, l in ((token_text(tokenizer, t, l), l) for t, l in top_entries(position, num_top))
+                        for t_text, l in ((token_text(tokenizer, t, l, as_ids), l) for t, l in top_entries(position, num_top))
                     ],
                 }
             )

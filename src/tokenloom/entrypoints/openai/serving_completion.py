@@ -133,9 +133,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if result is None:
             return Response(status_code=499)  # nobody is listening
         choices = []
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         for i, out in enumerate(result):
             prompt_tokens += len(out.prompt_token_ids or ())
+            cached += out.num_cached_tokens
             prompt = await self._prompt(req, out)
             for c in out.outputs:
                 if echo_only:
@@ -149,7 +150,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "created": created,
                 "model": model,
                 "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens),
+                "usage": usage(prompt_tokens, completion_tokens, self.cached_tokens(cached)),
             }
         )
 
@@ -166,6 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[bytes]:
         text_offsets: dict[int, int] = {}  # per choice: where its next chunk's text starts
         prompt_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}  # per prompt: tokens the prefix cache served
         # Per prompt, from its first output: the only one that carries the prompt logprobs (with
         # n > 1 a choice may start in a later output than its prompt's first).
         prompts: dict[int, _Prompt] = {}
@@ -175,6 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in self.merged_outputs(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids or ())
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 if i not in prompts:
                     prompts[i] = await self._prompt(req, out)
                 choices = []
@@ -194,10 +197,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if choices:
                     chunk = {**base, "choices": choices}
                     if include_usage:  # vLLM's continuous_usage_stats: the counts so far on every chunk
-                        chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+                        chunk["usage"] = (usage(sum(prompt_tokens.values()), completion_tokens,
+                                                 self.cached_tokens(sum(cached.values()))) if continuous_usage else None)
                     yield sse_event(chunk)
             if include_usage:
-                yield sse_event({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
+                yield sse_event({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion_tokens,
+                                                                       self.cached_tokens(sum(cached.values())))})
         except EngineDeadError as e:
             yield sse_event(engine_dead_error(e).to_dict())
         except OpenAIServingError as e:
@@ -224,9 +229,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.logprobs is not None:
             logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             if echoed is not None:
-                self._add_logprobs(logprobs, echoed.token_ids, echoed.logprobs, req.logprobs, text_offset)
+                self._add_logprobs(logprobs, echoed.token_ids, echoed.logprobs, req.logprobs, text_offset, self.tokens_as_ids(req))
                 text_offset += len(echoed.text)
-            self._add_logprobs(logprobs, c.token_ids, c.logprobs, req.logprobs, text_offset)
+            self._add_logprobs(logprobs, c.token_ids, c.logprobs, req.logprobs, text_offset, self.tokens_as_ids(req))
         choice: dict[str, Any] = {
             "index": index,
             "text": c.text if echoed is None else echoed.text + c.text,
@@ -245,6 +250,7 @@ class OpenAIServingCompletion(OpenAIServing):
         positions: Sequence[dict[int, Logprob] | None] | None,
         num_top: int,
         text_offset: int,
+        as_ids: bool = False,
     ) -> None:
         """Appends OpenAI's completions logprobs (parallel lists) of `token_ids` to `into`, each
         token scored by its position's logprobs (None for a prompt's first token: its logprob and
@@ -252,10 +258,10 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenizer = self.engine.tokenizer
         for token_id, position in zip(token_ids, positions or ()):
             lp = None if position is None else position.get(token_id)
-            text = token_text(tokenizer, token_id, lp)
+            text = token_text(tokenizer, token_id, lp, as_ids)
             top: dict[str, float] | None = None
             if position is not None:
-                top = {token_text(tokenizer, t, l): l.logprob for t, l in top_entries(position, num_top)}
+                top = {token_text(tokenizer, t, l, as_ids): l.logprob for t, l in top_entries(position, num_top)}
                 if not top and lp is not None:
                     top = {text: lp.logprob}
             into["tokens"].append(text)

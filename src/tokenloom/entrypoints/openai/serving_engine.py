@@ -96,6 +96,16 @@ class OpenAIServing:
         # model's generation_config.json, as vLLM), and the most max_tokens any may ask for.
         self.default_sampling_params: dict[str, Any] = {}
         self.max_tokens_cap: int | None = None
+        # vLLM's --enable-prompt-tokens-details and --return-tokens-as-token-ids.
+        self.enable_prompt_tokens_details = False
+        self.return_tokens_as_token_ids = False
+
+    def cached_tokens(self, num_cached_tokens: int) -> int | None:
+        """What `usage` reports as prompt_tokens_details.cached_tokens: None unless enabled."""
+        return num_cached_tokens if self.enable_prompt_tokens_details else None
+
+    def tokens_as_ids(self, req: _SamplingFields) -> bool:
+        return self.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -417,11 +427,21 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens` (--enable-prompt-tokens-details) adds how many prompt tokens
+    the prefix cache served, as OpenAI's `prompt_tokens_details.cached_tokens`."""
+    counts: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
-def token_text(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+def token_text(tokenizer: Any, token_id: int, lp: Logprob | None, as_id: bool = False) -> str:
+    """A logprobs entry's token: its text, or vLLM's `token_id:<id>` (return_tokens_as_token_ids,
+    for callers that need the id of a token whose text is not valid UTF-8 on its own)."""
+    if as_id:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id])
