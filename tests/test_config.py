@@ -19,6 +19,7 @@ from tokenloom.config import EngineConfig
     ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"),
     ({"generation_config": ""}, "generation_config must be 'auto', 'vllm' or a folder"),
+    ({"seed": 1.5}, "seed must be of type int or None, got 1.5"),
 ])
 def test_a_bad_field_is_a_value_error_naming_it(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -33,9 +34,11 @@ def test_good_configs_pass_and_a_path_is_a_path():
     assert (config.model, config.trace_path) == ("/models/x.gguf", "/tmp/t.json")
 
 
-def test_llm_takes_a_pathlib_model(smollm2_path):
-    """`LLM(Path(...))`: the engine starts (the Path used to fail to cross to the core)."""
+def test_llm_takes_a_pathlib_model_and_no_seed(smollm2_path):
+    """`LLM(Path(...), seed=None)`, as older vLLM scripts write it: the engine starts (the Path
+    failed to cross to the core, and seed=None ended the core at start-up)."""
     from tokenloom import LLM, SamplingParams
 
-    with LLM(Path(smollm2_path), kv_cache_memory_bytes=1 << 26, max_model_len=128, enable_ledger=False) as llm:
+    with LLM(Path(smollm2_path), seed=None, kv_cache_memory_bytes=1 << 26, max_model_len=128,
+             enable_ledger=False) as llm:
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

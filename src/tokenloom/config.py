@@ -27,7 +27,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     enable_chunked_prefill: bool = True
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
-    seed: int = 0
+    seed: int | None = 0  # None: unseeded (a fresh generator each start), as older vLLM
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # The ledger (tokenloom.metrics): per-request timelines and per-step stats. On by default;

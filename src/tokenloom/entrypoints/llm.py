@@ -39,6 +39,8 @@ class LLM:
     engine core in a child process; `False` runs it in this process (debugging).
     `data_parallel_size=M` runs M engine cores (each on its share of the cores) and sends each
     request to the least loaded; `distributed_executor_backend="ray"` runs them as Ray actors.
+    `generation_config="auto"` takes an HF model's generation_config.json as the default sampling
+    parameters (vLLM's), "vllm" keeps SamplingParams' own; `seed=None` leaves the engine unseeded.
     """
 
     def __init__(
@@ -56,7 +58,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
-        seed: int = 0,
+        seed: int | None = 0,
         scheduling_policy: str = "fcfs",
         attention_backend: str = "auto",
         multiprocess: bool = True,

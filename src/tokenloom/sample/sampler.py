@@ -105,7 +105,7 @@ class Sampler:
         vocab_size: int,
         device: torch.device | str = "cpu",
         *,
-        seed: int = 0,
+        seed: int | None = 0,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
