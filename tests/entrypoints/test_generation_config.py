@@ -133,5 +133,8 @@ def test_served_defaults_and_cap_from_a_generation_config_folder(model_dir):
         assert chat(max_tokens=3)[1] == 3
         completion = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})
         assert completion.usage.completion_tokens == 5  # OpenAI's 16, capped
+        # Said at start-up, at the default log level: a reply that samples otherwise than
+        # tokenloom's defaults has its reason in the log.
+        assert ("default sampling parameters {'temperature': 0.0, 'max_tokens': 5} from " + model_dir) in srv.log_text()
     finally:
         srv.stop()

@@ -487,7 +487,7 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _startup_lines(engine: AsyncLLM, url: str) -> list[str]:
+def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]) -> list[str]:
     info = engine.engine_core.info
     kv_tokens = info.kv_cache_capacity_tokens or info.num_kv_blocks * info.block_size
     lines = [
@@ -498,6 +498,12 @@ def _startup_lines(engine: AsyncLLM, url: str) -> list[str]:
     ]
     if info.cpu:
         lines.append(f"tokenloom serve: CPU {info.cpu}")
+    if sampling_defaults:  # a request's sampling differs from tokenloom's defaults: say why, as vLLM warns
+        source = engine.config.generation_config
+        lines.append(f"tokenloom serve: default sampling parameters {sampling_defaults} from "
+                     f"{'the model' if source == 'auto' else source}'s generation_config.json"
+                     f"{' and --override-generation-config' if engine.config.override_generation_config else ''} "
+                     "(--generation-config vllm: tokenloom's own)")
     return lines
 
 
@@ -568,7 +574,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if server.started:
             host, port = sock.getsockname()[:2]
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            print("\n".join(_startup_lines(engine, url)), flush=True)
+            print("\n".join(_startup_lines(engine, url, sampling_defaults)), flush=True)
         await task
         watchdog.cancel()
         drain.cancel()
