@@ -93,11 +93,15 @@ def test_serve_refuses_a_bad_override_in_one_line(capsys, model_dir):
     assert "expected a JSON object" in capsys.readouterr().err
 
 
-def test_generate_without_sampling_params_follows_the_generation_config(model_dir):
+def test_generate_without_sampling_params_follows_the_generation_config(model_dir, caplog):
     from tokenloom import LLM
 
     prompt = "The capital of France is"
-    with LLM(model_dir, kv_cache_memory_bytes=16 * 1024**2, max_model_len=128, enable_ledger=False) as llm:
+    with caplog.at_level("WARNING", logger="tokenloom.entrypoints.llm"):
+        llm = LLM(model_dir, kv_cache_memory_bytes=16 * 1024**2, max_model_len=128, enable_ledger=False)
+    # Said, as vLLM warns: outputs that differ from SamplingParams' defaults have their reason.
+    assert "Default sampling parameters {'temperature': 0.0, 'max_tokens': 6} from the model's" in caplog.text
+    with llm:
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.max_tokens) == (0.0, 6)
         [out] = llm.generate(prompt, use_tqdm=False)

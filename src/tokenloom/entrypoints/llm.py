@@ -110,6 +110,12 @@ class LLM:
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.
         self.default_sampling_params = default_sampling_params(model, generation_config, override_generation_config)
+        if self.default_sampling_params:  # outputs differ from SamplingParams' defaults: say why, as vLLM warns
+            sources = [] if generation_config == "vllm" else [
+                "the model's generation_config.json" if generation_config == "auto" else generation_config]
+            sources += ["override_generation_config"] if override_generation_config else []
+            logger.warning("Default sampling parameters %s from %s (generation_config='vllm' keeps SamplingParams' "
+                           "own).", self.default_sampling_params, " and ".join(sources))
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
             weakref.finalize(self, self.llm_engine.flush_trace)

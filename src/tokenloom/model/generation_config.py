@@ -79,9 +79,6 @@ def default_sampling_params(model: str | None, generation_config: str = "auto",
     except ValueError as e:
         source = "override_generation_config" if override else f"generation_config ({generation_config})"
         raise ValueError(f"{source}: the default sampling parameters {defaults} are not valid: {e}") from None
-    if defaults and generation_config != "vllm":
-        logger.info("Default sampling parameters from %s: %s (--generation-config vllm keeps tokenloom's own).",
-                    "the model's generation_config.json" if generation_config == "auto" else generation_config, defaults)
     return defaults
 
 
