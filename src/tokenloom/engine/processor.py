@@ -101,34 +101,8 @@ class InputProcessor:
                              "start it with scheduling_policy='priority' (--scheduling-policy priority) to use priorities.")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, self._truncation(params))
         prompt_len = len(prompt_token_ids)
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
-                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
-                "to leave room for at least one generated token."
-            )
-        if self.kv_cache_capacity_tokens is not None and prompt_len > self.kv_cache_capacity_tokens:
-            raise ValueError(
-                f"The prompt is {prompt_len} tokens long but the KV cache holds at most "
-                f"{self.kv_cache_capacity_tokens} tokens of one request (num_kv_blocks={self.num_kv_blocks} "
-                f"x block_size={self.block_size}, shared by the model's KV cache groups): it could never be "
-                "scheduled. Shorten the prompt or give the KV cache more memory."
-            )
-        if self.num_kv_blocks is not None and self.block_size is not None:
-            capacity = self.num_kv_blocks * self.block_size
-            if prompt_len > capacity:
-                raise ValueError(
-                    f"The prompt is {prompt_len} tokens long but the KV cache holds only {capacity} tokens "
-                    f"(num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size}): it could never be "
-                    "scheduled. Shorten the prompt or give the KV cache more memory."
-                )
-        if (max_tokens_within_context and isinstance(params, SamplingParams)
-                and (params.max_tokens or 0) > self.max_model_len - prompt_len):
-            raise ValueError(
-                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and the request has {prompt_len} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {prompt_len})."
-            )
+        within = max_tokens_within_context and isinstance(params, SamplingParams)
+        self.check_lengths(prompt_len, params.max_tokens if within else None)
         params = self._complete_params(params, prompt_len)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -198,6 +172,38 @@ class InputProcessor:
                 f"truncation size (-1 keeps the longest prompt the model takes, {self.max_prompt_tokens} tokens)."
             )
         return keep
+
+    def check_lengths(self, prompt_len: int, max_tokens: int | None = None) -> None:
+        """A ValueError for a prompt the engine could never run (no room for a token in the
+        context, or more than the KV cache holds for one request) and, when given, a max_tokens
+        the context cannot hold after it (what vLLM's and OpenAI's servers refuse)."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
+                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
+                "to leave room for at least one generated token."
+            )
+        if self.kv_cache_capacity_tokens is not None and prompt_len > self.kv_cache_capacity_tokens:
+            raise ValueError(
+                f"The prompt is {prompt_len} tokens long but the KV cache holds at most "
+                f"{self.kv_cache_capacity_tokens} tokens of one request (num_kv_blocks={self.num_kv_blocks} "
+                f"x block_size={self.block_size}, shared by the model's KV cache groups): it could never be "
+                "scheduled. Shorten the prompt or give the KV cache more memory."
+            )
+        if self.num_kv_blocks is not None and self.block_size is not None:
+            capacity = self.num_kv_blocks * self.block_size
+            if prompt_len > capacity:
+                raise ValueError(
+                    f"The prompt is {prompt_len} tokens long but the KV cache holds only {capacity} tokens "
+                    f"(num_kv_blocks={self.num_kv_blocks} x block_size={self.block_size}): it could never be "
+                    "scheduled. Shorten the prompt or give the KV cache more memory."
+                )
+        if max_tokens is not None and max_tokens > self.max_model_len - prompt_len:
+            raise ValueError(
+                f"max_tokens is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and the request has {prompt_len} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len})."
+            )
 
     def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         """A prompt (str, token ids or prompt dict) as `process` reads it: its text (None for

@@ -104,30 +104,32 @@ class BeamSearch:
         self.beams = candidates[: self.params.beam_width]
         self.num_steps += 1
 
-    def best(self, tokenizer: Any, with_prompt: bool) -> list[BeamSearchSequence]:
-        """The best `beam_width` sequences, finished or not, with their text: the prompt's and
-        the generated tokens' (`with_prompt`, as vLLM's `LLM.beam_search` returns it) or the
-        generated ones' (the server's choices)."""
+    def best(self) -> list[BeamSearchSequence]:
+        """The best `beam_width` sequences, finished or not (a live one ended by max_tokens)."""
         for beam in self.beams:
             beam.finish_reason = beam.finish_reason or "length"
-        ranked = sorted(self.completed + self.beams, key=self._score, reverse=True)[: self.params.beam_width]
-        start = 0 if with_prompt else len(self.prompt_token_ids)
+        return sorted(self.completed + self.beams, key=self._score, reverse=True)[: self.params.beam_width]
+
+    def output(self, tokenizer: Any) -> BeamSearchOutput:
+        """vLLM's `LLM.beam_search` result: each sequence's text is the prompt's and the generated
+        tokens' (as vLLM's)."""
+        ranked = self.best()
         for seq in ranked:
-            seq.text = tokenizer.decode(seq.tokens[start:], skip_special_tokens=self.params.skip_special_tokens)
-        return ranked
+            seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=self.params.skip_special_tokens)
+        return BeamSearchOutput(ranked)
 
     def request_output(self, request_id: str, tokenizer: Any) -> RequestOutput:
         """The search as one finished RequestOutput whose choices are the best sequences (the
         server's view): generated tokens only, a final EOS and its text kept only with
         `include_stop_str_in_output`."""
         choices = []
-        for i, seq in enumerate(self.best(tokenizer, with_prompt=False)):
+        for i, seq in enumerate(self.best()):
             generated = seq.tokens[len(self.prompt_token_ids):]
             logprobs = seq.logprobs
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 generated, logprobs = generated[:-1], logprobs[:-1]
-                seq.text = tokenizer.decode(generated, skip_special_tokens=self.params.skip_special_tokens)
-            choices.append(CompletionOutput(index=i, text=seq.text or "", token_ids=generated,
+            seq.text = tokenizer.decode(generated, skip_special_tokens=self.params.skip_special_tokens)
+            choices.append(CompletionOutput(index=i, text=seq.text, token_ids=generated,
                                             cumulative_logprob=seq.cum_logprob, logprobs=logprobs,
                                             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request_id=request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,

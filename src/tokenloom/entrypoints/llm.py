@@ -15,7 +15,7 @@ from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from tokenloom.entrypoints.engine_args import DTYPE_ALIASES, VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
-from tokenloom.model.generation_config import default_sampling_params
+from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -111,11 +111,9 @@ class LLM:
         # Before the engine starts: a model's unusable generation_config.json is said at once.
         self.default_sampling_params = default_sampling_params(model, generation_config, override_generation_config)
         if self.default_sampling_params:  # outputs differ from SamplingParams' defaults: say why, as vLLM warns
-            sources = [] if generation_config == "vllm" else [
-                "the model's generation_config.json" if generation_config == "auto" else generation_config]
-            sources += ["override_generation_config"] if override_generation_config else []
             logger.warning("Default sampling parameters %s from %s (generation_config='vllm' keeps SamplingParams' "
-                           "own).", self.default_sampling_params, " and ".join(sources))
+                           "own).", self.default_sampling_params,
+                           defaults_source(generation_config, override_generation_config))
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
             weakref.finalize(self, self.llm_engine.flush_trace)
@@ -230,10 +228,7 @@ class LLM:
         searches = []
         for prompt in _as_prompt_list(prompts):
             text, ids = processor.tokenize_prompt(prompt)
-            if len(ids) + params.max_tokens > engine.max_model_len:
-                raise ValueError(f"max_tokens is too large: {params.max_tokens}. The prompt has {len(ids)} tokens and "
-                                 f"max_model_len is {engine.max_model_len} ({params.max_tokens} > "
-                                 f"{engine.max_model_len} - {len(ids)}).")
+            processor.check_lengths(len(ids), params.max_tokens)  # every step's request must fit
             searches.append(BeamSearch(ids, params, processor.eos_token_ids, text))
         limit = concurrency_limit or max(len(searches), 1)
         steps = tqdm(total=len(searches) * params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm)
@@ -259,7 +254,7 @@ class LLM:
                         steps.update((params.max_tokens if search.done else search.num_steps) - before)
         finally:
             steps.close()
-        return [BeamSearchOutput(s.best(engine.tokenizer, with_prompt=True)) for s in searches]
+        return [s.output(engine.tokenizer) for s in searches]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

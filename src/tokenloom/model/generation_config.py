@@ -8,12 +8,12 @@ JSON, no tensor library: the caller's process reads this (source.py's rule).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 from tokenloom.model.errors import ModelLoadError
+from tokenloom.model.hf_config import _read_json
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom")
@@ -25,11 +25,7 @@ SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", 
 
 
 def _read(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read the generation config: {e}") from None
+    value = _read_json(path)
     if not isinstance(value, dict):
         raise ModelLoadError(f"{path}: a generation config is a JSON object, got {type(value).__name__}")
     return value
@@ -90,3 +86,10 @@ def max_tokens_cap(generation_config: str, defaults: dict[str, Any],
     if generation_config not in ("auto", "vllm"):
         return defaults.get("max_tokens")
     return (override or {}).get("max_new_tokens")
+
+
+def defaults_source(generation_config: str, override: dict[str, Any] | None) -> str:
+    """Where the defaults came from, for the line that says so (vLLM warns of them too)."""
+    sources = [] if generation_config == "vllm" else [
+        "the model's generation_config.json" if generation_config == "auto" else f"{generation_config}/generation_config.json"]
+    return " and ".join(sources + (["override_generation_config"] if override else []))

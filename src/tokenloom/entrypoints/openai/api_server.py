@@ -49,7 +49,8 @@ from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
-from tokenloom.model.generation_config import default_sampling_params as generation_defaults, max_tokens_cap
+from tokenloom.model.generation_config import default_sampling_params as generation_defaults
+from tokenloom.model.generation_config import defaults_source, max_tokens_cap
 
 logger = logging.getLogger("tokenloom.serve")
 
@@ -499,10 +500,8 @@ def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]
     if info.cpu:
         lines.append(f"tokenloom serve: CPU {info.cpu}")
     if sampling_defaults:  # a request's sampling differs from tokenloom's defaults: say why, as vLLM warns
-        source = engine.config.generation_config
-        lines.append(f"tokenloom serve: default sampling parameters {sampling_defaults} from "
-                     f"{'the model' if source == 'auto' else source}'s generation_config.json"
-                     f"{' and --override-generation-config' if engine.config.override_generation_config else ''} "
+        source = defaults_source(engine.config.generation_config, engine.config.override_generation_config)
+        lines.append(f"tokenloom serve: default sampling parameters {sampling_defaults} from {source} "
                      "(--generation-config vllm: tokenloom's own)")
     return lines
 

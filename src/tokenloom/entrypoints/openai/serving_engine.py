@@ -100,6 +100,14 @@ class OpenAIServing:
         self.enable_prompt_tokens_details = False
         self.return_tokens_as_token_ids = False
 
+    def resolve_max_tokens(self, requested: int | None) -> int | None:
+        """The request's max_tokens, else the server's default (a generation config's
+        max_new_tokens), at most the server's cap; None: up to the end of the context."""
+        max_tokens = requested if requested is not None else self.default_sampling_params.get("max_tokens")
+        if self.max_tokens_cap is not None:
+            max_tokens = self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
+        return max_tokens
+
     def cached_tokens(self, num_cached_tokens: int) -> int | None:
         """What `usage` reports as prompt_tokens_details.cached_tokens: None unless enabled."""
         return num_cached_tokens if self.enable_prompt_tokens_details else None
@@ -173,13 +181,9 @@ class OpenAIServing:
         # Priority, as vLLM's: the request's value, else the server's default (the model's
         # generation config), else OpenAI's (SamplingParams' own).
         defaults = self.default_sampling_params
-        if max_tokens is None:
-            max_tokens = defaults.get("max_tokens")
-        if self.max_tokens_cap is not None:
-            max_tokens = self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
         kwargs: dict[str, Any] = {
             "n": req.n,
-            "max_tokens": max_tokens,
+            "max_tokens": self.resolve_max_tokens(max_tokens),
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "seed": req.seed,
@@ -248,18 +252,11 @@ class OpenAIServing:
         for prompt in prompts:
             try:
                 text, ids = await self.engine.run_off_loop(processor.tokenize_prompt, prompt)
-                if len(ids) >= max_model_len:
-                    raise ValueError(f"The prompt is {len(ids)} tokens long but max_model_len is {max_model_len}.")
+                processor.check_lengths(len(ids), max_tokens)
             except ValueError as e:
-                raise error_from_value_error(e, {"prompt": prompt_param, "prompt_token_ids": prompt_param},
-                                             prompt_param=prompt_param) from None
-            room = max_model_len - len(ids)
-            if max_tokens is not None and max_tokens > room:
-                raise bad_request(f"max_tokens is too large: {max_tokens}. This model's maximum context length "
-                                  f"is {max_model_len} tokens and the request has {len(ids)} input tokens "
-                                  f"({max_tokens} > {max_model_len} - {len(ids)}).", param=max_name)
-            wanted = max_tokens if max_tokens is not None else self.default_sampling_params.get("max_tokens")
-            length = min(n for n in (room, wanted, self.max_tokens_cap) if n is not None)
+                names = {"prompt": prompt_param, "prompt_token_ids": prompt_param, "max_tokens": max_name}
+                raise error_from_value_error(e, names, prompt_param=prompt_param) from None
+            length = min(n for n in (max_model_len - len(ids), self.resolve_max_tokens(max_tokens)) if n is not None)
             searches.append(BeamSearch(ids, msgspec.structs.replace(params, max_tokens=length),
                                        processor.eos_token_ids, text))
         streams = []
