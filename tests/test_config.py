@@ -42,3 +42,34 @@ def test_llm_takes_a_pathlib_model_and_no_seed(smollm2_path):
     with LLM(Path(smollm2_path), seed=None, kv_cache_memory_bytes=1 << 26, max_model_len=128,
              enable_ledger=False) as llm:
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram"),
+    ({"model": "/models/draft", "num_speculative_tokens": 2}, "speculative_config.model='/models/draft': draft models"),
+    ({"method": "ngram"}, r"speculative_config.num_speculative_tokens must be in \[1, 16\], got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, r"num_speculative_tokens must be in \[1, 16\], got 99"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": "2"}, "speculative_config: Expected `int`, got `str`"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "speculative_config: Object contains unknown field `draft_tensor_parallel_size`"),
+    ("ngram", "speculative_config must be a dict"),
+])
+def test_a_bad_speculative_config_names_its_field(spec, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=spec).validate()  # type: ignore[arg-type]
+
+
+def test_speculative_config_takes_vllms_spellings_and_defaults():
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"model": "[ngram]", "num_speculative_tokens": 3},
+                 {"method": "[ngram]", "num_speculative_tokens": 3}):
+        config = EngineConfig(speculative_config=spec)  # type: ignore[arg-type]
+        config.validate()
+        s = config.speculative_config
+        assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 3, 5, 5)
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,  # type: ignore[arg-type]
+                                              "prompt_lookup_max": 4})
+    config.validate()
+    assert (config.speculative_config.prompt_lookup_min, config.speculative_config.prompt_lookup_max) == (4, 4)

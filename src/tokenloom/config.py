@@ -8,6 +8,73 @@ from typing import Any, Literal
 import msgspec
 
 
+# The speculative methods this engine has (vLLM's `speculative_config["method"]`).
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):  # type: ignore[call-arg]
+    """vLLM's `speculative_config` for n-gram speculation (prompt lookup): after each step the
+    model runner looks for the request's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) earlier in its prompt and output, proposes the up to
+    `num_speculative_tokens` tokens that followed them, and the next step verifies them in one
+    forward pass with the usual sampler (spec_decode/). No draft model: nothing to load."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # vLLM's older spelling of the method, `"model": "[ngram]"`; any other model (a draft
+    # model) is refused.
+    model: str | None = None
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """The config from vLLM's dict (or None), checked; the ValueError names the field."""
+        if value is None or isinstance(value, cls):
+            spec = value
+        elif isinstance(value, dict):
+            try:
+                spec = msgspec.convert(value, cls)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+        else:
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}} or None, got {value!r}.")
+        if spec is not None:
+            spec._check()
+        return spec
+
+    def _check(self) -> None:
+        if self.model is not None:
+            if self.model != "[ngram]":
+                raise ValueError(f"speculative_config.model={self.model!r}: draft models are not supported; "
+                                 "use {'method': 'ngram', 'num_speculative_tokens': k}.")
+            self.method, self.model = "ngram", None
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                             f"(no draft model, EAGLE or MTP heads here), got {self.method!r}.")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
+        # vLLM's defaults: both unset is 5 and 5; one unset takes the other's value.
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ValueError(f"speculative_config.{name} must be in [1, 64], got {getattr(self, name)!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                             f"exceed prompt_lookup_max ({self.prompt_lookup_max}).")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     """Everything the engine core needs to build itself; sent to the child process at start-up."""
 
@@ -62,6 +129,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # max_tokens). `override_generation_config` is merged on top (model/generation_defaults.py).
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    # Speculative decoding (vLLM's speculative_config; n-gram prompt lookup only): a dict is
+    # taken and checked by validate().
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def executor_backend(self) -> str:
@@ -78,6 +148,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         for name in ("model", "trace_path"):  # a pathlib.Path is a path too (it cannot cross to the core)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # type: ignore[arg-type]
         try:
             msgspec.convert(msgspec.structs.asdict(self), type(self))
         except msgspec.ValidationError as e:

@@ -119,6 +119,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Empty with one group.
     kv_cache_group_used_blocks: list[int] = []
     kv_cache_group_wanted_blocks: list[int] = []
+    # Speculative decoding (cumulative since start; 0 and [] without it): drafts verified (one
+    # per request and step that had draft tokens), draft tokens verified, draft tokens accepted,
+    # and accepted tokens by position in the draft (vLLM's spec_decode_* metrics).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 # The call id of the engine core's ready handshake: its first message answers it with EngineInfo.

@@ -13,7 +13,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     # One list per request: [token] when a token was sampled, [] for a prefill chunk that did not
-    # reach the end of the prompt (its logits are not sampled).
+    # reach the end of the prompt (its logits are not sampled); with draft tokens, the drafts
+    # the sampler agreed with and its own next token (1 to 1 + drafts tokens).
     sampled_token_ids: list[list[int]]
     # Per request that sampled: the logprobs of its new token(s), when it asked for them.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
@@ -25,6 +26,8 @@ class ModelRunnerOutput:
     # Requests this step failed on their own (admitting them to the sampler, or sampling them,
     # raised), with the reason; the scheduler finishes them with ERROR. Nothing else is affected.
     failed_req_ids: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the drafts proposed for each request's next step (absent: none).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

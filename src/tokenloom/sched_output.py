@@ -57,7 +57,8 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    # req_id -> tokens to compute this step (a prefill chunk, or 1 for a decode)
+    # req_id -> tokens to compute this step (a prefill chunk, or 1 for a decode, plus its draft
+    # tokens when it speculates)
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the runner must drop before this step: finished, aborted or preempted since the
@@ -65,9 +66,15 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # The ledger: requests that wanted to run this step and did not, with the reason.
     wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
-    # The requests whose one scheduled token is a decode (the latest sampled token); every other
-    # scheduled token is prefill, including a preempted request's recompute.
+    # The requests whose first scheduled token is a decode (the latest sampled token; any draft
+    # tokens after it are decode tokens too); every other scheduled token is prefill, including
+    # a preempted request's recompute.
     decode_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its decode token (vLLM's
+    # scheduled_spec_decode_tokens). The runner verifies them: it samples every position and
+    # keeps the drafts up to the first its sampler disagrees with, plus its own token there.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens: int = 0  # their total
     step: int = 0
     # Why the head of the waiting queue was not admitted (None: nobody was left waiting). The
     # requests behind it wait with HEAD_OF_LINE; this says what they are really waiting for.
@@ -81,8 +88,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decode_req_ids)
+        return len(self.decode_req_ids) + self.num_spec_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.total_num_scheduled_tokens - len(self.decode_req_ids)
+        return self.total_num_scheduled_tokens - self.num_decode_tokens

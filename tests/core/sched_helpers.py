@@ -5,7 +5,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, SpeculativeConfig
 from tokenloom.core.request import Request
 from tokenloom.sched_output import SchedulerOutput
 from tokenloom.core.scheduler import Scheduler
@@ -56,8 +56,11 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     scheduling_policy: str = "fcfs",
     kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
     config = EngineConfig(
+        speculative_config=SpeculativeConfig.from_any(
+            {"method": "ngram", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None),
         block_size=block_size,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,

@@ -366,3 +366,71 @@ def test_prompt_logprobs_request_computes_its_whole_prompt():
     new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
     assert new == {"b": 0, "c": 12}
     assert so.num_scheduled_tokens["b"] == 13
+
+
+# ---- speculative decoding ----------------------------------------------------------------------
+
+
+def _spec_step(s, drafts_out: dict[str, list[int]], sampled: dict[str, list[int]] | None = None):
+    """One step where the runner returns `sampled[req]` (default: one token 7 for every request
+    that samples) and proposes `drafts_out` for the next step."""
+    so = s.schedule()
+    out = fake_runner_output(s, so)
+    for req_id, tokens in (sampled or {}).items():
+        out.sampled_token_ids[out.req_id_to_index[req_id]] = tokens
+    out.spec_token_ids = drafts_out
+    return so, s.update_from_output(so, out)
+
+
+def test_draft_tokens_are_scheduled_verified_and_rejected_positions_taken_back():
+    s = make_scheduler(num_speculative_tokens=4, block_size=4)
+    s.add_request(make_request("a", 6, max_tokens=50))
+    so, _ = _spec_step(s, {"a": [11, 12, 13]})  # the prefill, then 3 drafts proposed
+    a = s.requests["a"]
+    assert a.num_tokens == 7 and a.num_computed_tokens == 6 and a.spec_token_ids == [11, 12, 13]
+    so = s.schedule()
+    # The decode token and its 3 drafts, all decode tokens; room for 7 + 3 tokens.
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+    assert so.num_decode_tokens == 4 and so.num_prefill_tokens == 0 and so.decode_req_ids == {"a"}
+    assert a.num_computed_tokens == 10
+    assert sum(len(b) for b in s.kv_cache_manager.get_blocks("a")) * 4 >= 10
+    out = fake_runner_output(s, so)
+    out.sampled_token_ids[0] = [11, 12, 99]  # two drafts accepted, the third rejected
+    out.spec_token_ids = {"a": [5]}
+    outputs = s.update_from_output(so, out)
+    assert outputs.outputs[0].new_token_ids == [11, 12, 99]
+    # 7 + 3 tokens known, the last (99) not computed yet: the rejected draft's slot is given back.
+    assert a.num_tokens == 10 and a.num_computed_tokens == 9 and a.spec_token_ids == [5]
+    stats = outputs.scheduler_stats
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 3, 2)
+    assert stats.spec_accepted_per_pos == [1, 1, 0, 0]
+    check_block_invariants(s)
+
+
+def test_drafts_never_pass_max_tokens_or_the_budget():
+    s = make_scheduler(num_speculative_tokens=4, max_num_batched_tokens=64)
+    s.add_request(make_request("a", 6, max_tokens=3))
+    _spec_step(s, {"a": [11, 12, 13, 14]})
+    # 1 output so far, max_tokens 3: the decode token's sample and 1 accepted draft are the most.
+    assert s.requests["a"].spec_token_ids == [11]
+    s2 = make_scheduler(num_speculative_tokens=4, max_num_batched_tokens=8)
+    s2.add_request(make_request("a", 6, max_tokens=50))
+    s2.add_request(make_request("b", 6, max_tokens=50))
+    _spec_step(s2, {})  # a's prefill (6 of the 8 tokens)
+    _spec_step(s2, {"a": [11, 12, 13, 14]})  # b's prefill (a's decode: 1 + the first 6 of b)
+    _spec_step(s2, {"a": [11, 12, 13, 14], "b": [21, 22, 23, 24]})
+    so = s2.schedule()
+    # 8 tokens of budget: a takes its decode and 4 drafts, b its decode and what is left (2).
+    assert so.num_scheduled_tokens == {"a": 5, "b": 3}
+    assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13, 14], "b": [21, 22]}
+
+
+def test_a_preempted_request_drops_its_drafts():
+    s = make_scheduler(num_speculative_tokens=2, num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(make_request("a", 6, max_tokens=50))
+    s.add_request(make_request("b", 6, max_tokens=50))
+    _spec_step(s, {"a": [1, 2], "b": [3, 4]})
+    assert s.requests["a"].spec_token_ids == [1, 2]
+    so = s.schedule()  # 4 blocks of 4 tokens cannot hold both with their drafts: b is preempted
+    assert "b" in so.wait_reasons and s.requests["b"].spec_token_ids == []
+    assert s.requests["b"].status == RequestStatus.PREEMPTED

@@ -98,7 +98,7 @@ def check_schedule(s: Scheduler, so) -> None:
     for req_id, n in so.num_scheduled_tokens.items():
         request = s.requests[req_id]
         start = request.num_computed_tokens - n  # already advanced by schedule()
-        assert request.num_computed_tokens <= request.num_tokens
+        assert request.num_computed_tokens <= request.num_tokens + len(so.scheduled_spec_decode_tokens.get(req_id, ()))
         for spec, blocks in zip(kv.kv_cache_groups, kv.get_blocks(req_id)):
             assert len(blocks) * kv.block_size >= request.num_computed_tokens
             first_read = 0 if spec.sliding_window is None else max(0, start - spec.sliding_window + 1)
@@ -111,8 +111,34 @@ def check_schedule(s: Scheduler, so) -> None:
     check_block_invariants(s)
 
 
+def verify_drafts(tokens: list[int], drafts: list[int]) -> list[int]:
+    """What a greedy runner returns for a request with draft tokens: its tokens for each
+    position up to the first that differs from the draft, that one included."""
+    seq, out = list(tokens), []
+    for draft in [*drafts, None]:
+        token = greedy_token(seq)
+        out.append(token)
+        if token != draft:
+            break
+        seq.append(token)
+    return out
+
+
+def propose_drafts(tokens: list[int], k: int) -> list[int]:
+    """Drafts of 0 to k tokens: the greedy continuation, wrong from a position that depends on
+    the tokens (often right, often wrong, sometimes none at all)."""
+    h = zlib.crc32(array("q", tokens).tobytes())
+    seq, drafts = list(tokens), []
+    for i in range(h % (k + 1)):
+        token = greedy_token(seq) if i < (h >> 8) % (k + 2) else 5 + (h >> 16) % 3
+        drafts.append(token)
+        seq.append(token)
+    return drafts
+
+
 def run_workload(s: Scheduler, specs: list[Spec], aborts: list[tuple[int, int]]) -> dict[str, tuple]:
-    """Returns {req_id: (tokens, finish_reason)} for every request, aborted ones included."""
+    """Returns {req_id: (tokens, finish_reason)} for every request, aborted ones included. With
+    speculative decoding on, the fake runner verifies the drafts and proposes new ones."""
     requests = [to_request(i, spec) for i, spec in enumerate(specs)]
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     final: dict[str, FinishReason] = {}
@@ -135,11 +161,18 @@ def run_workload(s: Scheduler, specs: list[Spec], aborts: list[tuple[int, int]])
         check_schedule(s, so)
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
+        drafts: dict[str, list[int]] = {}
         for req_id in req_ids:
             r = s.requests[req_id]
-            sampled.append([greedy_token(r.all_token_ids)] if r.num_computed_tokens == r.num_tokens else [])
+            scheduled_drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            if r.num_computed_tokens == r.num_tokens + len(scheduled_drafts):
+                sampled.append(verify_drafts(r.all_token_ids, scheduled_drafts))
+                if s.num_spec_tokens:
+                    drafts[req_id] = propose_drafts(r.all_token_ids + sampled[-1], s.num_spec_tokens)
+            else:
+                sampled.append([])
         out = s.update_from_output(
-            so, ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+            so, ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, spec_token_ids=drafts)
         )
         for o in out.outputs:
             assert o.request_id not in final, f"{o.request_id} got an output after finishing"
@@ -232,3 +265,33 @@ def test_hybrid_outputs_do_not_depend_on_scheduling(config, specs):
             assert reason == ref_reason
         else:
             assert reason == FinishReason.LENGTH
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=config_strategy,
+    specs=specs_strategy,
+    aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=4),
+    k=st.integers(1, 4),
+)
+def test_speculative_decoding_keeps_invariants_and_outputs(config, specs, aborts, k):
+    """Draft tokens (right, wrong or cut by the budget) change neither the invariants (block
+    accounting, one writer per block, budgets) nor a request's greedy tokens, also with stop
+    tokens, max_tokens, preemption and prefix hits; rejected positions are taken back."""
+    run_workload(make_scheduler(**config, num_speculative_tokens=k), specs, aborts)
+    reference = run_workload(
+        make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=512, enable_prefix_caching=False),
+        specs, [])
+    s = make_scheduler(**config, num_speculative_tokens=k)
+    speculated = run_workload(s, specs, [])
+    for req_id, (toks, reason) in speculated.items():
+        ref_toks, ref_reason = reference[req_id]
+        if reason == FinishReason.ERROR:
+            continue
+        assert toks == ref_toks[: len(toks)]
+        if len(toks) == len(ref_toks):
+            assert reason == ref_reason
+        else:
+            assert reason == FinishReason.LENGTH
+    assert s.spec_num_accepted_tokens <= s.spec_num_draft_tokens
+    assert sum(s.spec_accepted_per_pos) == s.spec_num_accepted_tokens

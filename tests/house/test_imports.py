@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "tokenloom.model": 4,
     "tokenloom.attention": 3,
     "tokenloom.sample": 3,
+    "tokenloom.spec_decode": 3,  # the n-gram proposer the model runner calls (numpy only)
     "tokenloom.ops": 2,
     "tokenloom.metrics": 1,
 }

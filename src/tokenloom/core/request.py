@@ -68,6 +68,9 @@ class Request:
     error: str | None = None  # set with FINISHED_ERROR
     # Its grammar and matcher, when it asked for structured outputs (set by the scheduler).
     structured_output: StructuredOutputRequest | None = None
+    # Speculative decoding: the draft tokens the runner proposed to follow its tokens, to be
+    # verified in its next step (never part of all_token_ids; cleared when it is preempted).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,11 @@ Conventions:
   * KV cache groups (kv_cache_spec.py) are the KV cache manager's business: the scheduler passes
     their block ids through (one list per group) and, after each step, lets the manager give back
     what fell out of the sliding windows.
+  * Speculative decoding (n-gram drafts, spec_decode/): a running request at its decode point
+    schedules its draft tokens after its decode token, within the budget; `update_from_output`
+    takes back the positions of the drafts the runner rejected (`num_computed_tokens -=
+    rejected`; their K/V slots are simply overwritten later) and stores the next drafts, capped
+    so that accepting all of them never passes max_tokens or the request's length limit.
   * Rejected at `add_request` (finished with ERROR, reported by the next `update_from_output`): an
     empty prompt, a prompt longer than max_model_len, a prompt needing more blocks than the cache
     has, and, with chunked prefill off, a prompt longer than max_num_batched_tokens.
@@ -34,7 +39,7 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.kv_cache_spec import KVCacheGroupSpec
-from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, now
+from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, SchedulerStats, now
 from tokenloom.runner_output import ModelRunnerOutput
 from tokenloom.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
 from tokenloom.structured_output import StructuredOutputManager
@@ -50,6 +55,8 @@ class _StepPlan:
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
     decode_req_ids: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens: int = 0
     num_preempted: int = 0
 
     def take(self, request: Request, num_new_tokens: int) -> None:
@@ -59,6 +66,10 @@ class _StepPlan:
         # is the one place that decides it; the ledger and the stats read `decode_req_ids`.
         if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
             self.decode_req_ids.add(request.request_id)
+            if num_new_tokens > 1:  # the rest are its draft tokens (what the budget left of them)
+                drafts = request.spec_token_ids[: num_new_tokens - 1]
+                self.spec_tokens[request.request_id] = drafts
+                self.num_spec_tokens += len(drafts)
 
 
 class Scheduler:
@@ -92,6 +103,14 @@ class Scheduler:
         self.rejected: list[Request] = []
         self.num_preemptions = 0  # cumulative
         self.step = 0
+        # Speculative decoding's counters (cumulative; vLLM's spec_decode metrics): drafts
+        # verified (requests x steps), draft tokens verified, accepted, and accepted per position.
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * self.num_spec_tokens
         # Structured outputs (None: no grammar backend, such requests are rejected). Requests
         # whose grammar is compiling wait here, outside the policy queue, so nobody queues behind
         # them; `structured_req_ids` are the live ones with a matcher (empty: a step pays nothing).
@@ -202,6 +221,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             wait_reasons=plan.wait_reasons,
             decode_req_ids=plan.decode_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            num_spec_tokens=plan.num_spec_tokens,
             step=self.step,
             blocked_reason=blocked if self.waiting else None,
         )
@@ -295,6 +316,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -350,9 +372,10 @@ class Scheduler:
             self.running.append(request)
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
-        """Tokens to compute for the request this step: all it has left (one for a decode), or a
-        prefill chunk of what is left of the budget; 0 when it must wait for budget."""
-        remaining = min(request.num_tokens, self.max_request_len) - num_computed
+        """Tokens to compute for the request this step: all it has left (one for a decode, with
+        its draft tokens), or a prefill chunk of what is left of the budget; 0 when it must wait
+        for budget."""
+        remaining = min(request.num_tokens + len(request.spec_token_ids), self.max_request_len) - num_computed
         if remaining <= token_budget:
             return remaining
         # With chunked prefill off, a prefill runs whole. The one exception is a preempted request
@@ -383,7 +406,17 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted while the step ran
-            # num_computed_tokens already includes this step, whose K/V are now written.
+            i = index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Positions of the rejected drafts were computed but hold nothing: take them back
+                # before the full blocks are cached (their hashes cover only kept tokens).
+                num_accepted = max(len(sampled) - 1, 0)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                if sampled:
+                    self._count_spec(len(drafts), num_accepted)
+            # num_computed_tokens includes this step, whose K/V are now written.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if self._frees_windows:  # after caching: the blocks leave the windows still cached
                 self.kv_cache_manager.remove_skipped_blocks(request)
@@ -392,18 +425,18 @@ class Scheduler:
                 request.error = failed[req_id]
                 new_token_ids = []
             else:
-                i = index.get(req_id)
-                sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
                 new_token_ids = self._append_and_check_stop(request, sampled)
                 if new_token_ids and request.structured_output is not None:
                     self._advance_grammar(request, new_token_ids)
+            if self.num_spec_tokens:
+                self._set_drafts(request, model_runner_output.spec_token_ids.get(req_id))
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=req_id,
                         new_token_ids=new_token_ids,
-                        new_logprobs=model_runner_output.logprobs.get(req_id) if new_token_ids else None,
+                        new_logprobs=_logprobs_of(model_runner_output, req_id, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         finish_reason=request.get_finish_reason(),
                         stop_reason=request.stop_reason,
@@ -429,6 +462,25 @@ class Scheduler:
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(scheduler_output), timestamp=now()
         )
+
+    def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """The drafts for the request's next step: none for a finished or structured request,
+        and never more than accepting them all (plus the sampled token) may add."""
+        if not drafts or request.is_finished or request.structured_output is not None:
+            request.spec_token_ids = []
+            return
+        room = self.max_request_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        request.spec_token_ids = drafts[: max(room - 1, 0)]
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> None:
         """The matcher accepts the tokens the request kept. A grammar that is complete (it accepted
@@ -497,7 +549,15 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             **self._group_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if not self.num_spec_tokens:
+            return {}
+        return {"spec_num_drafts": self.spec_num_drafts, "spec_num_draft_tokens": self.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": self.spec_num_accepted_tokens,
+                "spec_accepted_per_pos": list(self.spec_accepted_per_pos)}
 
     def _group_stats(self) -> dict:
         """The per-group breakdown of the KV gauges (models with several KV cache groups only):
@@ -508,3 +568,13 @@ class Scheduler:
             return {}
         return {"kv_cache_group_used_blocks": kv.num_used_blocks_per_group,
                 "kv_cache_group_wanted_blocks": list(self._head_wanted_blocks)}
+
+
+def _logprobs_of(output: ModelRunnerOutput, req_id: str, num_kept: int) -> LogprobsLists | None:
+    """The logprobs of the tokens a request kept (a stop among accepted draft tokens drops the
+    positions after it)."""
+    logprobs = output.logprobs.get(req_id) if num_kept else None
+    if logprobs is None or len(logprobs.token_ids) <= num_kept:
+        return logprobs
+    return LogprobsLists(token_ids=logprobs.token_ids[:num_kept], logprobs=logprobs.logprobs[:num_kept],
+                         ranks=logprobs.ranks[:num_kept])

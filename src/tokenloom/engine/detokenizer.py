@@ -113,12 +113,23 @@ class IncrementalDetokenizer:
         `stop_terminated`: the last new token is the EOS or a stop token id that ended the request;
         like a stop string, its text is left out unless `include_stop_str_in_output`.
         """
-        self.output_token_ids.extend(new_token_ids)
         if self._stream is None:
+            self.output_token_ids.extend(new_token_ids)
             return None
         ids = new_token_ids
         if stop_terminated and not self.include_stop_str_in_output and ids:
             ids = ids[:-1]
+        if self.stop and len(ids) > 1:
+            # Several tokens in one step (accepted draft tokens): a stop string one of them
+            # completes ends the output at that token, as one token per step would have.
+            for token_id in ids:
+                self.output_token_ids.append(token_id)
+                stop_str = self._append(self._decode_next(token_id))
+                if stop_str is not None:
+                    return stop_str
+            self.output_token_ids.extend(new_token_ids[len(ids):])
+            return self._append(self._flush()) if finished else None
+        self.output_token_ids.extend(new_token_ids)
         new_text = "".join([self._decode_next(token_id) for token_id in ids])
         if finished:
             new_text += self._flush()

@@ -350,15 +350,17 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._convert_logprobs(out.new_prompt_logprobs, state))
-            if out.new_logprobs is not None and state.logprobs is not None:
-                self._add_sample_logprobs(state, out.new_logprobs)
-
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            num_before = len(state.detokenizer.output_token_ids)
             stop_str = state.detokenizer.update(
                 new_token_ids,
                 finished=finish_reason is not None,
                 stop_terminated=finish_reason == FinishReason.STOP,
             )
+            if out.new_logprobs is not None and state.logprobs is not None:
+                # Those of the tokens kept: a stop string among several new tokens ends it early.
+                self._add_sample_logprobs(state, out.new_logprobs,
+                                          len(state.detokenizer.output_token_ids) - num_before)
             if stop_str is not None:
                 if finish_reason is None:
                     result.reqs_to_abort.append(out.request_id)
@@ -528,8 +530,11 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------------------- logprobs
 
-    def _add_sample_logprobs(self, state: RequestState, lists: LogprobsLists) -> None:
+    def _add_sample_logprobs(self, state: RequestState, lists: LogprobsLists, num_kept: int) -> None:
         assert state.logprobs is not None and state.cumulative_logprob is not None
+        if num_kept < len(lists.token_ids):
+            lists = LogprobsLists(token_ids=lists.token_ids[:num_kept], logprobs=lists.logprobs[:num_kept],
+                                  ranks=lists.ranks[:num_kept])
         state.logprobs.extend(self._convert_logprobs(lists, state))
         state.cumulative_logprob += sum(position[0] for position in lists.logprobs if position)
 

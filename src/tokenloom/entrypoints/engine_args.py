@@ -96,6 +96,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "then caps every request")
     g.add_argument("--override-generation-config", type=json_dict, default=None, metavar="JSON",
                    help='sampling defaults merged over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--speculative-config", type=json_dict, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' proposes up to 4 tokens that followed an earlier occurrence of '
+                        "the request's last tokens (n-gram prompt lookup; no draft model) and verifies them in one step")
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")
@@ -157,8 +161,8 @@ class EngineArgs:
 
     The fields are EngineConfig's (same names as vLLM's where vLLM has them, same defaults as
     `LLM(...)` and the CLI), plus vLLM's that mean nothing here (VLLM_ONLY_ARGS), which are taken
-    and warned about when the config is built. vLLM's other arguments (tokenizer, LoRA, speculative
-    decoding, ...) are a TypeError, as any unknown name is in vLLM: taking them silently would run
+    and warned about when the config is built. vLLM's other arguments (tokenizer, LoRA,
+    ...) are a TypeError, as any unknown name is in vLLM: taking them silently would run
     something other than what the script asked for.
     """
 

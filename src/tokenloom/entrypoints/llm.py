@@ -41,6 +41,8 @@ class LLM:
     request to the least loaded; `distributed_executor_backend="ray"` runs them as Ray actors.
     `generation_config="auto"` takes an HF model's generation_config.json as the default sampling
     parameters (vLLM's), "vllm" keeps SamplingParams' own; `seed=None` leaves the engine unseeded.
+    `speculative_config={"method": "ngram", "num_speculative_tokens": 4}` is vLLM's n-gram
+    speculative decoding (prompt lookup, verified by the sampler; no draft model).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class LLM:
         distributed_executor_backend: str | None = None,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        speculative_config: dict[str, Any] | None = None,
         **vllm_only: Any,
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
@@ -106,6 +109,7 @@ class LLM:
             distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
             generation_config=generation_config,
             override_generation_config=override_generation_config,
+            speculative_config=speculative_config,  # type: ignore[arg-type]
         )
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.

@@ -139,8 +139,8 @@ class CoreLedger:
         switch = self._switch
         t = step_start
         decodes = so.decode_req_ids
-        num_decodes = len(decodes)
-        num_prefill = so.total_num_scheduled_tokens - num_decodes
+        num_decodes = so.num_decode_tokens  # draft tokens are decode tokens
+        num_prefill = so.num_prefill_tokens
         # Whether the step was long for someone computing only a little in it: a decode, or a
         # prefill chunk far smaller than the others' (one check per request, only then).
         long_prefill = is_long_prefill(num_prefill, num_decodes)

@@ -123,6 +123,14 @@ class PrometheusMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # Speculative decoding (vLLM's names; 0 without a speculative_config).
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Drafts verified (one per request and step with draft tokens).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        per_pos_labels = naming.labels("spec_decode_num_accepted_tokens_per_pos")
+        per_pos = Counter(full("spec_decode_num_accepted_tokens_per_pos"), "Draft tokens accepted, by position in the draft.",
+                          [*per_pos_labels, "position"], registry=r)
+        self._spec_per_pos = lambda pos: per_pos.labels(**per_pos_labels, position=str(pos))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         success_labels = naming.labels("request_success")
@@ -179,21 +187,28 @@ class PrometheusMetrics:
             self.num_requests_running.set(stats.num_running_reqs)
             self.num_requests_waiting.set(stats.num_waiting_reqs)
             self._set_blocks(stats.num_free_blocks, stats.num_total_blocks)
-        # The core reports these three as running totals; a counter takes the increase.
+        # The core reports these as running totals; a counter takes the increase.
         for counter, name in (
             (self.num_preemptions, "num_preemptions"),
             (self.prefix_cache_queries, "prefix_cache_queries"),
             (self.prefix_cache_hits, "prefix_cache_hits"),
+            (self.spec_decode_num_drafts, "spec_num_drafts"),
+            (self.spec_decode_num_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
         ):
-            total = getattr(stats, name)
-            last = self._last_totals.get((engine, name), 0)
-            increase = total - last if total >= last else total  # a smaller total: it was reset
-            if increase:
-                counter.inc(increase)
-            self._last_totals[(engine, name)] = total
+            self._add_total(counter, engine, name, getattr(stats, name))
+        for pos, total in enumerate(stats.spec_accepted_per_pos):
+            self._add_total(self._spec_per_pos(pos), engine, f"spec_accepted_per_pos:{pos}", total)
         self.ledger.record_scheduler_stats(stats)
         if self.replicas is not None:
             self.ledger.set_blocks(*self.replicas.blocks())
+
+    def _add_total(self, counter: Counter, engine: int, name: str, total: int) -> None:
+        last = self._last_totals.get((engine, name), 0)
+        increase = total - last if total >= last else total  # a smaller total: it was reset
+        if increase:
+            counter.inc(increase)
+        self._last_totals[(engine, name)] = total
 
     def _set_totals(self) -> None:
         assert self.replicas is not None

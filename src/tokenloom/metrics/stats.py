@@ -56,7 +56,8 @@ VLLM_NAMES = frozenset({
     "inter_token_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
     "request_decode_time_seconds", "request_inference_time_seconds", "iteration_tokens_total",
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
-    "request_params_n", "request_params_max_tokens",
+    "request_params_n", "request_params_max_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 })
 
 

@@ -257,12 +257,19 @@ class Sampler:
     # ---- one step ---------------------------------------------------------------------------
 
     def sample(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray,
-               grammar: GrammarMask | None = None) -> SamplerOutput:
+               grammar: GrammarMask | None = None, offsets: np.ndarray | None = None) -> SamplerOutput:
         """Samples one token for each logits row; `logits[i]` belongs to the request at
         `rows[i]`. `logits` is not modified, except by `grammar`, which constrains some rows to
         the tokens a grammar allows in place (as vLLM masks the model's logits: a constrained
         row's logprobs are those of its masked distribution; and a copy of a [64, 49152] block
-        costs milliseconds a step on a CPU). Counts the sampled tokens into the rows' histories."""
+        costs milliseconds a step on a CPU). Counts the sampled tokens into the rows' histories.
+
+        Speculative decoding: a request may have several logits rows, its next position and
+        the positions after its draft tokens; `offsets[i]` says which (0, 1, ...). Such rows
+        draw as the request would draw its (offset + 1)-th next token (a seeded request's
+        uniforms follow its output count), so verifying drafts keeps a seeded request's tokens
+        those of a run without them. Only rows with `speculation_ok` may have an offset > 0; the
+        history counts one token for them, and `accept` adds the drafts kept."""
         rows_np = _as_numpy(rows)
         n = len(rows_np)
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.vocab_size:
@@ -299,13 +306,31 @@ class Sampler:
                 g_idx = _index(np.flatnonzero(greedy), dev)
                 sampled[g_idx] = argmax(logits[g_idx])
             rand_pos = np.flatnonzero(~greedy)
-            sampled[_index(rand_pos, dev)] = self._sample_random(logits, rows_np, rand_pos)
+            sampled[_index(rand_pos, dev)] = self._sample_random(logits, rows_np, rand_pos, offsets)
 
         sampled_cpu = sampled.cpu()
         lp_pos = np.flatnonzero(self._num_logprobs[rows_np] >= 0)
         logprobs = self._logprobs(raw, sampled, rows_np, lp_pos, n) if lp_pos.size else None
-        self._record(rows_np, rows_t, sampled, sampled_cpu)
+        if offsets is None:
+            self._record(rows_np, rows_t, sampled, sampled_cpu)
+        else:  # one history entry per request; accept() adds the drafts it keeps
+            first = np.flatnonzero(offsets == 0)
+            idx = _index(first, dev)
+            self._record(rows_np[first], rows_t[idx], sampled[idx], sampled_cpu[torch.from_numpy(first)])
         return SamplerOutput(sampled_token_ids=sampled_cpu, logprobs=logprobs)
+
+    def speculation_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Which rows may verify draft tokens: those whose next tokens are drawn independently of
+        the ones before them (no penalty, no bad words, min_tokens reached). Structured outputs
+        are the caller's to exclude."""
+        no_bad_words = np.fromiter((int(r) not in self._bad_words for r in rows), dtype=bool, count=len(rows)) \
+            if self._bad_words else True
+        return (self._active[rows] & ~self._uses_penalty[rows] & no_bad_words
+                & (self._num_output_tokens[rows] >= self._min_tokens[rows]))
+
+    def accept(self, rows: np.ndarray, num_extra: np.ndarray) -> None:
+        """Counts `num_extra[i]` more tokens (accepted drafts) into row `rows[i]`'s history."""
+        np.add.at(self._num_output_tokens, rows, num_extra)
 
     def process_logits(self, logits: Tensor, rows: Sequence[int] | Tensor | np.ndarray) -> Tensor:
         """The logits after constraints and penalties (what greedy rows take the argmax of,
@@ -402,7 +427,8 @@ class Sampler:
                 (_repeat(bias_pos, bias_ids, dev), torch.cat(bias_ids)), torch.cat(bias_values), accumulate=True
             )
 
-    def _sample_random(self, logits: Tensor, rows_np: np.ndarray, positions: np.ndarray) -> Tensor:
+    def _sample_random(self, logits: Tensor, rows_np: np.ndarray, positions: np.ndarray,
+                       offsets: np.ndarray | None = None) -> Tensor:
         """Temperature, min_p, then top-k/top-p and the draw, for the logits rows at
         `positions`. Rows with a top-k and rows without one are sampled as two groups. The
         temperature is folded into the weights (`ops.temperature_weights`) rather than applied
@@ -417,7 +443,8 @@ class Sampler:
         top_k, top_p = self._top_k[rows], self._uses_top_p[rows]
         has_k = top_k > 0
         draws = 1 + TOP_P_DRAWS if (top_p & ~has_k).any() else 1
-        u = torch.from_numpy(self._uniforms(rows, draws)).to(dev, non_blocking=True)
+        u = torch.from_numpy(self._uniforms(rows, draws, None if offsets is None else offsets[positions]))
+        u = u.to(dev, non_blocking=True)
         if not has_k.any():
             return ops.sample_full(
                 block,
@@ -454,11 +481,14 @@ class Sampler:
             )
         return tokens
 
-    def _uniforms(self, rows: np.ndarray, count: int) -> np.ndarray:
+    def _uniforms(self, rows: np.ndarray, count: int, offsets: np.ndarray | None = None) -> np.ndarray:
         u = np.empty((len(rows), count), dtype=np.float64)
         seeded = self._seeded[rows]
         if seeded.any():
-            u[seeded] = seeded_uniforms(self._seed[rows[seeded]], self._num_output_tokens[rows[seeded]], count)
+            steps = self._num_output_tokens[rows[seeded]]
+            if offsets is not None:
+                steps = steps + offsets[seeded]
+            u[seeded] = seeded_uniforms(self._seed[rows[seeded]], steps, count)
         if not seeded.all():
             u[~seeded] = self._rng.random((int((~seeded).sum()), count))
         return u

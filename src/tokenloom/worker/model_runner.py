@@ -4,6 +4,15 @@ It owns the model, the paged KV cache tensors, the persistent batch and the samp
 applies the scheduler's diff to the persistent batch, gathers the flat batch with numpy vector ops,
 runs the model once over all scheduled tokens, and samples one token for every request whose
 computed tokens reach the end of what it has (a prefill chunk that stops short is not sampled).
+
+Speculative decoding (n-gram): a request's draft tokens are computed in the same forward pass
+as its decode token, and the sampler draws at each of those positions as it would have drawn
+that token; the drafts are kept up to the first one the draw disagrees with, and the draw there
+(or after the last draft) is the request's next token. With drafts that are a certainty (no
+draft model, no draft probabilities) this is exactly rejection sampling's rule, so the tokens
+follow the target distribution: greedy requests get the tokens they would get without drafts.
+After the step the proposer (spec_decode/) searches each eligible request's tokens for its next
+drafts, which the scheduler schedules.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from tokenloom.ops import cpu_features, cpu_kernels, cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenloom.sample.grammar import GrammarMask
 from tokenloom.sample.sampler import Sampler, SamplerOutput
+from tokenloom.spec_decode.ngram_proposer import NgramProposer
 from tokenloom.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -153,9 +163,14 @@ class ModelRunner:
         self._input_ids = _StagedInput((max_tokens,), torch.int64, dev)
         self._positions = _StagedInput((max_tokens,), torch.int64, dev)
         self._slot_mapping = [_StagedInput((max_tokens,), torch.int64, dev) for _ in range(num_groups)]
-        self._query_start_loc = _StagedInput((self.max_num_reqs + 1,), torch.int32, dev)
-        self._seq_lens = _StagedInput((self.max_num_reqs,), torch.int32, dev)
-        self._block_table = [_StagedInput((self.max_num_reqs, max_blocks_per_req), torch.int32, dev)
+        # With draft tokens a step's attention may see each token as a query of its own (see
+        # _prepare_inputs): up to 1 + num_speculative_tokens rows per request.
+        spec = config.speculative_config
+        attn_rows = self.max_num_reqs if spec is None else min(
+            max(max_tokens, self.max_num_reqs), self.max_num_reqs * (1 + spec.num_speculative_tokens))
+        self._query_start_loc = _StagedInput((attn_rows + 1,), torch.int32, dev)
+        self._seq_lens = _StagedInput((attn_rows,), torch.int32, dev)
+        self._block_table = [_StagedInput((attn_rows, max_blocks_per_req), torch.int32, dev)
                              for _ in range(num_groups)]
         self._arange = np.arange(max(max_tokens, self.max_num_reqs) + 1, dtype=np.int64)
         if config.seed is not None:
@@ -166,6 +181,11 @@ class ModelRunner:
         self._pending_prompt_logprobs: dict[str, list[LogprobsLists]] = {}
         # Requests failed in this step (see _fail_request), reported in its ModelRunnerOutput.
         self._failed: dict[str, str] = {}
+        # Speculative decoding: the proposer, and the rows whose request asked for structured
+        # outputs (their next token depends on the grammar's state: no drafts).
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,  # type: ignore[arg-type]
+                                       spec.prompt_lookup_max) if spec is not None else None)  # type: ignore[arg-type]
+        self._structured = np.zeros(self.max_num_reqs, dtype=bool)
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -200,6 +220,7 @@ class ModelRunner:
         self.remove_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             row = batch.add_request(new)
+            self._structured[row] = new.sampling_params.structured_outputs is not None
             try:
                 self.sampler.add_request(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
             except Exception as e:  # noqa: BLE001 - one request's parameters: fail it alone
@@ -215,6 +236,12 @@ class ModelRunner:
             row = batch.req_id_to_row[req_id]
             batch.num_computed_tokens[row] = num_computed
             batch.append_block_ids(row, new_blocks)
+        # Draft tokens sit after the request's known tokens, where the gather reads them; the
+        # tokens kept overwrite them after sampling.
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_row[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(drafts)] = drafts
 
     def _fail_request(self, req_id: str, row: int, stage: str, error: BaseException) -> None:
         """Fails one request whose sampler state raised, leaving everyone else running. Its row
@@ -228,19 +255,20 @@ class ModelRunner:
         self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str],
-                grammar: GrammarMask | None = None) -> SamplerOutput:
+                grammar: GrammarMask | None = None, offsets: np.ndarray | None = None) -> SamplerOutput:
         """One batched draw; if it raises, each row again on its own, so that only the rows that
         raise on their own fail (their token is -1). A row's draw does not depend on the others
         (sample/ops), and a failed sample() changes no row's history, so the retry is exact."""
         try:
-            return self.sampler.sample(logits, sample_rows, grammar)
+            return self.sampler.sample(logits, sample_rows, grammar, offsets)
         except Exception:  # noqa: BLE001 - find the culprits below
             logger.warning("batched sampling failed; sampling its %d rows one by one", len(sample_rows))
         tokens = torch.full((len(sample_rows),), -1, dtype=torch.int64)
         logprobs: list[LogprobsLists | None] = [None] * len(sample_rows)
         for i, row in enumerate(sample_rows.tolist()):
             try:
-                out = self.sampler.sample(logits[i : i + 1], [row], None if grammar is None else grammar.select(i))
+                out = self.sampler.sample(logits[i : i + 1], [row], None if grammar is None else grammar.select(i),
+                                          None if offsets is None else offsets[i : i + 1])
             except Exception as e:  # noqa: BLE001 - this row's own fault
                 self._fail_request(sample_req_ids[i], row, "sampling its next token", e)
                 continue
@@ -268,15 +296,36 @@ class ModelRunner:
         if self._failed:  # failed in this step: computed with the rest, never sampled
             step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
                                           count=len(step.req_ids))
-        logits_indices = step.query_start_loc[1:][step.do_sample] - 1
+        sample_pos = np.flatnonzero(step.do_sample)
+        # Logits rows: the last token of each sampled request, and with draft tokens its last
+        # 1 + drafts tokens (`num_logits` rows each, `offsets` 0, 1, ... within a request).
+        num_logits = offsets = None
+        ends = step.query_start_loc[1:][sample_pos]
+        if so.scheduled_spec_decode_tokens:
+            spec = so.scheduled_spec_decode_tokens
+            num_logits = 1 + np.fromiter((len(spec.get(step.req_ids[p], ())) for p in sample_pos.tolist()),
+                                         dtype=np.int64, count=len(sample_pos))
+            first = np.cumsum(num_logits) - num_logits
+            offsets = self._arange[: int(num_logits.sum())] - np.repeat(first, num_logits)
+            logits_indices = np.repeat(ends - num_logits, num_logits) + offsets
+        else:
+            logits_indices = ends - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         t2 = time.perf_counter()
-        sample_pos = np.flatnonzero(step.do_sample).tolist()
-        sample_req_ids = [step.req_ids[p] for p in sample_pos]
+        sample_req_ids = [step.req_ids[p] for p in sample_pos.tolist()]
+        sample_rows = step.rows[sample_pos]
+        if num_logits is not None:
+            sample_req_ids = [r for r, c in zip(sample_req_ids, num_logits.tolist()) for _ in range(c)]
+            sample_rows = np.repeat(sample_rows, num_logits)
         grammar = None if so.grammar_bitmask is None else _grammar_mask(so, sample_req_ids)
-        sampler_out = self._sample(logits, step.rows[step.do_sample], sample_req_ids, grammar)
+        sampler_out = self._sample(logits, sample_rows, sample_req_ids, grammar, offsets)
         t3 = time.perf_counter()
-        out = self._build_output(step, sample_pos, sampler_out)
+        if num_logits is None:
+            out = self._build_output(step, sample_pos.tolist(), sampler_out)
+        else:
+            out = self._build_spec_output(step, sample_pos, num_logits, sampler_out, so.scheduled_spec_decode_tokens)
+        if self.proposer is not None:
+            out.spec_token_ids = self._propose(step, out)
         out.prompt_logprobs = prompt_logprobs
         out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
         return out
@@ -309,34 +358,51 @@ class ModelRunner:
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         max_blocks = -(-max_seq_len // self.block_size)
-        self._query_start_loc.np[: num_reqs + 1] = query_start_loc
-        self._seq_lens.np[:num_reqs] = seq_lens
-        query_start_loc_dev = self._query_start_loc.to_device(num_reqs + 1)
-        seq_lens_dev = self._seq_lens.to_device(num_reqs)
         block_in_req, offset = positions // self.block_size, positions % self.block_size
+
+        # Attention's view of the batch. A step of decodes with draft tokens shows attention
+        # every token as a decode query of its own (a draft at position p attends to positions
+        # 0..p of its request, through the request's blocks): every backend writes the step's
+        # new K/V before any query reads them, so this is the same causal attention, and the
+        # step stays a plain decode step (one C call for the whole model where it runs, rather
+        # than the eager layers and a prefill attention for a few queries).
+        attn_rows, attn_req = rows, None
+        if so.num_spec_tokens and so.num_prefill_tokens == 0:
+            attn_rows, attn_req = rows[req_indices], req_indices
+            num_attn = num_tokens
+            self._query_start_loc.np[: num_tokens + 1] = self._arange[: num_tokens + 1]
+            self._seq_lens.np[:num_tokens] = positions + 1
+            max_query_len = 1
+        else:
+            num_attn = num_reqs
+            self._query_start_loc.np[: num_reqs + 1] = query_start_loc
+            self._seq_lens.np[:num_reqs] = seq_lens
+            max_query_len = int(num_sched.max())
+        query_start_loc_dev = self._query_start_loc.to_device(num_attn + 1)
+        seq_lens_dev = self._seq_lens.to_device(num_attn)
 
         # One metadata per KV cache group: the lengths are shared, the page table and the slots
         # are the group's, and so is the window. The backend plans each group once per step.
         plans = []
         for g, spec in enumerate(self.kv_cache_groups):
-            block_table = self._block_table[g].np[:num_reqs, :max_blocks]
-            np.take(batch.block_table[g, :, :max_blocks], rows, axis=0, out=block_table)
+            block_table = self._block_table[g].np[:num_attn, :max_blocks]
+            np.take(batch.block_table[g, :, :max_blocks], attn_rows, axis=0, out=block_table)
             slot_mapping = self._slot_mapping[g].np[:num_tokens]
-            slot_mapping[:] = block_table[req_indices, block_in_req]
+            slot_mapping[:] = block_table[req_indices if attn_req is None else self._arange[:num_tokens], block_in_req]
             slot_mapping *= self.block_size
             slot_mapping += offset
             plans.append(self.attn_backend.prepare(AttentionMetadata(
                 num_actual_tokens=num_tokens,
-                num_reqs=num_reqs,
-                max_query_len=int(num_sched.max()),
+                num_reqs=num_attn,
+                max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
                 query_start_loc=query_start_loc_dev,
                 seq_lens=seq_lens_dev,
-                block_table=self._block_table[g].to_device(num_reqs)[:, :max_blocks],
+                block_table=self._block_table[g].to_device(num_attn)[:, :max_blocks],
                 slot_mapping=self._slot_mapping[g].to_device(num_tokens),
                 block_size=self.block_size,
-                query_start_loc_cpu=self._query_start_loc.cpu[: num_reqs + 1],
-                seq_lens_cpu=self._seq_lens.cpu[:num_reqs],
+                query_start_loc_cpu=self._query_start_loc.cpu[: num_attn + 1],
+                seq_lens_cpu=self._seq_lens.cpu[:num_attn],
                 sliding_window=spec.sliding_window,
             )))
         # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
@@ -381,6 +447,75 @@ class ModelRunner:
             logprobs=logprobs,
             failed_req_ids=self._failed,
         )
+
+    def _build_spec_output(self, step: _StepInputs, sample_pos: np.ndarray, num_logits: np.ndarray,
+                           sampler_out: SamplerOutput, spec: dict[str, list[int]]) -> ModelRunnerOutput:
+        """`_build_output` for a step with draft tokens: each sampled request keeps its draws up
+        to and including the first that differs from its draft (all of them when none does).
+        A Python loop over the sampled requests, a handful of numpy ops each."""
+        batch = self.input_batch
+        req_ids = step.req_ids
+        drawn = sampler_out.sampled_token_ids.numpy()
+        lp = sampler_out.logprobs
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        num_computed = step.seq_lens.copy()
+        kept_rows, kept_extra = [], []
+        start = 0
+        for pos, count in zip(sample_pos.tolist(), num_logits.tolist()):
+            draws = drawn[start : start + count]
+            req_id = req_ids[pos]
+            first_row = start
+            start += count
+            if draws[0] < 0 or req_id in self._failed:
+                continue
+            drafts = spec.get(req_id)
+            if drafts:
+                agree = draws[:-1] == np.asarray(drafts)
+                num = count if agree.all() else int(np.argmin(agree)) + 1
+            else:
+                num = 1
+            tokens = draws[:num]
+            row = int(step.rows[pos])
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + num] = tokens
+            batch.num_tokens[row] = n + num
+            num_computed[pos] = step.computed[pos] + num if drafts else step.seq_lens[pos]
+            sampled_token_ids[pos] = tokens.tolist()
+            if num > 1:
+                kept_rows.append(row)
+                kept_extra.append(num - 1)
+            if lp is not None and lp[first_row] is not None:
+                parts = lp[first_row : first_row + num]
+                logprobs[req_id] = LogprobsLists(
+                    token_ids=[p.token_ids[0] for p in parts], logprobs=[p.logprobs[0] for p in parts],
+                    ranks=[p.ranks[0] for p in parts])
+        if kept_rows:
+            self.sampler.accept(np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_extra, dtype=np.int64))
+        batch.num_computed_tokens[step.rows] = num_computed
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            failed_req_ids=self._failed,
+        )
+
+    def _propose(self, step: _StepInputs, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """The next drafts of the requests that sampled in this step and may speculate."""
+        assert self.proposer is not None
+        pos = np.fromiter((i for i, t in enumerate(out.sampled_token_ids) if t), dtype=np.int64)
+        if not pos.size:
+            return {}
+        rows = step.rows[pos]
+        ok = self.sampler.speculation_ok(rows) & ~self._structured[rows]
+        batch = self.input_batch
+        drafts: dict[str, list[int]] = {}
+        for p, row in zip(pos[ok].tolist(), rows[ok].tolist()):
+            proposal = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            if proposal.size:
+                drafts[step.req_ids[p]] = proposal.tolist()
+        return drafts
 
     def _prompt_logprobs(self, step: _StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens for the requests that asked for them (rare, so a Python loop
