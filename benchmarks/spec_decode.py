@@ -7,6 +7,7 @@ tokens (checked); the time ratio is the speed-up.
     .venv/bin/python benchmarks/spec_decode.py                       # the default GGUF path
     .venv/bin/python benchmarks/spec_decode.py --quantization none   # the float path
     .venv/bin/python benchmarks/spec_decode.py --batch-size 8 --num-speculative-tokens 2
+    .venv/bin/python benchmarks/spec_decode.py --batch-size 8 --disable-by-batch-size 4
 
 `--batch-size 1` sends one request at a time (a chat user's latency); larger batches run
 `--batch-size` requests together. Rounds alternate between the engines.
@@ -42,6 +43,8 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config's: no drafts while this many requests run")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
@@ -51,10 +54,11 @@ def main() -> None:
     from tokenloom.entrypoints.bench.machine import format_machine, machine_info
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min,
+            "disable_by_batch_size": args.disable_by_batch_size}
     quant = None if args.quantization == "none" else args.quantization
-    engines = {"plain": LLM(quantization=quant, max_model_len=2048, enable_ledger=False),
-               "ngram": LLM(quantization=quant, max_model_len=2048, enable_ledger=False, speculative_config=spec)}
+    engines = {"plain": LLM(quantization=quant, max_model_len=2048),
+               "ngram": LLM(quantization=quant, max_model_len=2048, speculative_config=spec)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def run(llm: LLM, questions: list[str]) -> tuple[list[list[int]], int]:

@@ -27,6 +27,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     # vLLM's older spelling of the method, `"model": "[ngram]"`; any other model (a draft
     # model) is refused.
     model: str | None = None
+    # vLLM's knob: no drafts in a step while this many requests or more are running (a large
+    # batch already amortises the weight reads that verifying drafts would share; on a CPU
+    # whose matmuls are compute-bound there, drafts cost more than they save). None: always.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -67,6 +71,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config.disable_by_batch_size must be a positive integer or None, got "
+                             f"{self.disable_by_batch_size!r}.")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"speculative_config.{name} must be in [1, 64], got {getattr(self, name)!r}.")

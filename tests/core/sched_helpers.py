@@ -57,10 +57,12 @@ def make_scheduler(
     scheduling_policy: str = "fcfs",
     kv_cache_groups: list[KVCacheGroupSpec] | None = None,
     num_speculative_tokens: int = 0,
+    disable_by_batch_size: int | None = None,
 ) -> Scheduler:
     config = EngineConfig(
         speculative_config=SpeculativeConfig.from_any(
-            {"method": "ngram", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None),
+            {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+             "disable_by_batch_size": disable_by_batch_size} if num_speculative_tokens else None),
         block_size=block_size,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,

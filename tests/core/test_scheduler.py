@@ -434,3 +434,22 @@ def test_a_preempted_request_drops_its_drafts():
     so = s.schedule()  # 4 blocks of 4 tokens cannot hold both with their drafts: b is preempted
     assert "b" in so.wait_reasons and s.requests["b"].spec_token_ids == []
     assert s.requests["b"].status == RequestStatus.PREEMPTED
+
+
+def test_disable_by_batch_size_schedules_no_drafts_for_a_large_batch():
+    """vLLM's speculative_config.disable_by_batch_size: from that many running requests on, a
+    step has no draft tokens (they come back when the batch shrinks)."""
+    from tokenloom.config import SpeculativeConfig
+
+    s = make_scheduler(num_speculative_tokens=2, disable_by_batch_size=2)
+    s.add_request(make_request("a", 6, max_tokens=50))
+    _spec_step(s, {"a": [1, 2]})
+    assert s.schedule().scheduled_spec_decode_tokens == {"a": [1, 2]}  # one running: drafts
+    s2 = make_scheduler(num_speculative_tokens=2, disable_by_batch_size=2)
+    s2.add_request(make_request("a", 6, max_tokens=50))
+    s2.add_request(make_request("b", 6, max_tokens=50))
+    _spec_step(s2, {"a": [1, 2], "b": [3, 4]})
+    so = s2.schedule()
+    assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens == {"a": 1, "b": 1}
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0})

@@ -137,6 +137,7 @@ def test_served_with_drafts_streamed_or_not(spec_server):
         model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=80, stream=True) if c.choices]
     assert "".join(chunks) == text
     assert len([c for c in chunks if c]) < 80  # accepted drafts arrive together
+    assert "speculative decoding ngram, up to 4 draft tokens from n-grams of 2-3 tokens" in spec_server.log_text()
     m = spec_server.metrics()
     assert m["tokenloom:spec_decode_num_accepted_tokens_total"] > 0
     assert m["tokenloom:spec_decode_num_draft_tokens_total"] >= m["tokenloom:spec_decode_num_accepted_tokens_total"]

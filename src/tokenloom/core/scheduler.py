@@ -107,6 +107,7 @@ class Scheduler:
         # verified (requests x steps), draft tokens verified, accepted, and accepted per position.
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -280,6 +281,9 @@ class Scheduler:
                 [r.structured_output for r in self.waiting_for_grammar.values()], timeout)  # type: ignore[misc]
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        if self.spec_disable_by_batch_size is not None and len(self.running) >= self.spec_disable_by_batch_size:
+            for request in self.running:  # a batch this large decodes without drafts
+                request.spec_token_ids = []
         i = 0
         while i < len(self.running):
             request = self.running[i]

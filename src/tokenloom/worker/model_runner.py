@@ -185,6 +185,7 @@ class ModelRunner:
         # outputs (their next token depends on the grammar's state: no drafts).
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,  # type: ignore[arg-type]
                                        spec.prompt_lookup_max) if spec is not None else None)  # type: ignore[arg-type]
+        self._spec_max_batch = spec.disable_by_batch_size if spec is not None else None
         self._structured = np.zeros(self.max_num_reqs, dtype=bool)
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
@@ -505,8 +506,8 @@ class ModelRunner:
         """The next drafts of the requests that sampled in this step and may speculate."""
         assert self.proposer is not None
         pos = np.fromiter((i for i, t in enumerate(out.sampled_token_ids) if t), dtype=np.int64)
-        if not pos.size:
-            return {}
+        if not pos.size or (self._spec_max_batch is not None and len(self.input_batch) >= self._spec_max_batch):
+            return {}  # nothing sampled, or a batch the scheduler gives no drafts
         rows = step.rows[pos]
         ok = self.sampler.speculation_ok(rows) & ~self._structured[rows]
         batch = self.input_batch

@@ -499,6 +499,11 @@ def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]
     ]
     if info.cpu:
         lines.append(f"tokenloom serve: CPU {info.cpu}")
+    spec = engine.config.speculative_config
+    if spec is not None:
+        lines.append(f"tokenloom serve: speculative decoding {spec.method}, up to {spec.num_speculative_tokens} draft "
+                     f"tokens from n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
+                     + (f", none while {spec.disable_by_batch_size}+ requests run" if spec.disable_by_batch_size else ""))
     if sampling_defaults:  # a request's sampling differs from tokenloom's defaults: say why, as vLLM warns
         source = defaults_source(engine.config.generation_config, engine.config.override_generation_config)
         lines.append(f"tokenloom serve: default sampling parameters {sampling_defaults} from {source} "
