@@ -425,15 +425,29 @@ def test_drafts_never_pass_max_tokens_or_the_budget():
     assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13, 14], "b": [21, 22]}
 
 
+def test_drafts_never_preempt_anyone():
+    """No free block for a request's drafts: it decodes without them this step, and nobody is
+    preempted for a bet."""
+    s = make_scheduler(num_speculative_tokens=2, num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(make_request("a", 7, max_tokens=50))
+    s.add_request(make_request("b", 7, max_tokens=50))
+    _spec_step(s, {"a": [1, 2], "b": [3, 4]})  # both prefilled: 8 tokens each, all 4 blocks held
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and so.scheduled_spec_decode_tokens == {}
+    assert s.num_preemptions == 0 and not so.wait_reasons
+    check_block_invariants(s)
+
+
 def test_a_preempted_request_drops_its_drafts():
     s = make_scheduler(num_speculative_tokens=2, num_blocks=4, block_size=4, max_num_batched_tokens=64)
-    s.add_request(make_request("a", 6, max_tokens=50))
-    s.add_request(make_request("b", 6, max_tokens=50))
+    s.add_request(make_request("a", 8, max_tokens=50))
+    s.add_request(make_request("b", 8, max_tokens=50))
     _spec_step(s, {"a": [1, 2], "b": [3, 4]})
-    assert s.requests["a"].spec_token_ids == [1, 2]
-    so = s.schedule()  # 4 blocks of 4 tokens cannot hold both with their drafts: b is preempted
-    assert "b" in so.wait_reasons and s.requests["b"].spec_token_ids == []
-    assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert s.requests["b"].spec_token_ids == [3, 4]
+    so = s.schedule()  # a's decode token needs a fifth block: b, the last admitted, is preempted
+    assert so.wait_reasons == {"b": WaitReason.PREEMPTED} and so.num_scheduled_tokens == {"a": 1}
+    assert s.requests["b"].status == RequestStatus.PREEMPTED and s.requests["b"].spec_token_ids == []
+    check_block_invariants(s)
 
 
 def test_disable_by_batch_size_schedules_no_drafts_for_a_large_batch():

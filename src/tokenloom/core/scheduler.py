@@ -20,7 +20,8 @@ Conventions:
     their block ids through (one list per group) and, after each step, lets the manager give back
     what fell out of the sliding windows.
   * Speculative decoding (n-gram drafts, spec_decode/): a running request at its decode point
-    schedules its draft tokens after its decode token, within the budget; `update_from_output`
+    schedules its draft tokens after its decode token, within the budget and only into free KV
+    blocks (a draft never preempts anyone); `update_from_output`
     takes back the positions of the drafts the runner rejected (`num_computed_tokens -=
     rejected`; their K/V slots are simply overwritten later) and stores the next drafts, capped
     so that accepting all of them never passes max_tokens or the request's length limit.
@@ -292,7 +293,14 @@ class Scheduler:
             if num_new_tokens == 0:
                 plan.wait_reasons[request.request_id] = WaitReason.TOKEN_BUDGET
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
+            new_block_ids = None
+            if num_new_tokens > 1 and request.spec_token_ids and request.num_computed_tokens == request.num_tokens - 1:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_block_ids is None:  # drafts are a bet: nobody is preempted for their slots
+                    request.spec_token_ids = []
+                    num_new_tokens = 1
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_block_ids is None:
                 break  # it preempted itself, after every request behind it
             plan.cached_reqs.req_ids.append(request.request_id)
