@@ -195,6 +195,21 @@ def run_workload(s: Scheduler, specs: list[Spec], aborts: list[tuple[int, int]])
     return {req_id: (tokens[req_id], final[req_id]) for req_id in tokens}
 
 
+def assert_same_tokens(outputs: dict[str, tuple], reference: dict[str, tuple]) -> None:
+    """The greedy tokens of a run are the reference run's: all of them with the same finish
+    reason, or a prefix when the run's smaller cache capped the request (LENGTH). Requests the
+    run's configuration rejected (a prompt larger than its cache or budget) are skipped."""
+    for req_id, (toks, reason) in outputs.items():
+        ref_toks, ref_reason = reference[req_id]
+        if reason == FinishReason.ERROR:
+            continue
+        assert toks == ref_toks[: len(toks)]
+        if len(toks) == len(ref_toks):
+            assert reason == ref_reason
+        else:
+            assert reason == FinishReason.LENGTH
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     config=config_strategy,
@@ -217,15 +232,7 @@ def test_outputs_do_not_depend_on_scheduling(config, specs):
         [],
     )
     cramped = run_workload(make_scheduler(**config), specs, [])
-    for req_id, (toks, reason) in cramped.items():
-        ref_toks, ref_reason = reference[req_id]
-        if reason == FinishReason.ERROR:
-            continue  # rejected by this configuration (prompt larger than its cache or budget)
-        assert toks == ref_toks[: len(toks)]
-        if len(toks) == len(ref_toks):
-            assert reason == ref_reason
-        else:
-            assert reason == FinishReason.LENGTH
+    assert_same_tokens(cramped, reference)
 
 
 hybrid_config_strategy = config_strategy.map(dict).flatmap(
@@ -256,15 +263,7 @@ def test_hybrid_outputs_do_not_depend_on_scheduling(config, specs):
         [],
     )
     cramped = run_workload(make_scheduler(**config), specs, [])
-    for req_id, (toks, reason) in cramped.items():
-        ref_toks, ref_reason = reference[req_id]
-        if reason == FinishReason.ERROR:
-            continue
-        assert toks == ref_toks[: len(toks)]
-        if len(toks) == len(ref_toks):
-            assert reason == ref_reason
-        else:
-            assert reason == FinishReason.LENGTH
+    assert_same_tokens(cramped, reference)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -284,14 +283,6 @@ def test_speculative_decoding_keeps_invariants_and_outputs(config, specs, aborts
         specs, [])
     s = make_scheduler(**config, num_speculative_tokens=k)
     speculated = run_workload(s, specs, [])
-    for req_id, (toks, reason) in speculated.items():
-        ref_toks, ref_reason = reference[req_id]
-        if reason == FinishReason.ERROR:
-            continue
-        assert toks == ref_toks[: len(toks)]
-        if len(toks) == len(ref_toks):
-            assert reason == ref_reason
-        else:
-            assert reason == FinishReason.LENGTH
+    assert_same_tokens(speculated, reference)
     assert s.spec_num_accepted_tokens <= s.spec_num_draft_tokens
     assert sum(s.spec_accepted_per_pos) == s.spec_num_accepted_tokens

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tokenloom.entrypoints.bench.common import random_prompt_ids, step_profile
+from tokenloom.entrypoints.bench.common import format_spec_decode, random_prompt_ids, spec_decode_summary, step_profile
 from tokenloom.messages import SchedulerStats
 
 SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
@@ -203,6 +203,19 @@ def _one_clear_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("tokenloom: error: "), proc.stderr[-2000:]
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def test_spec_decode_summary_counts_the_recorded_steps():
+    """`bench` reports the drafts of its timed steps (the core's counters are cumulative)."""
+    steps = [SchedulerStats(step=1, spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=20),
+             SchedulerStats(step=2, spec_num_drafts=12, spec_num_draft_tokens=48, spec_num_accepted_tokens=23),
+             SchedulerStats(step=3, spec_num_drafts=14, spec_num_draft_tokens=56, spec_num_accepted_tokens=30)]
+    summary = spec_decode_summary(steps)
+    assert summary == {"drafts": 4, "draft_tokens": 16, "accepted_tokens": 10, "acceptance_rate": 10 / 16,
+                       "accepted_per_draft": 2.5}
+    assert format_spec_decode(summary) == [
+        "tokenloom speculative decoding: drafts in 4 request-steps, 10 of 16 draft tokens accepted (62%), 2.50 per draft"]
+    assert spec_decode_summary([SchedulerStats(step=1), SchedulerStats(step=2)]) is None
 
 
 def test_bench_serve_takes_vllm_flags_for_chat(server, tmp_path):

@@ -21,10 +21,10 @@ Conventions:
     what fell out of the sliding windows.
   * Speculative decoding (n-gram drafts, spec_decode/): a running request at its decode point
     schedules its draft tokens after its decode token, within the budget and only into free KV
-    blocks (a draft never preempts anyone); `update_from_output`
-    takes back the positions of the drafts the runner rejected (`num_computed_tokens -=
-    rejected`; their K/V slots are simply overwritten later) and stores the next drafts, capped
-    so that accepting all of them never passes max_tokens or the request's length limit.
+    blocks (a draft never preempts anyone); `update_from_output` takes back the positions of the
+    drafts the runner rejected (`num_computed_tokens -= rejected`; their K/V slots are simply
+    overwritten later) and stores the next drafts, capped so that accepting all of them never
+    passes max_tokens or the request's length limit.
   * Rejected at `add_request` (finished with ERROR, reported by the next `update_from_output`): an
     empty prompt, a prompt longer than max_model_len, a prompt needing more blocks than the cache
     has, and, with chunked prefill off, a prompt longer than max_num_batched_tokens.

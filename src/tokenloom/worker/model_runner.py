@@ -441,13 +441,7 @@ class ModelRunner:
             sampled_token_ids[pos] = [tok]
             if sampler_out.logprobs is not None and sampler_out.logprobs[i] is not None:
                 logprobs[req_ids[pos]] = sampler_out.logprobs[i]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            failed_req_ids=self._failed,
-        )
+        return self._runner_output(req_ids, sampled_token_ids, logprobs)
 
     def _build_spec_output(self, step: _StepInputs, sample_pos: np.ndarray, num_logits: np.ndarray,
                            sampler_out: SamplerOutput, spec: dict[str, list[int]]) -> ModelRunnerOutput:
@@ -494,13 +488,12 @@ class ModelRunner:
         if kept_rows:
             self.sampler.accept(np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_extra, dtype=np.int64))
         batch.num_computed_tokens[step.rows] = num_computed
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            failed_req_ids=self._failed,
-        )
+        return self._runner_output(req_ids, sampled_token_ids, logprobs)
+
+    def _runner_output(self, req_ids: list[str], sampled_token_ids: list[list[int]],
+                       logprobs: dict[str, LogprobsLists]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs, failed_req_ids=self._failed)
 
     def _propose(self, step: _StepInputs, out: ModelRunnerOutput) -> dict[str, list[int]]:
         """The next drafts of the requests that sampled in this step and may speculate."""

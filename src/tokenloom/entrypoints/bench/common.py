@@ -181,6 +181,28 @@ def memory_cell(run: dict[str, Any], key: str, width: int) -> str:
     return f"{value:>{width}.0f}" if value is not None else f"{'-':>{width}}"
 
 
+def spec_decode_summary(stats: Sequence[SchedulerStats]) -> dict[str, Any] | None:
+    """Speculative decoding over the recorded steps (the core's counters are cumulative: the
+    last recorded step's less the first's); None without drafts."""
+    if len(stats) < 2 or not stats[-1].spec_num_drafts:
+        return None
+    first, last = stats[0], stats[-1]
+    drafts = last.spec_num_drafts - first.spec_num_drafts
+    drafted = last.spec_num_draft_tokens - first.spec_num_draft_tokens
+    accepted = last.spec_num_accepted_tokens - first.spec_num_accepted_tokens
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "accepted_per_draft": accepted / drafts if drafts else 0.0}
+
+
+def format_spec_decode(summary: dict[str, Any] | None) -> list[str]:
+    if summary is None:
+        return []
+    return [f"tokenloom speculative decoding: drafts in {summary['drafts']} request-steps, "
+            f"{summary['accepted_tokens']} of {summary['draft_tokens']} draft tokens accepted "
+            f"({summary['acceptance_rate']:.0%}), {summary['accepted_per_draft']:.2f} per draft"]
+
+
 def step_profile(stats: Sequence[SchedulerStats]) -> dict[str, Any]:
     """Aggregates the core's per-step timings: seconds and share of step time per phase, for all
     steps and for the decode-only steps (the steady state). Engine overhead is everything but

@@ -100,13 +100,16 @@ class _Ours:
         self.memory = process_memory_mib(self.info.pid)
 
     def result(self) -> dict[str, Any]:
-        from tokenloom.entrypoints.bench.common import step_profile
+        from tokenloom.entrypoints.bench.common import spec_decode_summary, step_profile
 
         out = {"backend": "tokenloom", "dtype": self.info.dtype, "quantization": self.info.quantization,
                "weight_bytes_per_token": self.info.weight_bytes_per_token, "memory": self.memory,
                **_summarize(self.prefill, self.decode, self.e2e, self.cpu_s)}
         if self.args.profile:
             out["profile"] = step_profile(self.recorder.stats)
+        spec = spec_decode_summary(self.recorder.stats)
+        if spec is not None:
+            out["spec_decode"] = spec
         return out
 
     def shutdown(self) -> None:
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, megabytes_cell, memory_cell, result_runs
+    from tokenloom.entrypoints.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell, result_runs
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
@@ -275,6 +278,8 @@ def _print_report(result: dict[str, Any]) -> None:
     ours = result["tokenloom"]
     if ours.get("cpu_choice"):
         print(f"tokenloom CPU path: {ours['cpu_choice']}")
+    for line in format_spec_decode(ours.get("spec_decode")):
+        print(line)
     if "profile" in result["tokenloom"]:
         for line in format_profile(result["tokenloom"]["profile"], "tokenloom step profile"):
             print(line)

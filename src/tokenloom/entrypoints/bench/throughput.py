@@ -109,7 +109,7 @@ class _Ours:
         return cpu.result["wall_s"]
 
     def result(self, prompts: list[list[int]]) -> dict[str, Any]:
-        from tokenloom.entrypoints.bench.common import process_memory_mib, step_profile
+        from tokenloom.entrypoints.bench.common import process_memory_mib, spec_decode_summary, step_profile
 
         elapsed = _median_run([r[0] for r in self.runs])
         info, args = self.info, self.args
@@ -131,6 +131,9 @@ class _Ours:
         }
         if args.profile:
             out["profile"] = step_profile(self.recorder.stats)
+        spec = spec_decode_summary(self.recorder.stats)
+        if spec is not None:
+            out["spec_decode"] = spec
         return out
 
     def close(self) -> None:
@@ -359,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, megabytes_cell, memory_cell
+    from tokenloom.entrypoints.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell
     from tokenloom.entrypoints.bench.machine import format_machine
 
     print(f"{' tokenloom bench throughput ':=^72}")
@@ -394,6 +397,8 @@ def _print_report(result: dict[str, Any]) -> None:
               f"{mem['peak_rss_mib']:.0f} MiB ({ours['num_kv_blocks']} KV blocks)")
     if ours.get("cpu_choice"):
         print(f"tokenloom CPU path: {ours['cpu_choice']}")
+    for line in format_spec_decode(ours.get("spec_decode")):
+        print(line)
     if "baseline" in result:
         base = result["baseline"]
         if "batching" in base:
