@@ -425,6 +425,26 @@ def test_drafts_never_pass_max_tokens_or_the_budget():
     assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13, 14], "b": [21, 22]}
 
 
+def test_drafts_cut_by_the_budget_without_chunked_prefill():
+    """With chunked prefill off a prefill runs whole or waits; a decode's drafts are cut to the
+    budget instead (the decode itself never waits for its drafts)."""
+    s = make_scheduler(num_speculative_tokens=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s.add_request(make_request("a", 6, max_tokens=50))
+    _spec_step(s, {"a": [11, 12, 13, 14]})
+    s.add_request(make_request("b", 5, max_tokens=50))
+    so = s.schedule()
+    # b's whole prompt (5) fits beside a's decode only with 2 of a's drafts; b is admitted after
+    # the running requests took their share, so a takes 1 + 4 and b waits for budget.
+    assert so.num_scheduled_tokens == {"a": 5} and so.wait_reasons == {"b": WaitReason.TOKEN_BUDGET}
+    s2 = make_scheduler(num_speculative_tokens=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s2.add_request(make_request("a", 3, max_tokens=50))
+    s2.add_request(make_request("b", 3, max_tokens=50))
+    _spec_step(s2, {"a": [11, 12, 13, 14], "b": [21, 22, 23, 24]})  # both prefilled in one step
+    so = s2.schedule()
+    assert so.num_scheduled_tokens == {"a": 5, "b": 3}
+    assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13, 14], "b": [21, 22]}
+
+
 def test_drafts_never_preempt_anyone():
     """No free block for a request's drafts: it decodes without them this step, and nobody is
     preempted for a bet."""

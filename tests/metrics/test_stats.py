@@ -95,3 +95,23 @@ def test_engine_label_only_where_vllm_names_describe_one_engine():
         assert labels(dp, f"vllm:{name}") == {"model_name": "tiny"}, name
     assert labels(vllm, "tokenloom:request_wait_seconds") == {"model_name": "tiny", "reason": "step_boundary"}
     assert labels(dp, "tokenloom:replica_up") == {"model_name": "tiny", "engine": "0"}
+
+
+def test_spec_decode_counters_take_the_cores_running_totals_under_vllms_names():
+    """The core sends cumulative draft counts; the counters add the increases (a replica's
+    restart from 0 included), per draft position too, under vLLM's names and labels."""
+    registry = CollectorRegistry()
+    m = PrometheusMetrics("tiny", registry=registry, metrics_prefix="vllm")
+    m.record_scheduler_stats(SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
+                                            spec_accepted_per_pos=[2, 2, 1, 0]))
+    m.record_scheduler_stats(SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=12, spec_num_accepted_tokens=6,
+                                            spec_accepted_per_pos=[3, 2, 1, 0]))
+    m.record_scheduler_stats(SchedulerStats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=1,
+                                            spec_accepted_per_pos=[1, 0, 0, 0]))  # counted from 0 again
+    values = {(s.name, s.labels.get("position")): s.value for f in registry.collect() for s in f.samples
+              if s.name.startswith("vllm:spec_decode") and s.name.endswith("_total")}
+    assert values[("vllm:spec_decode_num_drafts_total", None)] == 4
+    assert values[("vllm:spec_decode_num_draft_tokens_total", None)] == 16
+    assert values[("vllm:spec_decode_num_accepted_tokens_total", None)] == 7
+    assert {pos: v for (name, pos), v in values.items() if name.endswith("per_pos_total")} == \
+        {"0": 4, "1": 2, "2": 1, "3": 0}

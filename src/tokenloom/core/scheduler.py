@@ -390,6 +390,8 @@ class Scheduler:
         remaining = min(request.num_tokens + len(request.spec_token_ids), self.max_request_len) - num_computed
         if remaining <= token_budget:
             return remaining
+        if request.spec_token_ids and num_computed == request.num_tokens - 1:
+            return token_budget  # a decode, and as many of its drafts as the budget leaves room for
         # With chunked prefill off, a prefill runs whole. The one exception is a preempted request
         # whose prompt + outputs outgrew the whole budget: it could never resume otherwise.
         if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
