@@ -142,3 +142,24 @@ def test_served_with_drafts_streamed_or_not(spec_server):
     assert m["tokenloom:spec_decode_num_accepted_tokens_total"] > 0
     assert m["tokenloom:spec_decode_num_draft_tokens_total"] >= m["tokenloom:spec_decode_num_accepted_tokens_total"]
     assert m["tokenloom:spec_decode_num_accepted_tokens_per_pos_total"] == m["tokenloom:spec_decode_num_accepted_tokens_total"]
+
+
+def test_sliding_window_model_same_tokens_with_drafts(gemma3_path):
+    """Gemma 3 (five layers in six attend to the last 512 positions only): draft tokens shown
+    to attention as decode queries of their own keep each one's window, past the window's end
+    too (a 948-token prompt), on its default quantized path."""
+    block = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(60))
+    prompts = [block + "def f0(x):\n", block + "def f30(x):\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    tokens = []
+    for spec in (None, SPEC):
+        llm = LLM(gemma3_path, max_model_len=2048, kv_cache_memory_bytes=64 * 1024**2, speculative_config=spec)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert len(outs[0].prompt_token_ids) > 600
+            tokens.append([o.outputs[0].token_ids for o in outs])
+            accepted = spec_counters(llm)["spec_decode_num_accepted_tokens"]
+        finally:
+            llm.shutdown()
+    assert tokens[1] == tokens[0]
+    assert accepted > 40  # the continuation repeats the prompt's pattern: mostly drafted
