@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, SpeculativeConfig
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -55,6 +55,7 @@ def test_llm_takes_a_pathlib_model_and_no_seed(smollm2_path):
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "speculative_config: Object contains unknown field `draft_tensor_parallel_size`"),
     ("ngram", "speculative_config must be a dict"),
+    (SpeculativeConfig(num_speculative_tokens="2"), "speculative_config: Expected `int`, got `str`"),  # type: ignore[arg-type]
 ])
 def test_a_bad_speculative_config_names_its_field(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -35,8 +35,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
         """The config from vLLM's dict (or None), checked; the ValueError names the field."""
-        if value is None or isinstance(value, cls):
-            spec = value
+        if isinstance(value, cls):  # checked again: a struct's constructor checks no types
+            value = msgspec.structs.asdict(value)
+        if value is None:
+            spec = None
         elif isinstance(value, dict):
             try:
                 spec = msgspec.convert(value, cls)
