@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from reliability_helpers import pid_alive, wait_until
 
 from tokenloom.config import EngineConfig
@@ -65,6 +67,9 @@ def _start_and_kill(n: int) -> tuple[set[int], set[Path]]:
     return pids, dirs
 
 
+# Serial: an engine another test starts while this one's callers lie dead sweeps their
+# directories too (by design), before this test has seen them left behind.
+@pytest.mark.serial
 def test_directories_of_sigkilled_callers_are_swept_by_the_next_engine():
     from tokenloom.engine.core_client import MPClient
 
