@@ -74,7 +74,6 @@ class SchedulerOutput:
     # scheduled_spec_decode_tokens). The runner verifies them: it samples every position and
     # keeps the drafts up to the first its sampler disagrees with, plus its own token there.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    num_spec_tokens: int = 0  # their total
     step: int = 0
     # Why the head of the waiting queue was not admitted (None: nobody was left waiting). The
     # requests behind it wait with HEAD_OF_LINE; this says what they are really waiting for.
@@ -85,6 +84,10 @@ class SchedulerOutput:
     # None (and []) in a step without any, which then costs the runner nothing.
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return sum(map(len, self.scheduled_spec_decode_tokens.values()))
 
     @property
     def num_decode_tokens(self) -> int:

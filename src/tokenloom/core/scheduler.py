@@ -57,7 +57,6 @@ class _StepPlan:
     wait_reasons: dict[str, WaitReason] = field(default_factory=dict)
     decode_req_ids: set[str] = field(default_factory=set)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    num_spec_tokens: int = 0
     num_preempted: int = 0
 
     def take(self, request: Request, num_new_tokens: int) -> None:
@@ -68,9 +67,7 @@ class _StepPlan:
         if request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1:
             self.decode_req_ids.add(request.request_id)
             if num_new_tokens > 1:  # the rest are its draft tokens (what the budget left of them)
-                drafts = request.spec_token_ids[: num_new_tokens - 1]
-                self.spec_tokens[request.request_id] = drafts
-                self.num_spec_tokens += len(drafts)
+                self.spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - 1]
 
 
 class Scheduler:
@@ -224,7 +221,6 @@ class Scheduler:
             wait_reasons=plan.wait_reasons,
             decode_req_ids=plan.decode_req_ids,
             scheduled_spec_decode_tokens=plan.spec_tokens,
-            num_spec_tokens=plan.num_spec_tokens,
             step=self.step,
             blocked_reason=blocked if self.waiting else None,
         )
@@ -294,7 +290,7 @@ class Scheduler:
                 plan.wait_reasons[request.request_id] = WaitReason.TOKEN_BUDGET
                 continue
             new_block_ids = None
-            if num_new_tokens > 1 and request.spec_token_ids and request.num_computed_tokens == request.num_tokens - 1:
+            if num_new_tokens > 1 and _has_drafts_due(request):
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_block_ids is None:  # drafts are a bet: nobody is preempted for their slots
                     request.spec_token_ids = []
@@ -390,7 +386,7 @@ class Scheduler:
         remaining = min(request.num_tokens + len(request.spec_token_ids), self.max_request_len) - num_computed
         if remaining <= token_budget:
             return remaining
-        if request.spec_token_ids and num_computed == request.num_tokens - 1:
+        if _has_drafts_due(request):
             return token_budget  # a decode, and as many of its drafts as the budget leaves room for
         # With chunked prefill off, a prefill runs whole. The one exception is a preempted request
         # whose prompt + outputs outgrew the whole budget: it could never resume otherwise.
@@ -582,6 +578,12 @@ class Scheduler:
             return {}
         return {"kv_cache_group_used_blocks": kv.num_used_blocks_per_group,
                 "kv_cache_group_wanted_blocks": list(self._head_wanted_blocks)}
+
+
+def _has_drafts_due(request: Request) -> bool:
+    """The request is at its decode point (only its latest sampled token is not computed) with
+    draft tokens to verify after it."""
+    return bool(request.spec_token_ids) and request.num_computed_tokens == request.num_tokens - 1
 
 
 def _logprobs_of(output: ModelRunnerOutput, req_id: str, num_kept: int) -> LogprobsLists | None:
