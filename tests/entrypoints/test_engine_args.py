@@ -53,20 +53,29 @@ def test_vllm_engine_loop_matches_llm_generate(smollm2_path, reference_ids):
     assert [finished[str(i)] for i in range(len(PROMPTS))] == reference_ids
 
 
-def test_async_engine_args_generate_streams_and_finishes(smollm2_path, reference_ids):
+def test_async_engine_args_generate_streams_and_finishes(smollm2_path, reference_ids, caplog):
     assert AsyncLLMEngine is AsyncLLM  # as vLLM V1 aliases it
 
     async def run() -> tuple[EngineConfig, list]:
-        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=smollm2_path, dtype="float", **SETTINGS),
+        # vLLM's enable_log_requests: an INFO line as each request is added and aborted.
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=smollm2_path, dtype="float", **SETTINGS,
+                                                                 enable_log_requests=True),
                                                  start_engine_loop=True)
         try:
             params = SamplingParams(output_kind=RequestOutputKind.DELTA, **GREEDY)
-            return engine.config, [out async for out in engine.generate(PROMPTS[0], params, "a")]
+            outs = [out async for out in engine.generate(PROMPTS[0], params, "a")]
+            gen = engine.generate(PROMPTS[0], params, "b")
+            await gen.__anext__()
+            await gen.aclose()  # closing it early aborts the request
+            return engine.config, outs
         finally:
             engine.shutdown()
             await asyncio.sleep(0)
 
-    config, outs = asyncio.run(run())
+    with caplog.at_level(logging.INFO, logger="tokenloom.engine.async_llm"):
+        config, outs = asyncio.run(run())
+    logged = [r.getMessage() for r in caplog.records if r.name == "tokenloom.engine.async_llm"]
+    assert logged == ["Added request a.", "Added request b.", "Aborted request(s) b."]
     assert config == EngineConfig(model=smollm2_path, dtype="float32", **SETTINGS)
     assert len(outs) > 1, "the tokens were not streamed"
     assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
@@ -104,7 +113,9 @@ def test_cli_args_take_vllm_flags(caplog):
     # AsyncEngineArgs: the same options, and vLLM's --swap-space / --disable-log-stats parse too.
     parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
     async_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--swap-space", "4", "--disable-log-stats"]))
-    assert type(async_args) is AsyncEngineArgs
+    assert type(async_args) is AsyncEngineArgs and not async_args.enable_log_requests
+    assert AsyncEngineArgs.from_cli_args(parser.parse_args(["--enable-log-requests"])).enable_log_requests
+    assert not AsyncEngineArgs(disable_log_requests=True, enable_log_requests=True).enable_log_requests
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tokenloom"):
         assert async_args.create_engine_config() == EngineConfig()

@@ -68,9 +68,11 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True,
-                 metrics_prefix: str = "tokenloom") -> None:
+                 metrics_prefix: str = "tokenloom", log_requests: bool = False) -> None:
         """`metrics_prefix`: "vllm" names the metrics vLLM also has `vllm:...` (see
-        metrics/prometheus.py)."""
+        metrics/prometheus.py). `log_requests`: an INFO line as each request is added and
+        aborted (vLLM's enable_log_requests)."""
+        self.log_requests = log_requests
         config.validate()
         self.config = config
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
@@ -127,7 +129,7 @@ class AsyncLLM:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"engine_args.create_engine_config() returned {type(config).__name__}, not tokenloom's "
                             "EngineConfig: pass tokenloom.AsyncEngineArgs.")
-        return cls(config)
+        return cls(config, log_requests=bool(getattr(engine_args, "enable_log_requests", False)))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -174,6 +176,8 @@ class AsyncLLM:
         except BaseException:
             self.abort_nowait(request_id)
             raise
+        if self.log_requests:
+            logger.info("Added request %s.", request_id)
         return stream
 
     async def run_off_loop(self, fn: Any, *args: Any) -> Any:
@@ -234,6 +238,8 @@ class AsyncLLM:
         live = [rid for rid in request_ids if rid in self._streams]
         if not live:
             return
+        if self.log_requests:
+            logger.info("Aborted request(s) %s.", ",".join(live))
         streams = {rid: self._streams.pop(rid) for rid in live}
         for stream in streams.values():
             self._num_unfinished_seqs -= stream.num_seqs

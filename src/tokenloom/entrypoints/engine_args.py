@@ -205,13 +205,26 @@ class EngineArgs:
 
 @dataclasses.dataclass(kw_only=True)
 class AsyncEngineArgs(EngineArgs):
-    """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args` (tokenloom's `AsyncLLMEngine`).
-    The same fields as EngineArgs: vLLM's one addition, `enable_log_requests`, is the server's
-    `--enable-log-requests` here (AsyncLLM itself logs no requests)."""
+    """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args` (tokenloom's `AsyncLLMEngine`):
+    EngineArgs' fields and vLLM's async one, `enable_log_requests` (an INFO line as each request
+    is added and aborted, as vLLM's AsyncLLM logs them; `disable_log_requests`, its older
+    spelling, is taken too)."""
+
+    enable_log_requests: bool = False
+    disable_log_requests: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.disable_log_requests is not None:
+            self.enable_log_requests = not self.disable_log_requests
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, async_args_only: bool = False) -> argparse.ArgumentParser:
-        """EngineArgs' options unless `async_args_only` (there are no async-only ones here)."""
+        """EngineArgs' options (unless `async_args_only`) and `--enable-log-requests` /
+        `--disable-log-requests`."""
         if not async_args_only:
             EngineArgs.add_cli_args(parser)
+        parser.add_argument("--enable-log-requests", action="store_true", dest="enable_log_requests",
+                            help="log an INFO line as each request is added and aborted")
+        parser.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
+                            help="vLLM's older spelling: requests are not logged unless --enable-log-requests")
         return parser
