@@ -104,7 +104,7 @@ def openai_error(response) -> dict:
 
 # Fields whose valid values set how long a request runs. Fuzzers may send any value, but a valid
 # large one would only make a test slow, not find a bug: it is brought down to 2.
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of", "min_tokens")
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of", "min_tokens")
 _INT64_LIMIT = 1 << 63
 
 
@@ -127,13 +127,18 @@ def _as_int(value) -> int | None:
 
 def bound_lengths(body):
     """`body` with every valid-but-long length field brought down to 2, and a max_tokens of None
-    (for chat also a missing one), which means "up to max_model_len", set to 2. Returns body."""
+    (for chat also a missing one; max_output_tokens for /v1/responses), which means "up to
+    max_model_len", set to 2. Returns body."""
     if not isinstance(body, dict):
         return body
     for name in LENGTH_FIELDS:
         number = _as_int(body.get(name))
         if number is not None and 2 < number < _INT64_LIMIT:
             body[name] = 2
+    if "input" in body:  # /v1/responses: no max_output_tokens runs to the end of the context
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 2
+        return body
     unlimited = body.get("max_tokens", None if "messages" in body else 16) is None
     if unlimited and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2

@@ -1,7 +1,7 @@
 """Process death, on the server: nothing hangs and nothing is left behind.
 
-- The engine core is SIGKILLed mid-run: every request in flight (streamed or not) ends with an
-  error the client sees, and the server shuts itself down and exits with status 1 (vLLM's policy;
+- The engine core is SIGKILLed mid-run: every request in flight (streamed or not, completions and
+  responses) ends with an error the client sees, and the server shuts itself down and exits with status 1 (vLLM's policy;
   `--keep-alive-on-engine-death` keeps it up answering 503, tested in
   tests/entrypoints/test_openai_overload.py). Until it is gone, /health and new requests get 503.
 - The server is SIGKILLed: its engine core notices (PDEATHSIG, and a parent watchdog) and exits.
@@ -55,15 +55,36 @@ def test_engine_core_killed_mid_run(fresh_server):
                     return e
                 return None
 
+            async def response_streamed():  # /v1/responses: its stream ends with response.failed
+                stream = await client.responses.create(model=MODEL, input="A story:", stream=True,
+                                                       max_output_tokens=200, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+                last = None
+                async for event in stream:
+                    last = event
+                    first_chunk.set()
+                return last
+
+            async def response_plain():
+                try:
+                    await client.responses.create(model=MODEL, input="A poem:", max_output_tokens=200,
+                                                  extra_body={"ignore_eos": True})
+                except openai.APIStatusError as e:
+                    return e
+                return None
+
             tasks = [asyncio.ensure_future(streamed(i)) for i in range(2)]
             tasks += [asyncio.ensure_future(plain(i)) for i in range(2)]
+            tasks += [asyncio.ensure_future(response_streamed()), asyncio.ensure_future(response_plain())]
             await asyncio.wait_for(first_chunk.wait(), 300)
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            return results[:2], results[2:], time.monotonic() - killed
+            return results[:2], results[2:4] + results[5:], results[4], time.monotonic() - killed
 
-    streams, plains, took = asyncio.run(run())
+    streams, plains, response_events, took = asyncio.run(run())
+    assert response_events.type == "response.failed", response_events
+    assert response_events.response.status == "failed" and response_events.response.error.code == "engine_dead"
     for chunks, error in streams:
         assert chunks >= 0 and error is not None and "dead" in str(error).lower(), (chunks, error)
     for error in plains:

@@ -11,6 +11,8 @@ test_engine_death.py.
 """
 from __future__ import annotations
 
+import json
+
 import time
 from collections import defaultdict
 
@@ -140,6 +142,15 @@ def test_an_isolated_error_is_a_500_naming_the_request_and_is_counted(unchunked_
     error = r.json()["error"]
     assert "too-long-for-a-step" in error["message"] and "max_num_batched_tokens" in error["message"], error
     assert srv.metrics()["tokenloom:request_errors_total"] == before + 1
+    # /v1/responses: a 500 too, and streamed, a response.failed event that says why.
+    body = {"input": "word " * 60, "max_output_tokens": 2, "request_id": "resp_too_long"}
+    r = httpx.post(srv.url("/v1/responses"), json=body, timeout=120)
+    assert r.status_code == 500 and "resp_too_long" in r.json()["error"]["message"], r.text
+    r = httpx.post(srv.url("/v1/responses"), json={**body, "request_id": "resp_too_long_2", "stream": True}, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"], events
+    assert "max_num_batched_tokens" in events[-1]["response"]["error"]["message"]
+    assert srv.metrics()["tokenloom:request_errors_total"] == before + 3
     # The engine is still up and serving.
     assert httpx.get(srv.url("/health"), timeout=30).status_code == 200
     r = httpx.post(srv.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 2}, timeout=120)

@@ -97,6 +97,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="CORS: allowed headers (default: *)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under (ASGI root_path)")
+    p.add_argument("--responses-store-size", type=int, default=1000,
+                   help="/v1/responses keeps this many responses created with store=true (OpenAI's default) in "
+                   "memory, for previous_response_id, GET /v1/responses/{id} and background responses; the oldest "
+                   "go first (default: 1000; 0: none are kept)")
     p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                    help="log one INFO line per accepted request (its id, prompt and sampling parameters)")
     p.add_argument("--disable-log-requests", action="store_false", dest="log_requests",

@@ -1,6 +1,7 @@
 """`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
+/v1/responses/{id}, GET .../input_items, POST .../cancel), GET /v1/models, POST /tokenize,
 POST /detokenize, GET /health (and vLLM's /ping), GET /version, GET /metrics, GET /ledger (the
 ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message", "type", "param",
 "code"}}` with its HTTP status.
@@ -15,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
@@ -24,8 +24,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import msgspec
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -39,14 +37,17 @@ from tokenloom.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIServingError,
+    ResponsesRequest,
     TokenizeRequest,
     bad_request,
     unix_time,
 )
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, OpenAIServingResponses
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
+from tokenloom.entrypoints.openai.request_body import body_schema, error_response, parse_body, validation_error
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
@@ -63,150 +64,18 @@ DRAIN_S = 5.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
-def body_too_large(limit: int) -> OpenAIServingError:
-    return OpenAIServingError(
-        f"The request body is larger than {limit} bytes (--max-request-body-bytes).",
-        413,
-        "invalid_request_error",
-        None,
-        "request_too_large",
-    )
-
-
-def _error_response(e: OpenAIServingError) -> Response:
-    return json_response(e.to_dict(), status_code=e.status_code)
-
-
-def _validation_error(e: pydantic.ValidationError | RequestValidationError) -> OpenAIServingError:
-    """The first pydantic error as a 400 naming the field (`param` is its dotted path)."""
-    errors = e.errors()
-    if not errors:
-        return bad_request("invalid request body.")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) if loc else None
-    # For a union type pydantic reports one error per member; the field and first reason suffice.
-    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
-    if "input" in first and param:
-        message += f" (got {json.dumps(first['input'], default=str)[:200]})"
-    extra = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return bad_request(message + extra, param=loc[0] if loc else None)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `limit`: from Content-Length before
-    reading anything, else while the chunks arrive (nothing past the limit is buffered)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# Bodies at least this big are parsed on the tokenizer pool. The parsers hold the GIL while they
-# run, but between their steps (JSON decode, surrogate scan, validation) the loop gets it back, so
-# a 20 MB body never holds it for all of them at once; small ones are not worth the thread hop.
-_PARSE_OFF_LOOP_BYTES = 1 << 20
-
-
-async def _parse_body(
-    request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM
-) -> Any:
-    raw = await _read_body(request, max_body_bytes)
-    if len(raw) >= _PARSE_OFF_LOOP_BYTES:
-        return await engine.run_off_loop(_decode_body, raw, model)
-    return _decode_body(raw, model)
-
-
-def _decode_body(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
-    try:
-        # msgspec first: twice as fast on big bodies. What it refuses (the NaN and Infinity literals
-        # Python's json reads, lone surrogate escapes, invalid input) goes to json for the
-        # same result, or the same error message, as before.
-        data = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        data = None
-    try:
-        if data is None:
-            data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request("The request body is nested too deeply.") from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.")
-    bad = _lone_surrogate_path(data)
-    if bad is not None:
-        bad = bad.encode("utf-8", "backslashreplace").decode()  # the path itself may hold one
-        raise bad_request(
-            f"{bad}: the string holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff), which is not "
-            "valid Unicode text.",
-            param=bad.split(".")[0],
-        )
-    try:
-        parsed = model.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise _validation_error(e) from None
-    # Unknown fields are ignored, as vLLM does (with the same warning), so that newer clients work.
-    unknown = data.keys() - model.model_fields.keys()
-    if unknown:
-        logger.warning("The following fields were present in the request but ignored: %s", sorted(unknown)[:20])
-    return parsed
-
-
-def _lone_surrogate_path(data: dict[str, Any]) -> str | None:
-    """The dotted path of a string (key or value) holding a lone UTF-16 surrogate, or None. JSON can
-    escape one (`"\\ud800"`) and Python decodes it, but it is not Unicode text: tokenizers and UTF-8
-    encoders fail on it far downstream. Iterative: the body may nest as deep as the JSON parser allows."""
-    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in data.items()] + [(str(k), k) for k in data]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                stack.append((f"{path}.{k}", v))
-                stack.append((f"{path}.{k}", k))
-        elif isinstance(value, list):
-            stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
-    return None
-
-
-def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` documenting a route's JSON body. The routes parse their bodies themselves
-    (`_parse_body`, for OpenAI-shaped errors), so FastAPI cannot see the model; pydantic's schema
-    refers to its sub-models under `$defs`, which an OpenAPI document does not have: inline them."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
-
-
-# OpenAPI links: a model id that /v1/models lists is what the generation routes take as `model`.
-# They document the API's one data flow, and give schemathesis' stateful phase a chain to follow.
+# OpenAPI links: a model id that /v1/models lists is what the generation routes take as `model`,
+# and a created response's id is what the stored-response routes take. They document the API's
+# data flows, and give schemathesis' stateful phase chains to follow.
 _MODEL_LINKS = {
     name: {"operationId": op, "requestBody": {"model": "$response.body#/data/0/id"}}
-    for name, op in (("Complete", "create_completion"), ("Chat", "create_chat_completion"))
+    for name, op in (("Complete", "create_completion"), ("Chat", "create_chat_completion"),
+                     ("Respond", "create_response"))
+}
+_RESPONSE_LINKS = {
+    name: {"operationId": op, "parameters": {"response_id": "$response.body#/id"}}
+    for name, op in (("Retrieve", "retrieve_response"), ("Delete", "delete_response"), ("Cancel", "cancel_response"),
+                     ("InputItems", "list_input_items"))
 }
 
 
@@ -235,7 +104,7 @@ class ApiKeyMiddleware:
         token = token.strip()
         if not any([hmac.compare_digest(token, key) for key in self.expected]):  # a list: no short cut
             error = OpenAIServingError("Invalid or missing API key.", 401, "invalid_request_error", None, "invalid_api_key")
-            return await _error_response(error)(scope, receive, send)
+            return await error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -251,7 +120,7 @@ class EngineDeadMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.engine.is_dead:
-            return await _error_response(engine_dead_error(self.engine.dead_error))(scope, receive, send)
+            return await error_response(engine_dead_error(self.engine.dead_error))(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -275,6 +144,7 @@ def build_app(
     default_sampling_params: dict[str, Any] | None = None,
     enable_prompt_tokens_details: bool = False,
     return_tokens_as_token_ids: bool = False,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
@@ -292,13 +162,16 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests,
                              tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
                              response_role=response_role)
+    responses = OpenAIServingResponses(engine, served_model_names, max_waiting_requests,
+                                       tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
+                                       store_size=responses_store_size)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
-    completions.log_requests = chat.log_requests = log_requests
+    completions.log_requests = chat.log_requests = responses.log_requests = log_requests
     config = engine.config
     if default_sampling_params is None:
         default_sampling_params = generation_defaults(config.model, config.generation_config,
                                                       config.override_generation_config)
-    for serving in (completions, chat):
+    for serving in (completions, chat, responses):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
         serving.default_sampling_params = default_sampling_params
@@ -316,42 +189,69 @@ def build_app(
 
     @app.exception_handler(OpenAIServingError)
     async def _openai_error(_: Request, e: OpenAIServingError) -> Response:
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, e: RequestValidationError) -> Response:
-        return _error_response(_validation_error(e))
+        return error_response(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(OpenAIServingError(str(e.detail), e.status_code, kind))
+        return error_response(OpenAIServingError(str(e.detail), e.status_code, kind))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> Response:
         logger.exception("internal error")
-        return _error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
+        return error_response(OpenAIServingError(f"Internal server error: {e!r}", 500, "server_error", None, "internal_error"))
 
-    @app.post("/v1/completions", operation_id="create_completion", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", operation_id="create_completion", openapi_extra=body_schema(CompletionRequest))
     async def create_completion(request: Request) -> Response:
-        req = await _parse_body(request, CompletionRequest, max_request_body_bytes, engine)
+        req = await parse_body(request, CompletionRequest, max_request_body_bytes, engine)
         return await completions.create_completion(req, request)
 
     @app.post(
-        "/v1/chat/completions", operation_id="create_chat_completion", openapi_extra=_body_schema(ChatCompletionRequest)
+        "/v1/chat/completions", operation_id="create_chat_completion", openapi_extra=body_schema(ChatCompletionRequest)
     )
     async def create_chat_completion(request: Request) -> Response:
-        req = await _parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
+        req = await parse_body(request, ChatCompletionRequest, max_request_body_bytes, engine)
         return await chat.create_chat_completion(req, request)
 
-    @app.post("/tokenize", operation_id="tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    @app.post("/v1/responses", operation_id="create_response", openapi_extra=body_schema(ResponsesRequest),
+              responses={200: {"description": "The response (or its events, streamed)", "links": _RESPONSE_LINKS}})
+    async def create_response(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest, max_request_body_bytes, engine)
+        return await responses.create_response(req, request)
+
+    @app.get("/v1/responses/{response_id}", operation_id="retrieve_response")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        q = request.query_params
+        stream = _bool_param(q, "stream")
+        after = _int_param(q, "starting_after", -1, limit=1 << 62) if "starting_after" in q else None
+        return await responses.retrieve(response_id, stream, after)
+
+    @app.delete("/v1/responses/{response_id}", operation_id="delete_response")
+    async def delete_response(response_id: str) -> Response:
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response")
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", operation_id="list_input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        q = request.query_params
+        return responses.input_items(response_id, q.get("order", "desc"), q.get("after"),
+                                     _int_param(q, "limit", 20, limit=100))
+
+    @app.post("/tokenize", operation_id="tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
-        req = await _parse_body(request, TokenizeRequest, max_request_body_bytes, engine)
+        req = await parse_body(request, TokenizeRequest, max_request_body_bytes, engine)
         return await tokens.tokenize(req)
 
-    @app.post("/detokenize", operation_id="detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    @app.post("/detokenize", operation_id="detokenize", openapi_extra=body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
-        req = await _parse_body(request, DetokenizeRequest, max_request_body_bytes, engine)
+        req = await parse_body(request, DetokenizeRequest, max_request_body_bytes, engine)
         return await tokens.detokenize(req)
 
     @app.get("/v1/models", operation_id="list_models", responses={200: {"description": "The served models", "links": _MODEL_LINKS}})
@@ -433,6 +333,13 @@ def _int_param(query: Any, name: str, default: int, limit: int = 100_000) -> int
     if not 0 <= value <= limit:
         raise bad_request(f"{name} must be in [0, {limit}], got {value}.", param=name)
     return value
+
+
+def _bool_param(query: Any, name: str) -> bool:
+    raw = query.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise bad_request(f"{name} must be true or false, got {query.get(name)!r}.", param=name)
+    return raw in ("true", "1")
 
 
 def _server_class() -> type:
@@ -522,6 +429,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
+    if getattr(args, "responses_store_size", 0) < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}.")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if not getattr(args, "multiprocess", True):
@@ -558,6 +467,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         log_requests=getattr(args, "log_requests", False),
+        responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
     )
     server = _server_class()(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,

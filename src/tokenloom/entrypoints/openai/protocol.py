@@ -219,3 +219,37 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+class ResponsesRequest(_SamplingFields):
+    """POST /v1/responses (OpenAI's Responses API). `input` is a string (one user message) or a
+    list of items (messages, function calls and their outputs), checked item by item in
+    serving_responses.py so that a 400 names `input[i]`. OpenAI's fields first; the sampling
+    fields of the other endpoints (vLLM's extras: top_k, min_p, seed, stop, priority, ...) apply
+    too, except those that have another name here (`max_output_tokens`, `text.format`) or no
+    meaning (`n`, beam search), which serving_responses refuses by name."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # None: up to max_model_len
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with include: message.output_text.logprobs
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=1, le=INT64_MAX)  # OpenAI's: built-in tools only, echoed
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    store: bool = True
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: dict[str, Any] | None = None  # echoed: this server's models do not reason apart
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    conversation: str | dict[str, Any] | None = None  # refused: see serving_responses.py
+    prompt: dict[str, Any] | None = None  # refused: reusable prompts live on OpenAI's side
+    # vLLM extras, as on /v1/chat/completions
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

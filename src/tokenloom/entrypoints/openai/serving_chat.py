@@ -20,12 +20,11 @@ from tokenloom.entrypoints.openai.structured import structured_outputs_of
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import (
     ToolChoice,
-    check_tools,
+    ToolStream,
     constrained_calls,
-    constraint_schema,
     openai_tool_calls,
+    resolve_tools,
     template_message,
-    tool_choice_of,
 )
 from tokenloom.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -36,8 +35,6 @@ from tokenloom.entrypoints.openai.serving_engine import (
     json_response,
     run_until_disconnected,
     sse_event,
-    token_text,
-    top_entries,
     usage,
 )
 from tokenloom.outputs import CompletionOutput
@@ -51,15 +48,7 @@ class OpenAIServingChat(OpenAIServing):
         self.response_role = response_role  # --response-role, as vLLM's (OpenAI: "assistant")
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
-        tools = check_tools(req.tools or [])
-        choice = tool_choice_of(req.tool_choice, tools)
-        schema = constraint_schema(choice, tools, req.parallel_tool_calls)
-        extra = None
-        if schema is not None:
-            try:
-                extra = (StructuredOutputsParams(json=schema), "tools")
-            except ValueError as e:  # a parameter schema that cannot cross to the core
-                raise bad_request(str(e).replace("structured_outputs.json", "tools"), param="tools") from None
+        choice, extra = resolve_tools(req.tools or [], req.tool_choice, req.parallel_tool_calls)
         return choice, structured_outputs_of(req, extra)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -123,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({
                 "index": c.index,
                 "message": message,
-                "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top, as_ids)},
+                "logprobs": None if num_top is None else {"content": self.token_logprobs(c, num_top, as_ids)},
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
@@ -179,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
                 for i in range(stream.num_seqs)
             ]
             yield sse_event({**base, "choices": first, **extra})
-            tool_streams = [_ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
+            tool_streams = [ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = max(cached, out.num_cached_tokens)
@@ -198,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
                         {
                             "index": c.index,
                             "delta": delta,
-                            "logprobs": None if num_top is None else {"content": self._logprobs(c, num_top, as_ids)},
+                            "logprobs": None if num_top is None else {"content": self.token_logprobs(c, num_top, as_ids)},
                             "finish_reason": finish_reason,
                             "stop_reason": c.stop_reason,
                         }
@@ -215,79 +204,3 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIServingError as e:
             yield sse_event(e.to_dict())
         yield SSE_DONE
-
-    def _logprobs(self, c: CompletionOutput, num_top: int, as_ids: bool = False) -> list[dict[str, Any]]:
-        """OpenAI's chat logprobs `content`: one entry per generated token (tokens as
-        `token_id:<id>` with `as_ids`)."""
-        tokenizer = self.engine.tokenizer
-        content = []
-        for token_id, position in zip(c.token_ids, c.logprobs or ()):
-            lp = position.get(token_id)
-            text = token_text(tokenizer, token_id, lp, as_ids)
-            content.append(
-                {
-                    "token": text,
-                    "logprob": None if lp is None else lp.logprob,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [
-                        {"token": t_text, "logprob": l.logprob, "bytes": list(t_text.encode("utf-8"))}
-                        for t_text, l in ((token_text(tokenizer, t, l, as_ids), l) for t, l in top_entries(position, num_top))
-                    ],
-                }
-            )
-        return content
-
-
-class _ToolStream:
-    """One streamed choice of a request with tools: content deltas while the reply is text, and
-    OpenAI's `delta.tool_calls` for calls. A named function's arguments stream as they are
-    generated; calls in a `required` list or in free text (`auto`) go out when the reply ends
-    (only then is it known whether they parse), one delta per call with its whole arguments."""
-
-    def __init__(self, choice: ToolChoice, parser: ToolParser) -> None:
-        self.choice = choice
-        self.parser = parser
-        self.text = ""
-        self.sent = 0  # characters of `text` already sent as content (auto) or arguments (named)
-        self.call_id: str | None = None
-
-    def feed(self, new_text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        self.text += new_text
-        mode = self.choice.mode
-        if mode == "named":
-            delta: dict[str, Any] = {}
-            if new_text:
-                fn: dict[str, Any] = {"arguments": new_text}
-                call: dict[str, Any] = {"index": 0, "function": fn}
-                if self.call_id is None:
-                    self.call_id = random_id("call")
-                    call.update(id=self.call_id, type="function")
-                    fn["name"] = self.choice.function
-                delta = {"tool_calls": [call]}
-            return delta, finish  # `stop` for a named function, as OpenAI and vLLM send it
-        if finish is None:
-            if mode == "required":
-                return {}, None
-            end = self.parser.content_end(self.text)
-            if end > self.sent:
-                content = self.text[self.sent:end]
-                self.sent = end
-                return {"content": content}, None
-            return {}, None
-        # The reply has ended: what was held back is calls, or text after all.
-        if mode == "required":
-            calls = constrained_calls(self.choice, self.text) if finish == "stop" else None
-            content = None if calls else self.text
-        else:
-            _, calls = self.parser.extract(self.text)
-            # Without calls, all that was held back is text; with them, the text before them.
-            end = self.parser.content_end(self.text) if calls else len(self.text)
-            content = self.text[self.sent:end]
-        delta = {}
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(openai_tool_calls(calls))]
-            return delta, "tool_calls"
-        return delta, finish
-

@@ -18,7 +18,7 @@ from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
-from tokenloom.outputs import Logprob, RequestOutput
+from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -149,19 +149,24 @@ class OpenAIServing:
                 "server_overloaded",
             )
 
-    async def render_conversation(self, req: Any, conversation: list[dict[str, Any]]) -> str:
+    async def render_conversation(self, req: Any, conversation: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None, param: str = "messages") -> str:
         """The prompt text of `conversation` (a chat request's messages as templates take them),
         rendered off the loop by the request's chat template, else the server's, else the
-        tokenizer's, with the request's template options; a template error is a 400."""
+        tokenizer's, with the request's template options (a request without them: a generation
+        prompt after the last message); `tools` in chat's shape (default: the request's). A
+        template error is a 400 naming `param`."""
+        continue_final = getattr(req, "continue_final_message", False)
         try:
             return await self.engine.run_off_loop(functools.partial(
-                self.engine.input_processor.apply_chat_template, conversation, req.add_generation_prompt,
-                req.tools or None, continue_final_message=req.continue_final_message,
+                self.engine.input_processor.apply_chat_template, conversation,
+                getattr(req, "add_generation_prompt", True), (tools if tools is not None else req.tools) or None,
+                continue_final_message=continue_final,
                 chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs))
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
-            param = "continue_final_message" if "continue_final_message" in str(e) else "messages"
-            raise bad_request(f"messages could not be rendered with the chat template: {e}", param=param) from None
+            name = "continue_final_message" if "continue_final_message" in str(e) else param
+            raise bad_request(f"{param} could not be rendered with the chat template: {e}", param=name) from None
 
     # ---- request fields -> SamplingParams -----------------------------------------------------
 
@@ -267,6 +272,28 @@ class OpenAIServing:
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), beam search: %s", base_id, len(prompts), params)
         return streams
+
+    def token_logprobs(self, c: CompletionOutput, num_top: int, as_ids: bool = False) -> list[dict[str, Any]]:
+        """OpenAI's logprobs of chat (`content`) and of the Responses API's output text: one
+        entry per token of `c` with its `num_top` most likely alternatives (tokens as
+        `token_id:<id>` with `as_ids`)."""
+        tokenizer = self.engine.tokenizer
+        content = []
+        for token_id, position in zip(c.token_ids, c.logprobs or ()):
+            lp = position.get(token_id)
+            text = token_text(tokenizer, token_id, lp, as_ids)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": None if lp is None else lp.logprob,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": t_text, "logprob": l.logprob, "bytes": list(t_text.encode("utf-8"))}
+                        for t_text, l in ((token_text(tokenizer, t, l, as_ids), l) for t, l in top_entries(position, num_top))
+                    ],
+                }
+            )
+        return content
 
     # ---- running requests -----------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The request fields that ask for structured outputs, as one `StructuredOutputsParams`.
 
-OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` object and
+OpenAI's `response_format` (`json_object`, `json_schema`; the Responses API's `text.format`), vLLM's `structured_outputs` object and
 its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. A request may use
 one of them; the spec must compile (checked here, so the 400 names the request's own field and
 quotes the compiler).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.entrypoints.openai.protocol import _SamplingFields, bad_request
+from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.structured_output import validate
 
@@ -47,10 +47,42 @@ def _from_response_format(rf: dict[str, Any]) -> tuple[StructuredOutputsParams |
                       param="response_format.type")
 
 
-def structured_outputs_of(req: _SamplingFields, extra: tuple[StructuredOutputsParams, str] | None = None
+def text_format_of(text: Any) -> tuple[StructuredOutputsParams, str] | None:
+    """The Responses API's `text.format` ({"type": "text" | "json_object" | "json_schema", ...}:
+    the json_schema's name, schema and strict sit in the format itself, not under `json_schema`
+    as in response_format), or None for free text."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object with a 'type'.", param="text.format")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        for name, kinds, what in (("schema", dict, "a JSON schema object"), ("strict", bool, "a bool"),
+                                  ("name", str, "a string")):
+            if fmt.get(name) is not None and not isinstance(fmt[name], kinds):
+                raise bad_request(f"text.format.{name} must be {what}.", param=f"text.format.{name}")
+        if fmt.get("schema") is None:
+            raise bad_request("text.format.schema is required for type 'json_schema'.", param="text.format.schema")
+        fmt = {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
+    elif kind not in ("text", "json_object"):
+        raise bad_request(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                          param="text.format.type")
+    try:
+        so, _ = _from_response_format(fmt)
+    except OpenAIServingError as e:  # said of response_format's fields: name text.format's
+        raise bad_request(e.message.replace("response_format.json_schema.", "text.format."),
+                          param="text.format.schema") from None
+    return None if so is None else (so, "text.format.schema" if kind == "json_schema" else "text.format")
+
+
+def structured_outputs_of(req: _SamplingFields, *extras: tuple[StructuredOutputsParams, str] | None
                           ) -> StructuredOutputsParams | None:
-    """The request's one structured-output spec (None: free text). `extra` is one the endpoint
-    adds itself (a tool choice's schema), named by the field that asked for it."""
+    """The request's one structured-output spec (None: free text). `extras` are those the
+    endpoint adds itself (a tool choice's schema, the Responses API's `text.format`), each named
+    by the field that asked for it; None entries are skipped."""
     found: list[tuple[StructuredOutputsParams, str]] = []
     if req.response_format is not None:
         so, param = _from_response_format(req.response_format)
@@ -70,8 +102,7 @@ def structured_outputs_of(req: _SamplingFields, extra: tuple[StructuredOutputsPa
                 found.append((StructuredOutputsParams(**{kind: value}), name))
             except ValueError as e:
                 raise bad_request(str(e).replace(f"structured_outputs.{kind}", name), param=name) from None
-    if extra is not None:
-        found.append(extra)
+    found += [extra for extra in extras if extra is not None]
     if len(found) > 1:
         names = ", ".join(param for _, param in found)
         raise bad_request(f"Only one kind of structured output may be requested, got {len(found)}: {names}.",

@@ -1,5 +1,7 @@
-"""Tool calling on /v1/chat/completions: the request's `tools` and `tool_choice`, the schema that
-constrains a `required` or named choice, and the reply turned into OpenAI's `tool_calls`.
+"""Tool calling on /v1/chat/completions (and /v1/responses, whose flat tools serving_responses.py
+puts in chat's shape): the request's `tools` and `tool_choice`, the schema that constrains a
+`required` or named choice, the reply turned into OpenAI's `tool_calls`, and a streamed reply read
+as text and calls (`ToolStream`).
 
 `tool_choice`:
 - `none`: the tools are still rendered into the prompt (as OpenAI), and the reply is text;
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.entrypoints.openai.protocol import bad_request, random_id
-from tokenloom.entrypoints.openai.tool_parsers import ParsedToolCall, calls_of_json
+from tokenloom.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser, calls_of_json
+from tokenloom.sampling_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -83,6 +86,22 @@ def constraint_schema(choice: ToolChoice, tools: dict[str, dict[str, Any]], para
     return schema
 
 
+def resolve_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None, parallel: bool
+                  ) -> tuple[ToolChoice, tuple[StructuredOutputsParams, str] | None]:
+    """A request's tools (chat's shape) and tool_choice: the choice, and the structured output
+    that constrains the reply to calls (`required`, a named function; None otherwise), named
+    `tools` for the 400 a bad schema gets."""
+    by_name = check_tools(tools)
+    choice = tool_choice_of(tool_choice, by_name)
+    schema = constraint_schema(choice, by_name, parallel)
+    if schema is None:
+        return choice, None
+    try:
+        return choice, (StructuredOutputsParams(json=schema), "tools")
+    except ValueError as e:  # a parameter schema that cannot cross to the core
+        raise bad_request(str(e).replace("structured_outputs.json", "tools"), param="tools") from None
+
+
 def constrained_calls(choice: ToolChoice, text: str) -> list[ParsedToolCall] | None:
     """The calls of a constrained reply; None when it is incomplete (cut by max_tokens)."""
     if choice.mode == "named":
@@ -125,3 +144,58 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
             calls.append({**call, "function": fn})
         out["tool_calls"] = calls
     return out
+
+
+class ToolStream:
+    """One streamed choice of a request with tools: content deltas while the reply is text, and
+    OpenAI's `delta.tool_calls` for calls. A named function's arguments stream as they are
+    generated; calls in a `required` list or in free text (`auto`) go out when the reply ends
+    (only then is it known whether they parse), one delta per call with its whole arguments."""
+
+    def __init__(self, choice: ToolChoice, parser: ToolParser) -> None:
+        self.choice = choice
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of `text` already sent as content (auto) or arguments (named)
+        self.call_id: str | None = None
+
+    def feed(self, new_text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        self.text += new_text
+        mode = self.choice.mode
+        if mode == "named":
+            delta: dict[str, Any] = {}
+            if new_text:
+                fn: dict[str, Any] = {"arguments": new_text}
+                call: dict[str, Any] = {"index": 0, "function": fn}
+                if self.call_id is None:
+                    self.call_id = random_id("call")
+                    call.update(id=self.call_id, type="function")
+                    fn["name"] = self.choice.function
+                delta = {"tool_calls": [call]}
+            return delta, finish  # `stop` for a named function, as OpenAI and vLLM send it
+        if finish is None:
+            if mode == "required":
+                return {}, None
+            end = self.parser.content_end(self.text)
+            if end > self.sent:
+                content = self.text[self.sent:end]
+                self.sent = end
+                return {"content": content}, None
+            return {}, None
+        # The reply has ended: what was held back is calls, or text after all.
+        if mode == "required":
+            calls = constrained_calls(self.choice, self.text) if finish == "stop" else None
+            content = None if calls else self.text
+        else:
+            _, calls = self.parser.extract(self.text)
+            # Without calls, all that was held back is text; with them, the text before them.
+            end = self.parser.content_end(self.text) if calls else len(self.text)
+            content = self.text[self.sent:end]
+        delta = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(openai_tool_calls(calls))]
+            return delta, "tool_calls"
+        return delta, finish
+
