@@ -1,12 +1,13 @@
 """tokenloom: an LLM inference engine with vLLM's V1 execution path and a ledger of where every
 request's time went."""
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)

@@ -141,6 +141,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # Speculative decoding (vLLM's speculative_config; n-gram prompt lookup only): a dict is
     # taken and checked by validate().
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's names): requests may name a PEFT adapter (`LoRARequest`) of rank at
+    # most `max_lora_rank`. Any number of adapters share a step (on the CPU an adapter is a few
+    # small matmuls per layer, not one of vLLM's GPU slots); the engine core keeps the weights of
+    # `max_cpu_loras` (default: max_loras) adapters loaded once no running request uses them.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def executor_backend(self) -> str:
@@ -211,6 +219,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                              "(the collectives break the graph); leave compile off.")
         if not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}.")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}.")
+        if self.enable_lora and tp > 1:
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size={tp}: LoRA adapters run "
+                             "with one rank.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 

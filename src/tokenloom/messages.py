@@ -11,6 +11,7 @@ import time
 
 import msgspec
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (enable_lora)
     # Set just before the request is encoded; the core's receive time minus this is "IPC in".
     sent_time: float = 0.0
     # Core-local, never sent: stamped by the engine core's input thread when it decoded this.

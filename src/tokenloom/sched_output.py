@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class NewRequestData:
     num_computed_tokens: int  # > 0 on a prefix-cache hit
     # Non-empty when the request resumes after preemption: its tokens so far are recomputed.
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tokenloom.config import EngineConfig
+from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
@@ -218,11 +219,13 @@ def test_vllm_surface_and_a_second_event_loop_then_shutdown():
         assert llm.is_running and not llm.errored and llm.get_tokenizer() is llm.tokenizer
         asyncio.run(llm.check_health())
 
-        async def with_lora():
-            return [out async for out in llm.generate("Hi", greedy, "c", lora_request=object())]
+        async def with_lora(lora):
+            return [out async for out in llm.generate("Hi", greedy, "c", lora_request=lora)]
 
-        with pytest.raises(ValueError, match="lora_request is not supported"):
-            asyncio.run(with_lora())
+        with pytest.raises(TypeError, match="lora_request must be a tokenloom.LoRARequest"):
+            asyncio.run(with_lora(object()))
+        with pytest.raises(ValueError, match="enable_lora=True"):  # an adapter on an engine without LoRA
+            asyncio.run(with_lora(LoRARequest("a", 1, "/nowhere")))
     finally:
         llm.shutdown()
     assert llm.errored and not llm.is_running

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM, LoRARequest, SamplingParams
 from tokenloom.ops import cpu_kernels
 
 MAX_TOKENS = 24
@@ -317,7 +317,7 @@ def test_chat_takes_text_parts_a_prefill_tools_and_a_template(default_llm):
 
 def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
     """vLLM's offline idioms: `get_default_sampling_params()` changed and passed back, a
-    `lora_request=None` passed through (anything else refused by name), and a call after
+    `lora_request=None` passed through (an adapter without enable_lora refused by name), and a call after
     shutdown refused as a dead engine's rather than with a closed socket's ZMQError."""
     from tokenloom.engine.core_client import EngineDeadError
 
@@ -328,8 +328,10 @@ def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
         params.max_tokens, params.temperature = 3, 0.0
         out = llm.generate("Hi", params, False, None)[0]  # vLLM's positional order: use_tqdm, lora_request
         assert len(out.outputs[0].token_ids) <= 3
-        with pytest.raises(ValueError, match="lora_request is not supported"):
+        with pytest.raises(TypeError, match="lora_request must be a tokenloom.LoRARequest"):
             llm.generate("Hi", params, use_tqdm=False, lora_request=object())
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate("Hi", params, use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))
     finally:
         llm.shutdown()
     with pytest.raises(EngineDeadError, match="the engine was shut down"):

@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence
 
 BlockHash = NewType("BlockHash", bytes)
 
 # Parent of the first block of every request. A fixed value: the chain is content-addressed and
 # must agree between runs and processes.
 ROOT_BLOCK_HASH = BlockHash(hashlib.sha256(b"tokenloom/prefix-cache/root").digest())
+
+
+def root_block_hash(lora_request: Any = None) -> BlockHash:
+    """The hash chain's root: the base model's, or one per LoRA adapter (its id), whose K/V differ."""
+    if lora_request is None:
+        return ROOT_BLOCK_HASH
+    return BlockHash(hashlib.sha256(ROOT_BLOCK_HASH + b"lora" + lora_request.lora_int_id.to_bytes(8, "little")).digest())
 
 
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

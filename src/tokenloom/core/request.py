@@ -7,7 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenloom.core.kv_cache_utils import ROOT_BLOCK_HASH, BlockHash, hash_block_tokens
+from tokenloom.core.kv_cache_utils import BlockHash, hash_block_tokens, root_block_hash
+from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest, FinishReason
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputRequest
@@ -71,6 +72,9 @@ class Request:
     # Speculative decoding: the draft tokens the runner proposed to follow its tokens, to be
     # verified in its next step (never part of all_token_ids; cleared when it is preempted).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with: its blocks hash from the adapter's own root, so the prefix
+    # cache never hands one adapter's K/V to another (or to the base model).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -86,6 +90,7 @@ class Request:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            lora_request=request.lora_request,
         )
 
     # ---- tokens ---------------------------------------------------------------------------
@@ -125,7 +130,7 @@ class Request:
             return
         hashes, tokens = self.block_hashes, self.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            parent = hashes[-1] if hashes else root_block_hash(self.lora_request)
             hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
 
     # ---- status ----------------------------------------------------------------------------

@@ -364,6 +364,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     output_token_ids=list(request.output_token_ids),
+                    lora_request=request.lora_request,
                 )
             )
             plan.take(request, num_new_tokens)

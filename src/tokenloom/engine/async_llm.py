@@ -41,6 +41,7 @@ from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
+            enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
@@ -140,6 +142,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         priority: int = 0,
         max_tokens_within_context: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validates and queues one request; its outputs arrive on the returned stream. Raises
         ValueError for a bad prompt or parameters (with `max_tokens_within_context`, also for a
@@ -158,7 +161,7 @@ class AsyncLLM:
         try:
             request, prompt_text = await self.run_off_loop(
                 self.input_processor.process, request_id, prompt, params, arrival_time, priority,
-                max_tokens_within_context
+                max_tokens_within_context, lora_request
             )
         finally:
             self._num_pending_seqs -= pending
@@ -200,8 +203,8 @@ class AsyncLLM:
         `sampling_params.output_kind` says) until the finished one. Closing or cancelling the
         generator before then aborts the request in the core. vLLM's other arguments are taken
         as None (see check_vllm_only_args)."""
-        check_vllm_only_args(lora_request, tokenization_kwargs, data_parallel_rank)
-        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        check_vllm_only_args(tokenization_kwargs, data_parallel_rank)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority, lora_request=lora_request)
         outputs = self.stream_outputs(stream)
         try:
             async for out in outputs:

@@ -46,6 +46,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
+            enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None
@@ -91,12 +92,13 @@ class LLMEngine:
         tokenization_kwargs: Any = None,
         trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
     ) -> None:
-        check_vllm_only_args(lora_request, tokenization_kwargs)
+        check_vllm_only_args(tokenization_kwargs)
         if self._dead_error is not None:
             raise self._dead_error
         params = params if params is not None else SamplingParams()
         arrival_time = now() if arrival_time is None else arrival_time
-        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority,
+                                                            lora_request=lora_request)
         self.engine_core.add_requests(self.output_processor.add_user_request(request, prompt_text))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:

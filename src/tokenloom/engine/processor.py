@@ -9,8 +9,10 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.lora_config import read_adapter_config
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import validate as validate_structured_outputs
 
@@ -28,8 +30,12 @@ class InputProcessor:
         block_size: int | None = None,
         kv_cache_capacity_tokens: int | None = None,
         scheduling_policy: str | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
+        self.enable_lora = enable_lora
+        self.max_lora_rank = max_lora_rank
         # Under "fcfs" a priority would be silently ignored: refused, as vLLM does (None: unknown).
         self.scheduling_policy = scheduling_policy
         self.model_config = model_config
@@ -84,6 +90,7 @@ class InputProcessor:
         arrival_time: float,
         priority: int = 0,
         max_tokens_within_context: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenizes and validates one request. Returns the request for the engine core and the
         prompt text (None when the prompt was given as token ids only). `params` is not changed:
@@ -99,6 +106,7 @@ class InputProcessor:
         if priority != 0 and self.scheduling_policy == "fcfs":
             raise ValueError(f"priority is {priority} but the engine schedules first come, first served: "
                              "start it with scheduling_policy='priority' (--scheduling-policy priority) to use priorities.")
+        self.check_lora(lora_request)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, self._truncation(params))
         prompt_len = len(prompt_token_ids)
         within = max_tokens_within_context and isinstance(params, SamplingParams)
@@ -111,8 +119,20 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time,
             priority=priority,
+            lora_request=lora_request,
         )
         return request, prompt_text
+
+    def check_lora(self, lora_request: Any) -> None:
+        """A request's LoRA adapter, checked in the caller (its config: the rank, the options);
+        the engine core loads its weights on first use."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a tokenloom.LoRARequest, got {type(lora_request).__name__}.")
+        if not self.enable_lora:
+            raise ValueError("lora_request needs LoRA adapters turned on: LLM(enable_lora=True) or --enable-lora.")
+        read_adapter_config(lora_request.lora_path, self.max_lora_rank)
 
     def apply_chat_template(
         self,
@@ -337,13 +357,10 @@ class InputProcessor:
         return result
 
 
-def check_vllm_only_args(lora_request: Any = None, tokenization_kwargs: Any = None,
-                         data_parallel_rank: Any = None) -> None:
+def check_vllm_only_args(tokenization_kwargs: Any = None, data_parallel_rank: Any = None) -> None:
     """vLLM's request arguments that code written for it passes, often as None: None is accepted,
-    anything else is refused by name rather than ignored (tokenloom has no LoRA; a prompt is cut
-    with SamplingParams.truncate_prompt_tokens; replicas are chosen by load)."""
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: tokenloom serves one model without LoRA adapters.")
+    anything else is refused by name rather than ignored (a prompt is cut with
+    SamplingParams.truncate_prompt_tokens; replicas are chosen by load)."""
     if tokenization_kwargs is not None:
         raise ValueError("tokenization_kwargs is not supported: to cut a prompt, set "
                          "SamplingParams(truncate_prompt_tokens=k).")

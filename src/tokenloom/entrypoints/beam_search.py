@@ -144,14 +144,17 @@ async def _final(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
     return last
 
 
-async def run_beam_search(engine: "AsyncLLM", request_id: str, search: BeamSearch, priority: int = 0) -> RequestOutput:
+async def run_beam_search(engine: "AsyncLLM", request_id: str, search: BeamSearch, priority: int = 0,
+                          lora_request: Any = None) -> RequestOutput:
     """Runs `search` to its end on `engine`, each step's beams as concurrent requests
-    (`{request_id}-beam-{step}-{i}`). Cancelling it aborts the step's requests."""
+    (`{request_id}-beam-{step}-{i}`, with `lora_request`'s adapter). Cancelling it aborts the
+    step's requests."""
     params = search.step_params()
     while not search.done:
         step = search.num_steps
         outputs = await asyncio.gather(*[
-            _final(engine.generate({"prompt_token_ids": beam.tokens}, params, f"{request_id}-beam-{step}-{i}", priority))
+            _final(engine.generate({"prompt_token_ids": beam.tokens}, params, f"{request_id}-beam-{step}-{i}", priority,
+                                   lora_request=lora_request))
             for i, beam in enumerate(search.beams)])
         search.advance(outputs)
     return search.request_output(request_id, engine.tokenizer)

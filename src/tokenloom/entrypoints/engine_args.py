@@ -100,6 +100,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' proposes up to 4 tokens that followed an earlier occurrence of '
                         "the request's last tokens (n-gram prompt lookup; no draft model) and verifies them in one step")
+    g.add_argument("--enable-lora", action="store_true", default=_DEFAULTS.enable_lora,
+                   help="serve LoRA adapters (PEFT directories) over the model: requests name one with a LoRARequest "
+                        "(offline) or as their model (tokenloom serve --lora-modules)")
+    g.add_argument("--max-loras", type=int, default=_DEFAULTS.max_loras,
+                   help="vLLM's adapter slots; here the default of --max-cpu-loras (on the CPU any number of adapters "
+                        "share a step, each a few small matmuls per layer; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="largest adapter rank taken (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters whose weights the engine core keeps loaded once no request uses them, least "
+                        "recently used dropped first (default: --max-loras)")
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")

@@ -11,11 +11,11 @@ from tqdm.auto import tqdm
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from tokenloom.entrypoints.engine_args import DTYPE_ALIASES, VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -43,6 +43,8 @@ class LLM:
     parameters (vLLM's), "vllm" keeps SamplingParams' own; `seed=None` leaves the engine unseeded.
     `speculative_config={"method": "ngram", "num_speculative_tokens": 4}` is vLLM's n-gram
     speculative decoding (prompt lookup, verified by the sampler; no draft model).
+    `enable_lora=True` serves PEFT LoRA adapters: `generate(..., lora_request=LoRARequest(name,
+    id, path))` (model/lora.py).
     """
 
     def __init__(
@@ -74,6 +76,10 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         speculative_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **vllm_only: Any,
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
@@ -110,6 +116,10 @@ class LLM:
             generation_config=generation_config,
             override_generation_config=override_generation_config,
             speculative_config=speculative_config,  # type: ignore[arg-type]
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.
@@ -152,15 +162,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order (vLLM's arguments,
-        in vLLM's order; `lora_request` must be None).
+        in vLLM's order; `lora_request`: the LoRA adapter of every prompt, or one per prompt,
+        with enable_lora=True).
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
         """
-        check_vllm_only_args(lora_request)
         prompt_list = _as_prompt_list(prompts)
         defaults = self.get_default_sampling_params() if sampling_params is None else None
         params_list = _broadcast("sampling_params", sampling_params, len(prompt_list), defaults)
@@ -169,12 +179,13 @@ class LLM:
         final = RequestOutputKind.FINAL_ONLY
         params_list = [p if p.output_kind == final else p.clone(output_kind=final) for p in params_list]
         prio_list = _broadcast("priority", priority, len(prompt_list), 0, per_item=True)
+        lora_list = _broadcast("lora_request", lora_request, len(prompt_list), None, per_item=True)
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params, prio in zip(prompt_list, params_list, prio_list):
+            for prompt, params, prio, lora in zip(prompt_list, params_list, prio_list, lora_list):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params, priority=prio)
+                engine.add_request(request_id, prompt, params, priority=prio, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)  # a bad prompt mid-list: nothing earlier stays queued
@@ -192,6 +203,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template (or `chat_template`) to one conversation or a list
         of them, then generates, as vLLM's `LLM.chat`. A message's content is a string or
@@ -207,13 +219,13 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs)
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
-        lora_request: Any = None,
+        lora_request: LoRARequest | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
@@ -221,7 +233,8 @@ class LLM:
         `params.max_tokens` tokens (entrypoints/beam_search.py), best first. As in vLLM, a
         sequence's `tokens` and `text` include the prompt's. `concurrency_limit` prompts are
         searched at a time (default: all); each step runs every live beam as one engine request."""
-        check_vllm_only_args(lora_request)
+        engine = self.llm_engine
+        engine.input_processor.check_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
@@ -246,7 +259,8 @@ class LLM:
                             step_params = search.step_params()
                             for beam in search.beams:
                                 ids.append(engine.next_request_id())
-                                engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params)
+                                engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params,
+                                                   lora_request=lora_request)
                     except BaseException:
                         engine.abort_request(ids)  # none of the step's requests stays queued
                         raise

@@ -31,6 +31,7 @@ from tokenloom.kv_cache_spec import KVCacheGroupSpec, group_size, kv_cache_group
 from tokenloom.messages import LogprobsLists
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.fused_decode import FusedDecode
+from tokenloom.worker.lora_manager import LoRAManager
 from tokenloom.model.packed_linear import prepare_cpu_weights
 from tokenloom.ops import cpu_features, cpu_kernels, cpu_memory
 from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -187,6 +188,8 @@ class ModelRunner:
                                        spec.prompt_lookup_max) if spec is not None else None)  # type: ignore[arg-type]
         self._spec_max_batch = spec.disable_by_batch_size if spec is not None else None
         self._structured = np.zeros(self.max_num_reqs, dtype=bool)
+        # LoRA adapters (enable_lora): every projection wrapped, the adapters per row.
+        self.lora = LoRAManager(self.model, config, self.dtype, self.max_num_reqs) if config.enable_lora else None
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -213,6 +216,8 @@ class ModelRunner:
             row = self.input_batch.remove_request(req_id)
             if row is not None:
                 self.sampler.remove_request(row)
+                if self.lora is not None:
+                    self.lora.remove_row(row)
             self._prompt_logprobs_k.pop(req_id, None)
             self._pending_prompt_logprobs.pop(req_id, None)
 
@@ -227,6 +232,12 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - one request's parameters: fail it alone
                 self._fail_request(new.req_id, row, "admitting it to the sampler", e)
                 continue
+            if self.lora is not None:
+                try:
+                    self.lora.add_request(row, new.lora_request)
+                except Exception as e:  # noqa: BLE001 - an adapter that does not load fails its request alone
+                    self._fail_request(new.req_id, row, "loading its LoRA adapter", e)
+                    continue
             # A request resumed after preemption (it has outputs) already sent its prompt logprobs.
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
                 self._prompt_logprobs_k[new.req_id] = new.sampling_params.prompt_logprobs
@@ -292,6 +303,8 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         step = self._prepare_inputs(so)
         t1 = time.perf_counter()
+        if self.lora is not None:
+            self.lora.prepare(step.rows, step.query_start_loc, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
         if self._failed:  # failed in this step: computed with the rest, never sampled

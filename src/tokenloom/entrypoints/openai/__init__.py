@@ -24,6 +24,22 @@ def _json_or_plain_list(text: str) -> list[str]:
     return [text]
 
 
+def _lora_module(text: str) -> list[tuple[str, str]]:
+    """One value of --lora-modules: vLLM's `name=path`, or its JSON `{"name": ..., "path": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}')
+        return [(value["name"], value["path"])]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return [(name, path)]
+
+
 class _Flatten(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
         setattr(namespace, self.dest, [v for group in values for v in group])
@@ -97,6 +113,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="CORS: allowed headers (default: *)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under (ASGI root_path)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, action=_Flatten, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served as models of their own name: name=path or vLLM's JSON "
+                   "'{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="/v1/responses keeps this many responses created with store=true (OpenAI's default) in "
                    "memory, for previous_response_id, GET /v1/responses/{id} and background responses; the oldest "

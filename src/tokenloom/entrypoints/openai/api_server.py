@@ -44,6 +44,12 @@ from tokenloom.entrypoints.openai.protocol import (
 )
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    LoRAModules,
+    UnloadLoRAAdapterRequest,
+    check_lora_modules,
+)
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, OpenAIServingResponses
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
@@ -145,6 +151,7 @@ def build_app(
     enable_prompt_tokens_details: bool = False,
     return_tokens_as_token_ids: bool = False,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
@@ -167,6 +174,11 @@ def build_app(
                                        store_size=responses_store_size)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     completions.log_requests = chat.log_requests = responses.log_requests = log_requests
+    # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
+    # when runtime updates are allowed): one dict shared by every endpoint.
+    adapters = LoRAModules(engine, served_model_names, lora_modules or {})
+    for serving in (completions, chat, responses, tokens):
+        serving.lora_modules = adapters.requests
     config = engine.config
     if default_sampling_params is None:
         default_sampling_params = generation_defaults(config.model, config.generation_config,
@@ -272,7 +284,20 @@ def build_app(
             }
             for name in served_model_names
         ]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "tokenloom", "root": lora.lora_path,
+                  "parent": served_model_names[0], "max_model_len": engine.max_model_len}
+                 for name, lora in adapters.requests.items()]
         return json_response({"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter", operation_id="load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, LoadLoRAAdapterRequest, max_request_body_bytes, engine)
+        return adapters.load(req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", operation_id="unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, UnloadLoRAAdapterRequest, max_request_body_bytes, engine)
+        return adapters.unload(req.lora_name)
 
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     @app.get("/health")
@@ -441,8 +466,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     # Before the socket and the engine: a model's unusable generation_config.json is one line.
     sampling_defaults = generation_defaults(config.model, config.generation_config, config.override_generation_config)
-    sock = _listen_socket(args.host, args.port)
     names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
+    check_lora_modules(dict(getattr(args, "lora_modules", None) or []), config.enable_lora, config.max_lora_rank, names)
+    sock = _listen_socket(args.host, args.port)
     try:
         engine = AsyncLLM(config, model_name=names[0], metrics_prefix=getattr(args, "metrics_prefix", "tokenloom"))
     except BaseException:
@@ -468,6 +494,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         log_requests=getattr(args, "log_requests", False),
         responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
+        lora_modules=dict(getattr(args, "lora_modules", None) or []),
     )
     server = _server_class()(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,

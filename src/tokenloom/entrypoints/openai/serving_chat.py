@@ -88,10 +88,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = req.request_id or random_id("chatcmpl")
         if req.use_beam_search:
             streams = await self.start_beam_searches(request_id, [prompt], beam, max_tokens, req.priority, "messages",
-                                                     max_name)
+                                                     max_name, lora_request=self.lora_of(model))
         else:
             streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages",
-                                              {"max_tokens": max_name})
+                                              {"max_tokens": max_name}, lora_request=self.lora_of(model))
         created = unix_time()
         if req.stream:
             options = req.stream_options

@@ -119,9 +119,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_capacity(n * len(prompts))
         request_id = req.request_id or random_id("cmpl")
         if req.use_beam_search:
-            streams = await self.start_beam_searches(request_id, prompts, beam, req.max_tokens, req.priority, "prompt")
+            streams = await self.start_beam_searches(request_id, prompts, beam, req.max_tokens, req.priority, "prompt",
+                                                     lora_request=self.lora_of(model))
         else:
-            streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt")
+            streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt",
+                                              lora_request=self.lora_of(model))
         created = unix_time()
         if req.stream:
             options = req.stream_options

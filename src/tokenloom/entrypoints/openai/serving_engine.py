@@ -18,6 +18,7 @@ from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -99,6 +100,9 @@ class OpenAIServing:
         # vLLM's --enable-prompt-tokens-details and --return-tokens-as-token-ids.
         self.enable_prompt_tokens_details = False
         self.return_tokens_as_token_ids = False
+        # LoRA adapters served under their own model names (--lora-modules, /v1/load_lora_adapter):
+        # one dict shared by every endpoint's handler.
+        self.lora_modules: dict[str, LoRARequest] = {}
 
     def resolve_max_tokens(self, requested: int | None) -> int | None:
         """The request's max_tokens, else the server's default (a generation config's
@@ -118,11 +122,13 @@ class OpenAIServing:
     # ---- admission ----------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
+        """The served name a request's `model` asks for: the model's (the first when none is
+        given) or a LoRA adapter's (`lora_of` gives its LoRARequest); 404 otherwise."""
         if model is None or model == "":
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.lora_modules:
             raise OpenAIServingError(
-                f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}.",
+                f"The model `{model}` does not exist. Served: {', '.join([*self.served_model_names, *self.lora_modules])}.",
                 404,
                 "invalid_request_error",
                 "model",
@@ -247,7 +253,8 @@ class OpenAIServing:
 
     async def start_beam_searches(self, base_id: str, prompts: list[Any], params: BeamSearchParams,
                                   max_tokens: int | None, priority: int, prompt_param: str,
-                                  max_name: str = "max_tokens") -> list[BeamSearchStream]:
+                                  max_name: str = "max_tokens", lora_request: LoRARequest | None = None
+                                  ) -> list[BeamSearchStream]:
         """One beam search per prompt, each a task on the loop (`run_beam_search`). Its length is
         the request's max_tokens (a 400 when the context cannot hold it, as for sampling), else
         the server's default, else the rest of the context, and at most the server's cap."""
@@ -267,7 +274,7 @@ class OpenAIServing:
         streams = []
         for i, search in enumerate(searches):
             request_id = base_id if len(searches) == 1 else f"{base_id}-{i}"
-            task = asyncio.ensure_future(run_beam_search(self.engine, request_id, search, priority))
+            task = asyncio.ensure_future(run_beam_search(self.engine, request_id, search, priority, lora_request))
             streams.append(BeamSearchStream(request_id, task, params.beam_width))
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), beam search: %s", base_id, len(prompts), params)
@@ -297,9 +304,12 @@ class OpenAIServing:
 
     # ---- running requests -----------------------------------------------------------------------
 
+    def lora_of(self, model: str) -> LoRARequest | None:
+        return self.lora_modules.get(model)
+
     async def add_requests(
         self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int, prompt_param: str,
-        field_names: dict[str, str] | None = None,
+        field_names: dict[str, str] | None = None, lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing. A
         max_tokens that does not fit in the context after a prompt is a 400, as in vLLM's server
@@ -309,7 +319,7 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority,
-                                                             max_tokens_within_context=True))
+                                                             max_tokens_within_context=True, lora_request=lora_request))
         except ValueError as e:
             self.engine.abort_nowait(*[s.request_id for s in streams])
             # The input processor speaks of `prompt` and `prompt_token_ids`: the request's field is

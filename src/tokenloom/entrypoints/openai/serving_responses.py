@@ -299,7 +299,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.check_capacity(1)  # again: other requests were admitted while it was rendered
         response_id = req.request_id or item_id("resp")
         streams = await self.add_requests(response_id, [prompt], params, req.priority, "input",
-                                          {"max_tokens": "max_output_tokens"})
+                                          {"max_tokens": "max_output_tokens"}, lora_request=self.lora_of(model))
         response = self._response_object(req, response_id, model, params.temperature, params.top_p)
         logprobs_of = None if num_top is None else (lambda c: self.token_logprobs(c, num_top, self.tokens_as_ids(req)))
         run = ResponseRun(response, choice, self.tool_parser, logprobs_of)
