@@ -1,7 +1,8 @@
 """`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
-/v1/responses/{id}, GET .../input_items, POST .../cancel), GET /v1/models, POST /tokenize,
+/v1/responses/{id}, GET .../input_items, POST .../cancel), GET /v1/models, POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py), POST /tokenize,
 POST /detokenize, GET /health (and vLLM's /ping), GET /version, GET /metrics, GET /ledger (the
 ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message", "type", "param",
 "code"}}` with its HTTP status.

@@ -408,7 +408,6 @@ class OpenAIServingResponses(OpenAIServing):
         """A response that has ended joins the store (a background one is there already), its
         output added to its conversation."""
         entry.conversation = entry.conversation + output_messages(run.response["output"])
-        entry.run = entry.run if entry.task is not None else None  # only background events are replayed
         if store and run.response["id"] not in self.store:
             self.store.put(run.response["id"], entry)
 
