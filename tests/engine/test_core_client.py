@@ -126,23 +126,30 @@ def test_ctrl_c_while_the_engine_core_starts_exits_and_leaves_no_process():
         print("ready", flush=True)
         """
     )
-    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
-    try:
-        assert caller.stdout.readline().strip() == "starting"
-        deadline = time.monotonic() + 30
-        while not (kids := _children(caller.pid)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert kids, "the engine core was not started"
-        time.sleep(0.3)  # importing torch: the core has not connected yet
-        os.killpg(caller.pid, signal.SIGINT)
-        caller.wait(timeout=20)
-        assert caller.returncode != 0
-        for kid in kids:
-            _wait_dead(kid)
-    finally:
-        if caller.poll() is None:
-            os.killpg(caller.pid, signal.SIGKILL)
+    for attempt in range(3):
+        caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        try:
+            assert caller.stdout.readline().strip() == "starting"
+            deadline = time.monotonic() + 30
+            while not (kids := _children(caller.pid)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert kids, "the engine core was not started"
+            time.sleep(0.3)  # importing torch: the core has not connected yet
+            os.killpg(caller.pid, signal.SIGINT)
+            rest, _ = caller.communicate(timeout=20)
+            for kid in kids:
+                _wait_dead(kid)
+            if "ready" in rest:
+                # The engine was up before the interrupt landed (this test's process was held
+                # off the CPU past its sleep on a loaded machine): not the case under test.
+                continue
+            assert caller.returncode != 0
+            return
+        finally:
+            if caller.poll() is None:
+                os.killpg(caller.pid, signal.SIGKILL)
+    pytest.skip("the engine started before the interrupt in 3 attempts (a loaded machine): nothing tested")
 
 
 def test_engine_core_exits_when_caller_is_killed(tmp_path):
