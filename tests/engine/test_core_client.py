@@ -126,7 +126,7 @@ def test_ctrl_c_while_the_engine_core_starts_exits_and_leaves_no_process():
         print("ready", flush=True)
         """
     )
-    for attempt in range(3):
+    for pause in (0.3, 0.1, 0.0):  # shorter each time the engine was up before the interrupt
         caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                                   start_new_session=True)
         try:
@@ -135,21 +135,22 @@ def test_ctrl_c_while_the_engine_core_starts_exits_and_leaves_no_process():
             while not (kids := _children(caller.pid)) and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert kids, "the engine core was not started"
-            time.sleep(0.3)  # importing torch: the core has not connected yet
+            time.sleep(pause)  # importing torch: the core has not connected yet
             os.killpg(caller.pid, signal.SIGINT)
             rest, _ = caller.communicate(timeout=20)
             for kid in kids:
                 _wait_dead(kid)
             if "ready" in rest:
-                # The engine was up before the interrupt landed (this test's process was held
-                # off the CPU past its sleep on a loaded machine): not the case under test.
+                # The engine was up before the interrupt landed (seen in full-suite runs on a
+                # loaded 2-core machine): not the case under test; again with a shorter pause.
                 continue
             assert caller.returncode != 0
             return
         finally:
             if caller.poll() is None:
                 os.killpg(caller.pid, signal.SIGKILL)
-    pytest.skip("the engine started before the interrupt in 3 attempts (a loaded machine): nothing tested")
+    pytest.fail("the engine was up before the interrupt in every attempt, even with no pause after the core "
+                "appeared")
 
 
 def test_engine_core_exits_when_caller_is_killed(tmp_path):
