@@ -36,6 +36,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
+        self._lora_checked: dict[int, str] = {}  # adapter id -> the path whose config passed
         # Under "fcfs" a priority would be silently ignored: refused, as vLLM does (None: unknown).
         self.scheduling_policy = scheduling_policy
         self.model_config = model_config
@@ -132,7 +133,10 @@ class InputProcessor:
             raise TypeError(f"lora_request must be a tokenloom.LoRARequest, got {type(lora_request).__name__}.")
         if not self.enable_lora:
             raise ValueError("lora_request needs LoRA adapters turned on: LLM(enable_lora=True) or --enable-lora.")
-        read_adapter_config(lora_request.lora_path, self.max_lora_rank)
+        # Read once per adapter id, not once per request (a server's requests name the same few).
+        if self._lora_checked.get(lora_request.lora_int_id) != lora_request.lora_path:
+            read_adapter_config(lora_request.lora_path, self.max_lora_rank)
+            self._lora_checked[lora_request.lora_int_id] = lora_request.lora_path
 
     def apply_chat_template(
         self,

@@ -240,7 +240,6 @@ class LLM:
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
                                               or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}.")
-        engine = self.llm_engine
         processor = engine.input_processor
         searches = []
         for prompt in _as_prompt_list(prompts):
