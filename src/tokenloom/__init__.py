@@ -1,13 +1,15 @@
 """tokenloom: an LLM inference engine with vLLM's V1 execution path and a ledger of where every
 request's time went."""
 from tokenloom.lora_request import LoRARequest
+from tokenloom.pooling_params import PoolerConfig, PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams", "PoolerConfig",
+           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)
@@ -15,7 +17,8 @@ def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torc
         from tokenloom.entrypoints.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+                "EmbeddingRequestOutput"):
         from tokenloom import outputs
 
         return getattr(outputs, name)

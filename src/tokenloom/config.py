@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenloom.pooling_params import PoolerConfig
+
 
 # The speculative methods this engine has (vLLM's `speculative_config["method"]`).
 SPECULATIVE_METHODS = ("ngram",)
@@ -149,6 +151,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Pooling (embeddings; vLLM's names): runner "pooling" returns a vector per prompt made from
+    # the final hidden states (pooling_params.py) instead of generating; "auto" picks it for a
+    # checkpoint without a language-model head. `convert="embed"` asks for it on any model.
+    # `pooler_config` (a PoolerConfig or a dict) overrides the model's own pooling settings.
+    # validate() decides: an engine that pools gets runner "pooling" and its whole pooler_config
+    # (the engine core reads them as given); a generating one keeps what its caller wrote.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: PoolerConfig | None = None
 
     @property
     def executor_backend(self) -> str:
@@ -166,6 +177,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # type: ignore[arg-type]
+        self.pooler_config = PoolerConfig.from_any(self.pooler_config)
         try:
             msgspec.convert(msgspec.structs.asdict(self), type(self))
         except msgspec.ValidationError as e:
@@ -227,8 +239,29 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.enable_lora and tp > 1:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size={tp}: LoRA adapters run "
                              "with one rank.")
+        self._resolve_pooling()
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
+
+
+    def _resolve_pooling(self) -> None:
+        from tokenloom.model.pooling_config import resolve_pooler_config, resolve_runner
+
+        if resolve_runner(self.model, self.runner, self.convert) != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to pooling models: start the engine with runner='pooling' "
+                                 "(--runner pooling).")
+            return  # "auto" stays as given: a generating engine's config is what its caller wrote
+        self.runner = "pooling"  # decided here, once: the engine core reads it as given
+        self.pooler_config = resolve_pooler_config(self.model, self.pooler_config)
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not apply to runner='pooling': a pooling model never "
+                             "decodes.")
+
+    @property
+    def is_pooling(self) -> bool:
+        """After validate(): the engine pools (embeds) rather than generates."""
+        return self.runner == "pooling"
 
 
 # The most the default KV cache takes (kv_cache_memory_bytes=None): at most 768 MiB and at most

@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from tokenloom.lora_request import LoRARequest
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -54,6 +55,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sent_time: float = 0.0
     # Core-local, never sent: stamped by the engine core's input thread when it decoded this.
     received_time: float = 0.0
+    # A pooling request (runner="pooling"), resolved by the caller (PoolingParams.resolve): its
+    # prompt is run once and pooled; `sampling_params` then only carries max_tokens=1.
+    pooling_params: PoolingParams | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -64,6 +68,15 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]
+
+
+class PooledData(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """A pooling request's result: float32 values, little-endian, row-major in `shape` ([d] for
+    an embedding, [tokens, d] for token_embed). Bytes, not a list of floats: msgpack carries them
+    as one binary blob, and the caller needs neither torch nor a float per Python object."""
+
+    shape: list[int]
+    data: bytes
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -78,6 +91,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # The ledger: set on a request's final output only (None when the ledger is off).
     timing: RequestTiming | None = None
+    # A pooling request's result, on its final output.
+    pooling_output: PooledData | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,10 +6,12 @@ so they are plain dataclasses, not msgspec Structs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
-    from tokenloom.messages import RequestTiming
+    from tokenloom.messages import PooledData, RequestTiming
 
 
 @dataclass(slots=True)
@@ -139,6 +141,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Why the request failed, when a completion finished with finish_reason "error".
     error: str | None = None
+    # A pooling request's result (runner="pooling"), on its final output; see PoolingRequestOutput.
+    pooling_output: "PooledData | None" = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Folds a later output of the same request into this one (a consumer that fell behind).
@@ -154,6 +158,8 @@ class RequestOutput:
             self.error = next_output.error
         if self.prompt_logprobs is None:
             self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.pooling_output is not None:
+            self.pooling_output = next_output.pooling_output
         by_index = {c.index: i for i, c in enumerate(self.outputs)}
         for new in next_output.outputs:
             i = by_index.get(new.index)
@@ -165,3 +171,63 @@ class RequestOutput:
             else:
                 self.outputs[i].append_delta(new)
         self.outputs.sort(key=lambda c: c.index)
+
+
+def pooled_array(pooled: "PooledData") -> np.ndarray:
+    """A pooling result as a float32 numpy array (a read-only view of the received bytes)."""
+    return np.frombuffer(pooled.data, dtype="<f4").reshape(pooled.shape)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's: `data` is the pooled tensor (torch, float32): [hidden] for embed, [tokens, hidden]
+    for token_embed."""
+
+    data: Any
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's output of a pooling request (`LLM.encode`, `AsyncLLM.encode`)."""
+
+    request_id: str
+    outputs: Any  # PoolingOutput; EmbeddingOutput in an EmbeddingRequestOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "PoolingRequestOutput":
+        """From the engine's own output of a finished pooling request. A request that failed (the
+        engine died, it was aborted) has no pooled result: a RuntimeError naming why."""
+        if out.pooling_output is None:
+            reason = out.error or (out.outputs[0].finish_reason if out.outputs else None) or "no result"
+            raise RuntimeError(f"pooling request {out.request_id} produced no result: {reason}")
+        import torch  # here, not at module level: the server's front end never imports torch
+
+        data = torch.from_numpy(pooled_array(out.pooling_output).copy())
+        return cls(out.request_id, PoolingOutput(data), out.prompt_token_ids or [], out.finished,
+                   out.num_cached_tokens, out.metrics)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: one embedding as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's output of `LLM.embed`: `outputs.embedding` is the vector."""
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "EmbeddingRequestOutput":
+        base = PoolingRequestOutput.from_request_output(out)
+        return cls(base.request_id, EmbeddingOutput(base.outputs.data.tolist()), base.prompt_token_ids,
+                   base.finished, base.num_cached_tokens, base.metrics)

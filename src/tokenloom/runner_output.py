@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloom.messages import LogprobsLists
+from tokenloom.messages import LogprobsLists, PooledData
 
 
 @dataclass(slots=True)
@@ -28,6 +28,8 @@ class ModelRunnerOutput:
     failed_req_ids: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: the drafts proposed for each request's next step (absent: none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests whose prompt ended in this step: their pooled result (they finish).
+    pooler_output: dict[str, PooledData] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

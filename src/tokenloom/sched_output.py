@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.lora_request import LoRARequest
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class NewRequestData:
     # Non-empty when the request resumes after preemption: its tokens so far are recomputed.
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 @dataclass(slots=True)

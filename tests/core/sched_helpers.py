@@ -11,6 +11,7 @@ from tokenloom.sched_output import SchedulerOutput
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.kv_cache_spec import KVCacheGroupSpec
 from tokenloom.messages import EngineCoreOutputs
+from tokenloom.pooling_params import PoolerConfig
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.runner_output import ModelRunnerOutput
 
@@ -58,8 +59,12 @@ def make_scheduler(
     kv_cache_groups: list[KVCacheGroupSpec] | None = None,
     num_speculative_tokens: int = 0,
     disable_by_batch_size: int | None = None,
+    pooling_type: str | None = None,
 ) -> Scheduler:
+    """`pooling_type`: a pooling engine's scheduler (runner="pooling") with that pooler."""
     config = EngineConfig(
+        runner="pooling" if pooling_type else "auto",
+        pooler_config=PoolerConfig(pooling_type=pooling_type) if pooling_type else None,
         speculative_config=SpeculativeConfig.from_any(
             {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
              "disable_by_batch_size": disable_by_batch_size} if num_speculative_tokens else None),

@@ -4,7 +4,8 @@ from sched_helpers import EOS, check_block_invariants, fake_runner_output, make_
 
 from tokenloom.core.request import RequestStatus
 from tokenloom.sched_output import WaitReason
-from tokenloom.messages import FinishReason, LogprobsLists
+from tokenloom.messages import FinishReason, LogprobsLists, PooledData
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.runner_output import ModelRunnerOutput
 
 
@@ -366,6 +367,46 @@ def test_prompt_logprobs_request_computes_its_whole_prompt():
     new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
     assert new == {"b": 0, "c": 12}
     assert so.num_scheduled_tokens["b"] == 13
+
+
+def _pooling_step(s):
+    """One step of a pooling engine: nothing sampled; a request whose prompt ends is pooled."""
+    so = s.schedule()
+    out = fake_runner_output(s, so)
+    for i, req_id in enumerate(out.req_ids):
+        out.sampled_token_ids[i] = []
+        request = s.requests[req_id]
+        if request.num_computed_tokens >= request.num_tokens:
+            out.pooler_output[req_id] = PooledData(shape=[1], data=req_id.encode().ljust(4, b"_"))
+    return so, s.update_from_output(so, out)
+
+
+@pytest.mark.parametrize("pooling_type, task, cached", [("LAST", "embed", 12), ("MEAN", "embed", 0),
+                                                        ("CLS", "embed", 0), ("LAST", "token_embed", 0)])
+def test_pooling_request_ends_with_its_prompt(pooling_type, task, cached):
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8, pooling_type=pooling_type)
+    shared = list(range(100, 113))
+    finals = {}
+    for name in ("a", "b"):  # b's prompt is a's: a prefix-cache hit only where the pooling allows it
+        request = make_request(name, shared, max_tokens=1)
+        request.pooling_params = PoolingParams(task=task, normalize=True)
+        s.add_request(request)
+        chunks = []
+        while s.has_unfinished_requests():
+            so, outs = _pooling_step(s)
+            check_block_invariants(s)
+            if so.scheduled_new_reqs:
+                assert so.scheduled_new_reqs[0].num_computed_tokens == (cached if name == "b" else 0)
+                assert so.scheduled_new_reqs[0].pooling_params.task == task
+            chunks.append(so.num_scheduled_tokens[name])
+            for out in outs.outputs:
+                assert out.request_id == name and out.new_token_ids == [] and out.finished
+                finals[name] = out
+        assert sum(chunks) == 13 - (cached if name == "b" else 0) and max(chunks) <= 8
+        assert finals[name].finish_reason == FinishReason.STOP
+        assert finals[name].pooling_output.data.startswith(name.encode())
+        assert finals[name].num_cached_tokens == (cached if name == "b" else 0)
+    assert s.kv_cache_manager.block_pool.num_free_blocks == 16  # every block back
 
 
 # ---- speculative decoding ----------------------------------------------------------------------

@@ -37,6 +37,12 @@ def test_models_health_version(server, client):
     assert httpx.get(server.url("/version")).json()["version"]
 
 
+def test_embeddings_need_a_pooling_server(client):
+    with pytest.raises(openai.BadRequestError, match="--runner pooling") as e:
+        client.embeddings.create(model=MODEL, input="Hello")
+    assert e.value.body["param"] == "model"
+
+
 def test_completion(server):
     async def run():
         async with server.async_client() as aclient:

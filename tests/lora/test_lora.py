@@ -130,3 +130,25 @@ def test_bad_adapters_and_settings_are_refused_by_name(tiny, tmp_path):
         assert os.path.exists(adapters["all"])
     finally:
         llm.shutdown()
+
+
+def test_embeddings_with_adapters(tiny):
+    """runner="pooling" with LoRA adapters: each prompt's last hidden state is transformers +
+    peft's with that adapter, in one batch mixing the base model and both adapters."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from peft import PeftModel
+
+    base_dir, adapters, _ = tiny
+    loras = requests(adapters)
+    with LLM(base_dir, runner="pooling", enable_lora=True, max_lora_rank=8, dtype="float32", max_model_len=256) as llm:
+        ids = llm.llm_engine.input_processor.encode_prompt(PROMPTS[1])
+        outs = llm.embed([PROMPTS[1]] * 3, lora_request=list(loras.values()), use_tqdm=False)
+    for (name, lora), out in zip(loras.items(), outs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        if lora is not None:
+            model = PeftModel.from_pretrained(model, adapters[name]).eval().base_model.model
+        with torch.no_grad():
+            want = F.normalize(model.model(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=2e-5, rtol=1e-4, msg=name)

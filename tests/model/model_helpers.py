@@ -295,3 +295,39 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ------------------------------------------------------------------------- embedding models
+def embedding_reference(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' final hidden states (after the last norm) of one prompt: [tokens, hidden]."""
+    base = getattr(model, "model", model)  # a *ForCausalLM's decoder, or a bare *Model
+    with torch.no_grad():
+        return base(torch.tensor([token_ids])).last_hidden_state[0].float()
+
+
+def save_sentence_transformer_dir(model, tokenizer, directory: str, pooling: str = "mean",
+                                  normalize: bool = True, matryoshka_dimensions: list[int] | None = None) -> str:
+    """A bare decoder (`*Model`, no LM head, weights without the `model.` prefix) saved as a
+    sentence-transformers model is: modules.json, 1_Pooling/config.json, optionally Normalize."""
+    import json
+
+    save_hf_dir(model, tokenizer, directory)
+    if matryoshka_dimensions is not None:
+        path = os.path.join(directory, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["matryoshka_dimensions"] = matryoshka_dimensions
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(directory, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(directory, "1_Pooling"), exist_ok=True)
+    modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+             "pooling_mode_lasttoken": pooling == "lasttoken", "pooling_mode_max_tokens": False}
+    with open(os.path.join(directory, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": model.config.hidden_size, **modes}, f)
+    return directory

@@ -83,9 +83,7 @@ class KVCacheManager:
         it can serve, until a whole pass agrees (full attention's hits are prefix-closed, a
         window's are not, so a cut can make a sliding group look again further left).
         """
-        # Prompt logprobs need the logits of every prompt position, so such a request computes its
-        # whole prompt (it still publishes its blocks for others).
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_blocks(), 0
         num_hit = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tokenloom.core.kv_cache_utils import BlockHash, hash_block_tokens, root_block_hash
 from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest, FinishReason
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputRequest
 
@@ -75,9 +76,17 @@ class Request:
     # The LoRA adapter it runs with: its blocks hash from the adapter's own root, so the prefix
     # cache never hands one adapter's K/V to another (or to the base model).
     lora_request: LoRARequest | None = None
+    # A pooling request (runner="pooling"): it finishes when its prompt has run, with the pooled
+    # vector instead of a sampled token.
+    pooling_params: PoolingParams | None = None
+    # Computes its whole prompt even where the prefix cache holds it (the blocks it fills are
+    # still published for others): prompt logprobs and pooling need every position's output.
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.skip_reading_prefix_cache = True
         self.all_token_ids.extend(self.output_token_ids)
         self._update_block_hashes()
 
@@ -91,6 +100,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     # ---- tokens ---------------------------------------------------------------------------

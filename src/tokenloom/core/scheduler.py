@@ -116,6 +116,7 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         self.waiting_for_grammar: dict[str, Request] = {}
         self.structured_req_ids: set[str] = set()
+        self.pooling_type = config.pooler_config.pooling_type if config.pooler_config is not None else None
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -128,6 +129,12 @@ class Scheduler:
             return
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
+        if request.pooling_params is not None and (self.pooling_type != "LAST"
+                                                   or request.pooling_params.task == "token_embed"):
+            # Pooled from every prompt token's state (or the first's): none may come from the
+            # cache, whose blocks hold K/V, not hidden states. LAST needs only the last token,
+            # which is always computed.
+            request.skip_reading_prefix_cache = True
         self.requests[request.request_id] = request
         if request.sampling_params.structured_outputs is not None:
             assert self.structured_output_manager is not None  # see _admission_error
@@ -365,6 +372,7 @@ class Scheduler:
                     num_computed_tokens=num_hit_tokens,
                     output_token_ids=list(request.output_token_ids),
                     lora_request=request.lora_request,
+                    pooling_params=request.pooling_params,
                 )
             )
             plan.take(request, num_new_tokens)
@@ -431,10 +439,16 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if self._frees_windows:  # after caching: the blocks leave the windows still cached
                 self.kv_cache_manager.remove_skipped_blocks(request)
+            pooled = model_runner_output.pooler_output.get(req_id)
             if req_id in failed:  # the runner failed this request alone (see ModelRunner._fail_request)
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = failed[req_id]
                 new_token_ids = []
+            elif request.pooling_params is not None:
+                # A pooling request ends with its prompt: the runner pooled it in this step.
+                new_token_ids = []
+                if pooled is not None:
+                    request.status = RequestStatus.FINISHED_STOPPED
             else:
                 new_token_ids = self._append_and_check_stop(request, sampled)
                 if new_token_ids and request.structured_output is not None:
@@ -453,6 +467,7 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                         error=request.error,
+                        pooling_output=pooled,
                     )
                 )
             if request.is_finished:

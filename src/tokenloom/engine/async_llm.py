@@ -40,8 +40,9 @@ from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.source import load_model_config, load_tokenizer
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.lora_request import LoRARequest
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class AsyncLLM:
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
             enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
+            pooler_config=config.pooler_config if config.is_pooling else None,
         )
+        self.is_pooling = config.is_pooling
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
             PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix, max_model_len=self.max_model_len,
@@ -139,10 +142,11 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         max_tokens_within_context: bool = False,
         lora_request: LoRARequest | None = None,
+        pooling_task: str | None = None,
     ) -> RequestStream:
         """Validates and queues one request; its outputs arrive on the returned stream. Raises
         ValueError for a bad prompt or parameters (with `max_tokens_within_context`, also for a
@@ -152,7 +156,8 @@ class AsyncLLM:
         self._ensure_output_handler()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
-        params = params if params is not None else SamplingParams()
+        if params is None:
+            params = PoolingParams() if self.is_pooling else SamplingParams()
         arrival_time = now()
         # Counted as unfinished while it is tokenized, so that a burst of requests checked against
         # --max-waiting-requests meanwhile sees it (see get_num_unfinished_seqs).
@@ -161,7 +166,7 @@ class AsyncLLM:
         try:
             request, prompt_text = await self.run_off_loop(
                 self.input_processor.process, request_id, prompt, params, arrival_time, priority,
-                max_tokens_within_context, lora_request
+                max_tokens_within_context, lora_request, pooling_task
             )
         finally:
             self._num_pending_seqs -= pending
@@ -211,6 +216,32 @@ class AsyncLLM:
                 yield out
         finally:
             await outputs.aclose()  # its abort is synchronous: this never suspends
+
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        *,
+        pooling_task: str | None = None,
+        tokenization_kwargs: Any = None,
+        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's: a pooling request (runner="pooling"); yields its one, final output, whose
+        `outputs.data` is the pooled tensor. `pooling_task` "embed" (default) or "token_embed".
+        Closing the generator first aborts the request."""
+        check_vllm_only_args(tokenization_kwargs)
+        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(), priority,
+                                        lora_request=lora_request, pooling_task=pooling_task)
+        outputs = self.stream_outputs(stream)
+        try:
+            async for out in outputs:
+                if out.finished:
+                    yield PoolingRequestOutput.from_request_output(out)
+        finally:
+            await outputs.aclose()
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of a request queued with `add_request()`, up to the finished one. Raises

@@ -20,6 +20,7 @@ from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class LLMEngine:
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
             enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
+            pooler_config=config.pooler_config if config.is_pooling else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None
@@ -84,21 +86,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         *,
         lora_request: Any = None,
+        pooling_task: str | None = None,
         tokenization_kwargs: Any = None,
         trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
     ) -> None:
         check_vllm_only_args(tokenization_kwargs)
         if self._dead_error is not None:
             raise self._dead_error
-        params = params if params is not None else SamplingParams()
+        if params is None:
+            params = PoolingParams() if self.config.is_pooling else SamplingParams()
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority,
-                                                            lora_request=lora_request)
+                                                            lora_request=lora_request, pooling_task=pooling_task)
         self.engine_core.add_requests(self.output_processor.add_user_request(request, prompt_text))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -22,7 +22,7 @@ import msgspec
 from tokenloom.engine.accounts import Account, Accounts
 from tokenloom.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from tokenloom.engine.parallel_sampling import ParentRequest
-from tokenloom.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, now
+from tokenloom.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, PooledData, now
 from tokenloom.metrics.timeline import settle
 from tokenloom.outputs import (
     CompletionOutput,
@@ -140,6 +140,7 @@ class RequestState:
         "queue",
         "error",
         "account",
+        "pooling_output",
     )
 
     def __init__(
@@ -174,6 +175,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.queue = queue
         self.error: str | None = None
+        self.pooling_output: PooledData | None = None
         # Its metrics' account (engine/accounts.py); a child's is its parent's.
         self.account = Account(self.metrics) if parent is None else parent.account
 
@@ -367,6 +369,8 @@ class OutputProcessor:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             if out.error is not None:
                 state.error = out.error
+            if out.pooling_output is not None:
+                state.pooling_output = out.pooling_output
             if out.timing is not None:
                 state.metrics.core = out.timing
 
@@ -519,6 +523,7 @@ class OutputProcessor:
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
+            pooling_output=state.pooling_output,
         )
 
     @staticmethod

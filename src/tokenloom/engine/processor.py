@@ -13,10 +13,17 @@ from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.lora_config import read_adapter_config
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.pooling_params import PoolerConfig, PoolingParams, check_dimensions
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.structured_output import validate as validate_structured_outputs
 
 Conversation = list[dict[str, Any]]
+
+# What a pooling request carries to the engine core as its SamplingParams: the core's bookkeeping
+# (stop checks, the sampler's row) reads one from every request; a pooling request finishes
+# when its prompt has run, before anything is sampled.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                         output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class InputProcessor:
@@ -32,8 +39,13 @@ class InputProcessor:
         scheduling_policy: str | None = None,
         enable_lora: bool = False,
         max_lora_rank: int = 16,
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Set for an engine with runner="pooling": it takes PoolingParams requests only.
+        self.pooler_config = pooler_config
+        if pooler_config is not None and pooler_config.dimensions is not None:
+            check_dimensions(pooler_config.dimensions, pooler_config, model_config.hidden_size)
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
         self._lora_checked: dict[int, str] = {}  # adapter id -> the path whose config passed
@@ -92,6 +104,7 @@ class InputProcessor:
         priority: int = 0,
         max_tokens_within_context: bool = False,
         lora_request: LoRARequest | None = None,
+        pooling_task: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenizes and validates one request. Returns the request for the engine core and the
         prompt text (None when the prompt was given as token ids only). `params` is not changed:
@@ -108,11 +121,12 @@ class InputProcessor:
             raise ValueError(f"priority is {priority} but the engine schedules first come, first served: "
                              "start it with scheduling_policy='priority' (--scheduling-policy priority) to use priorities.")
         self.check_lora(lora_request)
+        pooling_params = self._pooling_params(params, pooling_task)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, self._truncation(params))
         prompt_len = len(prompt_token_ids)
         within = max_tokens_within_context and isinstance(params, SamplingParams)
         self.check_lengths(prompt_len, params.max_tokens if within else None)
-        params = self._complete_params(params, prompt_len)
+        params = POOLING_SAMPLING_PARAMS if pooling_params is not None else self._complete_params(params, prompt_len)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -121,8 +135,22 @@ class InputProcessor:
             arrival_time=arrival_time,
             priority=priority,
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         return request, prompt_text
+
+    def _pooling_params(self, params: Any, task: str | None) -> PoolingParams | None:
+        """A pooling request's parameters as the engine core runs them (None for generation);
+        each kind of request only on the engine that runs it, refused here naming the remedy."""
+        if isinstance(params, PoolingParams):
+            if self.pooler_config is None:
+                raise ValueError("This model generates (runner='generate'): embeddings need an engine started with "
+                                 "runner='pooling' (LLM(..., runner='pooling'), tokenloom serve --runner pooling).")
+            return params.resolve(task or params.task or "embed", self.pooler_config, self.model_config.hidden_size)
+        if self.pooler_config is not None and isinstance(params, SamplingParams):
+            raise ValueError("This engine embeds (runner='pooling'): it does not generate text. Use LLM.embed() or "
+                             "LLM.encode() (the /v1/embeddings route), or start another engine with runner='generate'.")
+        return None
 
     def check_lora(self, lora_request: Any) -> None:
         """A request's LoRA adapter, checked in the caller (its config: the rank, the options);
@@ -187,7 +215,7 @@ class InputProcessor:
 
     def _truncation(self, params: Any) -> int | None:
         """How many of the prompt's last tokens `params.truncate_prompt_tokens` keeps, or None."""
-        keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        keep = params.truncate_prompt_tokens if isinstance(params, (SamplingParams, PoolingParams)) else None
         if keep == -1:
             return self.max_prompt_tokens
         if keep is not None and keep > self.max_model_len:
@@ -202,10 +230,10 @@ class InputProcessor:
         context, or more than the KV cache holds for one request) and, when given, a max_tokens
         the context cannot hold after it (what vLLM's and OpenAI's servers refuse)."""
         if prompt_len >= self.max_model_len:
+            why = "" if self.pooler_config is not None else " to leave room for at least one generated token"
             raise ValueError(
                 f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
-                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
-                "to leave room for at least one generated token."
+                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens){why}."
             )
         if self.kv_cache_capacity_tokens is not None and prompt_len > self.kv_cache_capacity_tokens:
             raise ValueError(

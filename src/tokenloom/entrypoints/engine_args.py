@@ -110,6 +110,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters whose weights the engine core keeps loaded once no request uses them, least "
                         "recently used dropped first (default: --max-loras)")
+    g.add_argument("--runner", choices=("auto", "generate", "pooling"), default=_DEFAULTS.runner,
+                   help="generate text, or pool (embed: /v1/embeddings, LLM.embed); auto pools a checkpoint without a "
+                        "language-model head (default auto)")
+    g.add_argument("--convert", choices=("auto", "none", "embed"), default=_DEFAULTS.convert,
+                   help="embed: run the model as an embedding model (implies --runner pooling)")
+    g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=json_dict, default=None,
+                   metavar="JSON", help='how a pooling model pools, over its own settings: \'{"pooling_type": "MEAN", '
+                                        '"normalize": false}\' (LAST, MEAN or CLS; default: the model\'s '
+                                        "sentence-transformers files, else LAST, normalized)")
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")

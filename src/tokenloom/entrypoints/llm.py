@@ -16,7 +16,9 @@ from tokenloom.entrypoints.engine_args import DTYPE_ALIASES, VLLM_ONLY_ARGS
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.lora_request import LoRARequest
-from tokenloom.outputs import RequestOutput
+from tokenloom.engine.processor import check_vllm_only_args
+from tokenloom.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolerConfig, PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ class LLM:
     speculative decoding (prompt lookup, verified by the sampler; no draft model).
     `enable_lora=True` serves PEFT LoRA adapters: `generate(..., lora_request=LoRARequest(name,
     id, path))` (model/lora.py).
+    `runner="pooling"` makes an embedding engine: `embed(prompts)` and `encode(prompts,
+    pooling_task=...)` instead of generating (pooling_params.py); `pooler_config` (vLLM's, or
+    its older `override_pooler_config`) overrides the model's pooling type and normalization.
     """
 
     def __init__(
@@ -80,6 +85,10 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: PoolerConfig | dict[str, Any] | None = None,
+        override_pooler_config: PoolerConfig | dict[str, Any] | None = None,
         **vllm_only: Any,
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
@@ -120,6 +129,9 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            runner=runner,
+            convert=convert,
+            pooler_config=_pooler_config(pooler_config, override_pooler_config),  # type: ignore[arg-type]
         )
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.
@@ -180,16 +192,70 @@ class LLM:
         params_list = [p if p.output_kind == final else p.clone(output_kind=final) for p in params_list]
         prio_list = _broadcast("priority", priority, len(prompt_list), 0, per_item=True)
         lora_list = _broadcast("lora_request", lora_request, len(prompt_list), None, per_item=True)
+        return self._run_engine(self._add_requests(prompt_list, params_list, prio_list, lora_list), use_tqdm)
+
+    def _add_requests(self, prompts: list[Any], params: list[Any], priorities: list[int], loras: list[Any],
+                      pooling_task: str | None = None) -> list[str]:
+        """Queues one request per prompt; all or nothing (a bad prompt mid-list: nothing earlier
+        stays queued). Returns their ids, in order."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params, prio, lora in zip(prompt_list, params_list, prio_list, lora_list):
-                request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params, priority=prio, lora_request=lora)
-                ids.append(request_id)
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
+                ids.append(engine.next_request_id())
+                engine.add_request(ids[-1], prompt, p, priority=prio, lora_request=lora, pooling_task=pooling_task)
         except Exception:
-            engine.abort_request(ids)  # a bad prompt mid-list: nothing earlier stays queued
+            engine.abort_request(ids)
             raise
+        return ids
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's `LLM.embed`; needs runner="pooling"):
+        `outputs.embedding` is a list of floats, pooled and normalized as the engine's
+        pooler_config and `pooling_params` say."""
+        outs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request,
+                          tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_request_output(o) for o in outs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+        tokenization_kwargs: Any = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: the pooled tensor of each prompt (`outputs.data`) for
+        `pooling_task` "embed" ([hidden]) or "token_embed" ([prompt tokens, hidden])."""
+        if pooling_task is None:
+            raise ValueError("pooling_task is required for LLM.encode: 'embed' (one vector per prompt, as "
+                             "LLM.embed) or 'token_embed' (one per prompt token).")
+        outs = self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request,
+                          tokenization_kwargs)
+        return [PoolingRequestOutput.from_request_output(o) for o in outs]
+
+    def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: int | None,
+              use_tqdm: bool, lora_request: Any, tokenization_kwargs: Any) -> list[RequestOutput]:
+        check_vllm_only_args(tokenization_kwargs)
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast("pooling_params", pooling_params, len(prompt_list), PoolingParams(),
+                                 kind=PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        lora_list = _broadcast("lora_request", lora_request, len(prompt_list), None, per_item=True)
+        ids = self._add_requests(prompt_list, params_list, [0] * len(prompt_list), lora_list, pooling_task=task)
         return self._run_engine(ids, use_tqdm)
 
     def chat(
@@ -327,22 +393,30 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     return prompts
 
 
-def _broadcast(name: str, value: Any, n: int, default: Any, per_item: bool = False) -> list[Any]:
+def _broadcast(name: str, value: Any, n: int, default: Any, per_item: bool = False,
+               kind: type = SamplingParams) -> list[Any]:
     if value is None:
         return [default] * n
-    if isinstance(value, SamplingParams) or (per_item and not isinstance(value, (list, tuple))):
+    if isinstance(value, kind) or (per_item and not isinstance(value, (list, tuple))):
         return [value] * n
     if not per_item and (isinstance(value, (dict, str, bytes)) or not isinstance(value, Iterable)):
         # A dict would otherwise be read as a list of its keys ("got str" further down).
-        hint = f" (build one with SamplingParams(**{value!r:.60}))" if isinstance(value, dict) else ""
+        hint = f" (build one with {kind.__name__}(**{value!r:.60}))" if isinstance(value, dict) else ""
         raise TypeError(
-            f"{name} must be a SamplingParams or a list of them (one per prompt), got {type(value).__name__}{hint}."
+            f"{name} must be a {kind.__name__} or a list of them (one per prompt), got {type(value).__name__}{hint}."
         )
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts.")
     if not per_item:
         for i, item in enumerate(value):
-            if not isinstance(item, SamplingParams):
-                raise TypeError(f"{name}[{i}] must be a SamplingParams, got {type(item).__name__}.")
+            if not isinstance(item, kind):
+                raise TypeError(f"{name}[{i}] must be a {kind.__name__}, got {type(item).__name__}.")
     return value
+
+
+def _pooler_config(pooler_config: Any, override_pooler_config: Any) -> Any:
+    """vLLM's `pooler_config`, or its older name `override_pooler_config` (not both)."""
+    if pooler_config is not None and override_pooler_config is not None:
+        raise ValueError("give pooler_config or override_pooler_config (its older name), not both.")
+    return pooler_config if pooler_config is not None else override_pooler_config

@@ -47,6 +47,10 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    # Checkpoints of the bare decoder (no LM head): embedding models, run with runner="pooling".
+    "LlamaModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 
 # GGUF `general.architecture` -> our architecture name.

@@ -37,26 +37,36 @@ def _safetensors_files(directory: str) -> dict[str, str]:
 
 
 def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
-                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype, optional: set[str] = frozenset()  # type: ignore[assignment]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor in `dtype`) for every expected tensor, one file at a time. Presence and
-    shapes of all tensors are checked (from the safetensors headers) before any is read."""
+    shapes of all tensors are checked (from the safetensors headers) before any is read.
+    A checkpoint saved from the bare decoder (an HF `*Model`: `layers.0...`, not
+    `model.layers.0...`) is read under the expected names; tensors in `optional` may be absent."""
     files = _safetensors_files(directory)
+    if not any(n.startswith("model.") for n in files) and any(n.startswith("layers.") for n in files):
+        files = {f"model.{n}": p for n, p in files.items()}
+        stored = {n: n.removeprefix("model.") for n in files}
+    else:
+        stored = {n: n for n in files}
     by_file: dict[str, list[str]] = {}
     for name, shape in expected.items():
         path = files.get(name)
         if path is None:
+            if name in optional:
+                continue
             raise ModelLoadError(f"{name}: missing tensor (expected shape {shape}) in {directory}")
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             present = set(f.keys())
             for name in names:
-                if name not in present:
+                if stored[name] not in present:
                     raise ModelLoadError(f"{name}: missing tensor (the index names it) in {path}")
-                got = tuple(f.get_slice(name).get_shape())
+                got = tuple(f.get_slice(stored[name]).get_shape())
                 if got != expected[name]:
                     raise ModelLoadError(f"{name}: expected shape {expected[name]}, got {got} in {path}")
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, f.get_tensor(stored[name]).to(dtype)

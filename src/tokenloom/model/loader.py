@@ -132,9 +132,12 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", quantization: str | None = "auto") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = "auto",
+               pooling: bool = False) -> LoadedModel:
     """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
-    weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does."""
+    weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does.
+    `pooling`: the model only embeds, so a checkpoint without an LM head (an HF `*Model`, names
+    without the `model.` prefix) loads too."""
     start = time.perf_counter()
     path, kind = resolve_model(path)
     torch_dtype = resolve_dtype(dtype, device)
@@ -165,8 +168,10 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         consumed, summary = install_gguf_quantized(model, g, check_gguf_tensors(g, expected))
         to_load = {k: v for k, v in expected.items() if k not in consumed}
     weights = (iter_gguf_weights(g, config, to_load, torch_dtype) if kind == "gguf"
-               else iter_hf_weights(path, to_load, torch_dtype))
+               else iter_hf_weights(path, to_load, torch_dtype, optional={"lm_head.weight"} if pooling else set()))
     loaded = model.load_weights(weights)
+    if pooling and "lm_head.weight" not in loaded:
+        to_load = {k: v for k, v in to_load.items() if k != "lm_head.weight"}  # a headless checkpoint
     missing = set(to_load) - loaded
     if missing:  # the iterators check presence first, so this is a bug in the name mapping
         raise ModelLoadError(f"{path}: tensors not loaded into the model: {sorted(missing)[:5]}")

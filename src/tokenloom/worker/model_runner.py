@@ -39,6 +39,7 @@ from tokenloom.sample.grammar import GrammarMask
 from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
 from tokenloom.worker.input_batch import InputBatch
+from tokenloom.worker.pooler import Pooler
 
 if TYPE_CHECKING:
     from tokenloom.sched_output import SchedulerOutput
@@ -190,6 +191,8 @@ class ModelRunner:
         self._structured = np.zeros(self.max_num_reqs, dtype=bool)
         # LoRA adapters (enable_lora): every projection wrapped, the adapters per row.
         self.lora = LoRAManager(self.model, config, self.dtype, self.max_num_reqs) if config.enable_lora else None
+        # Pooling (runner="pooling"): prompts are pooled, never sampled (worker/pooler.py).
+        self.pooler = Pooler(config.pooler_config) if config.is_pooling else None  # type: ignore[arg-type]
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -218,6 +221,8 @@ class ModelRunner:
                 self.sampler.remove_request(row)
                 if self.lora is not None:
                     self.lora.remove_row(row)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
             self._prompt_logprobs_k.pop(req_id, None)
             self._pending_prompt_logprobs.pop(req_id, None)
 
@@ -232,6 +237,12 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - one request's parameters: fail it alone
                 self._fail_request(new.req_id, row, "admitting it to the sampler", e)
                 continue
+            if self.pooler is not None:
+                try:
+                    self.pooler.add_request(new.req_id, new.pooling_params)
+                except Exception as e:  # noqa: BLE001 - a generation request sent to a pooling engine
+                    self._fail_request(new.req_id, row, "admitting it to the pooler", e)
+                    continue
             if self.lora is not None:
                 try:
                     self.lora.add_request(row, new.lora_request)
@@ -262,6 +273,8 @@ class ModelRunner:
         Faults that can corrupt shared state (the model forward, the KV cache) are not caught."""
         logger.exception("request %s failed while %s; the engine keeps running", req_id, stage)
         self.sampler.remove_request(row)
+        if self.pooler is not None:
+            self.pooler.remove_request(req_id)
         self._prompt_logprobs_k.pop(req_id, None)
         self._pending_prompt_logprobs.pop(req_id, None)
         self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
@@ -306,6 +319,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(step.rows, step.query_start_loc, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
+        if self.pooler is not None:
+            return self._pool(step, hidden, t0, t1)
         prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
         if self._failed:  # failed in this step: computed with the rest, never sampled
             step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
@@ -502,6 +517,19 @@ class ModelRunner:
             self.sampler.accept(np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_extra, dtype=np.int64))
         batch.num_computed_tokens[step.rows] = num_computed
         return self._runner_output(req_ids, sampled_token_ids, logprobs)
+
+    def _pool(self, step: _StepInputs, hidden: torch.Tensor, t0: float, t1: float) -> ModelRunnerOutput:
+        """A pooling engine's step: no logits, no sampling; requests whose prompt ends here get
+        their pooled result (and finish)."""
+        assert self.pooler is not None
+        batch = self.input_batch
+        pooled = self.pooler(hidden, step.req_ids, step.query_start_loc, step.computed, step.seq_lens,
+                             batch.num_prompt_tokens[step.rows], set(self._failed))
+        batch.num_computed_tokens[step.rows] = step.seq_lens
+        out = self._runner_output(step.req_ids, [[] for _ in step.req_ids], {})
+        out.pooler_output = pooled
+        out.prepare_time, out.forward_time = t1 - t0, time.perf_counter() - t1
+        return out
 
     def _runner_output(self, req_ids: list[str], sampled_token_ids: list[list[int]],
                        logprobs: dict[str, LogprobsLists]) -> ModelRunnerOutput:

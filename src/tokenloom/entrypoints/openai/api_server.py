@@ -37,6 +37,7 @@ from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     OpenAIServingError,
     ResponsesRequest,
     TokenizeRequest,
@@ -45,6 +46,7 @@ from tokenloom.entrypoints.openai.protocol import (
 )
 from tokenloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenloom.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from tokenloom.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     LoRAModules,
@@ -174,12 +176,14 @@ def build_app(
                                        tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
                                        store_size=responses_store_size)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
-    completions.log_requests = chat.log_requests = responses.log_requests = log_requests
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, max_waiting_requests)
+    completions.log_requests = chat.log_requests = responses.log_requests = embeddings.log_requests = log_requests
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.
     adapters = LoRAModules(engine, served_model_names, lora_modules or {})
-    for serving in (completions, chat, responses, tokens):
+    for serving in (completions, chat, responses, tokens, embeddings):
         serving.lora_modules = adapters.requests
+    embeddings.enable_prompt_tokens_details = enable_prompt_tokens_details
     config = engine.config
     if default_sampling_params is None:
         default_sampling_params = generation_defaults(config.model, config.generation_config,
@@ -256,6 +260,11 @@ def build_app(
         q = request.query_params
         return responses.input_items(response_id, q.get("order", "desc"), q.get("after"),
                                      _int_param(q, "limit", 20, limit=100))
+
+    @app.post("/v1/embeddings", operation_id="create_embedding", openapi_extra=body_schema(EmbeddingRequest))
+    async def create_embedding(request: Request) -> Response:
+        req = await parse_body(request, EmbeddingRequest, max_request_body_bytes, engine)
+        return await embeddings.create_embedding(req, request)
 
     @app.post("/tokenize", operation_id="tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:

@@ -253,3 +253,20 @@ class ResponsesRequest(_SamplingFields):
     # vLLM extras, as on /v1/chat/completions
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings (OpenAI's; needs an engine with --runner pooling): `input` is a text,
+    a list of texts, one prompt's token ids or a list of them; vLLM's extras after OpenAI's."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # The official client asks for base64 unless told otherwise: little-endian float32 bytes.
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # Matryoshka models only
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    normalize: bool | None = None  # vLLM extra; None: the model's
+    use_activation: bool | None = None  # vLLM's newer name for normalize
+    add_special_tokens: bool = True  # vLLM extra: False tokenizes without a BOS
+    priority: Int64 = 0  # vLLM extra

@@ -29,6 +29,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     check_output_error,
     engine_dead_error,
     json_response,
+    prompt_list,
     run_until_disconnected,
     sse_event,
     token_text,
@@ -36,20 +37,6 @@ from tokenloom.entrypoints.openai.serving_engine import (
     usage,
 )
 from tokenloom.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-
-
-def _prompts(req: CompletionRequest) -> list[Any]:
-    """OpenAI's four prompt forms -> a list of prompts (a str or a list of token ids each)."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise bad_request("prompt must not be empty.", param="prompt")
-    if all(isinstance(x, int) for x in p):
-        return [list(p)]
-    if all(isinstance(x, list) for x in p) and not all(x for x in p):  # type: ignore[union-attr]
-        raise bad_request("prompt must not contain an empty list of token ids.", param="prompt")
-    return list(p)
 
 
 @dataclass(slots=True)
@@ -101,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
                               "returns the prompt and generates nothing).", param="max_tokens")
         if echo_only and req.min_tokens > 0:
             raise bad_request(f"min_tokens must be <= max_tokens (0), got {req.min_tokens}.", param="min_tokens")
-        prompts = _prompts(req)
+        prompts = prompt_list(req.prompt, "prompt")
         # Echo's logprobs come from the prompt logprobs, with as many alternatives as asked for
         # either way.
         prompt_logprobs = req.prompt_logprobs

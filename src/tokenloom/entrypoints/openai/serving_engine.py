@@ -461,6 +461,20 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+def prompt_list(value: Any, param: str) -> list[Any]:
+    """OpenAI's four prompt forms (a text, texts, token ids, lists of token ids) as a list of
+    prompts (a str or a list of token ids each); an empty one is a 400 naming `param`."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty.", param=param)
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    if all(isinstance(x, list) for x in value) and not all(x for x in value):
+        raise bad_request(f"{param} must not contain an empty list of token ids.", param=param)
+    return list(value)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage; `cached_tokens` (--enable-prompt-tokens-details) adds how many prompt tokens
     the prefix cache served, as OpenAI's `prompt_tokens_details.cached_tokens`."""

@@ -1,0 +1,91 @@
+"""Which runner a model gets and how it pools, read from its files (torch-free: the caller and
+the engine core both resolve it, from the same files, to the same answer).
+
+vLLM's rules: `runner="auto"` is "pooling" for a checkpoint without a language-model head
+(`architectures` naming `*Model`, e.g. Qwen3Model) and "generate" otherwise; a `*ForCausalLM`
+checkpoint (Qwen3-Embedding's config says Qwen3ForCausalLM) embeds with `runner="pooling"`.
+A sentence-transformers model's `modules.json` and pooling config give its pooling type and
+whether it normalizes; `pooler_config` fields set by the user override them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenloom.pooling_params import PoolerConfig
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+
+# sentence-transformers' pooling modes -> vLLM's pooling types (the first one set wins).
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+
+
+def _json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def model_directory(model: str | None) -> str | None:
+    """The HF directory of `model`, None for the embedded model or a GGUF file (no such files)."""
+    return model if model is not None and os.path.isdir(model) else None
+
+
+def has_lm_head(directory: str | None) -> bool:
+    """Whether config.json names a generative architecture (`*For*LM`); GGUFs always do."""
+    if directory is None:
+        return True
+    cfg = _json(os.path.join(directory, "config.json")) or {}
+    names = cfg.get("architectures") or []
+    return not names or any("ForCausalLM" in n or "ForConditionalGeneration" in n for n in names)
+
+
+def resolve_runner(model: str | None, runner: str, convert: str) -> str:
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (classification and reward models are "
+                         f"not supported), got {convert!r}.")
+    if runner == "auto":
+        runner = "pooling" if convert == "embed" or not has_lm_head(model_directory(model)) else "generate"
+    if runner == "generate" and convert == "embed":
+        raise ValueError("convert='embed' makes a pooling model: use it with runner='pooling' (or 'auto').")
+    if runner == "generate" and not has_lm_head(model_directory(model)):
+        raise ValueError(f"{model}: the checkpoint has no language-model head (its config.json names no *ForCausalLM "
+                         "architecture): it can only embed; start it with runner='pooling' (--runner pooling).")
+    return runner
+
+
+def resolve_pooler_config(model: str | None, user: PoolerConfig | None) -> PoolerConfig:
+    """The engine's pooling: the user's fields, else the model's sentence-transformers files,
+    else vLLM's defaults for decoder models (LAST, normalized); Matryoshka facts from config.json."""
+    directory = model_directory(model)
+    pooling_type = normalize = None
+    matryoshka: list[int] | None = None
+    is_matryoshka = False
+    if directory is not None:
+        modules = _json(os.path.join(directory, "modules.json"))
+        if isinstance(modules, list):
+            types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+            normalize = any(t.endswith("Normalize") for t in types)
+            for m in modules:
+                if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling"):
+                    st = _json(os.path.join(directory, str(m.get("path", "")), "config.json")) or {}
+                    pooling_type = next((v for k, v in _ST_MODES.items() if st.get(k)), None)
+        cfg = _json(os.path.join(directory, "config.json")) or {}
+        dims = cfg.get("matryoshka_dimensions")
+        if isinstance(dims, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            matryoshka = list(dims)
+        is_matryoshka = bool(cfg.get("is_matryoshka")) or matryoshka is not None
+    user = user or PoolerConfig()
+    return PoolerConfig(
+        pooling_type=user.pooling_type or pooling_type or "LAST",
+        normalize=user.normalize if user.normalize is not None else (normalize if normalize is not None else True),
+        dimensions=user.dimensions,
+        is_matryoshka=is_matryoshka,
+        matryoshka_dimensions=matryoshka,
+    )
