@@ -155,8 +155,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # the final hidden states (pooling_params.py) instead of generating; "auto" picks it for a
     # checkpoint without a language-model head. `convert="embed"` asks for it on any model.
     # `pooler_config` (a PoolerConfig or a dict) overrides the model's own pooling settings.
-    # validate() decides: an engine that pools gets runner "pooling" and its whole pooler_config
-    # (the engine core reads them as given); a generating one keeps what its caller wrote.
+    # model/pooling_config.resolve_pooling decides from the model's files (the engines call it):
+    # an engine that pools gets runner "pooling" and its whole pooler_config; a generating one
+    # keeps what its caller wrote.
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: PoolerConfig | None = None
@@ -239,28 +240,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.enable_lora and tp > 1:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size={tp}: LoRA adapters run "
                              "with one rank.")
-        self._resolve_pooling()
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
 
-    def _resolve_pooling(self) -> None:
-        from tokenloom.model.pooling_config import resolve_pooler_config, resolve_runner
-
-        if resolve_runner(self.model, self.runner, self.convert) != "pooling":
-            if self.pooler_config is not None:
-                raise ValueError("pooler_config applies to pooling models: start the engine with runner='pooling' "
-                                 "(--runner pooling).")
-            return  # "auto" stays as given: a generating engine's config is what its caller wrote
-        self.runner = "pooling"  # decided here, once: the engine core reads it as given
-        self.pooler_config = resolve_pooler_config(self.model, self.pooler_config)
-        if self.speculative_config is not None:
-            raise ValueError("speculative_config does not apply to runner='pooling': a pooling model never "
-                             "decodes.")
-
     @property
     def is_pooling(self) -> bool:
-        """After validate(): the engine pools (embeds) rather than generates."""
+        """After resolve_pooling(): the engine pools (embeds) rather than generates."""
         return self.runner == "pooling"
 
 

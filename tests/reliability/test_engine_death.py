@@ -109,6 +109,35 @@ def test_engine_core_killed_mid_run(fresh_server):
     assert not ipc_dir.exists(), f"{ipc_dir} was left behind"
 
 
+def test_embedding_requests_in_flight_fail_with_503_when_the_core_dies():
+    """An embedding server (--runner pooling) loses its engine core while requests are being
+    pooled: each ends with 503 engine_dead, none hangs."""
+    # 24 inputs of ~250 tokens under a 64-token budget: ~100 steps, long enough to be caught.
+    with running_server(SMALL_SERVER_ARGS + ["--runner", "pooling", "--max-num-batched-tokens", "64"]) as srv:
+        text = "The quick brown fox jumps over the lazy dog. " * 24
+
+        async def run() -> list:
+            async with srv.async_client() as client:
+                async def embed(i: int):
+                    try:
+                        await client.embeddings.create(model=MODEL, input=[f"{i} {text}"] * 4)
+                    except openai.APIStatusError as e:
+                        return e
+                    return None
+
+                tasks = [asyncio.ensure_future(embed(i)) for i in range(6)]
+                running = "tokenloom:num_requests_running"
+                assert await asyncio.to_thread(wait_until, lambda: srv.metrics().get(running, 0) > 0, 60)
+                os.kill(srv.core_pid, signal.SIGKILL)
+                return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        for error in asyncio.run(run()):
+            assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
+            assert error.response.json()["error"]["code"] == "engine_dead"
+        srv.proc.wait(timeout=60)
+        assert srv.proc.returncode == 1, srv.log_text()
+
+
 def test_engine_core_exits_when_server_is_killed(fresh_server):
     srv = fresh_server
     core, ipc_dir = srv.core_pid, ipc_dir_of(srv.core_pid)

@@ -14,6 +14,7 @@ import time
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.executor import executor_class
 from tokenloom.kv_cache_spec import kv_cache_groups
@@ -34,6 +35,7 @@ GRAMMAR_POLL_SECONDS = 0.005
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        resolve_pooling(config)
         self.config = config
         t0 = time.perf_counter()
         # The model's rank(s): in this process, in worker processes or in Ray actors.

@@ -42,6 +42,7 @@ from tokenloom.metrics.prometheus import PrometheusMetrics
 from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.lora_request import LoRARequest
+from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class AsyncLLM:
         aborted (vLLM's enable_log_requests)."""
         self.log_requests = log_requests
         config.validate()
+        resolve_pooling(config)
         self.config = config
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
         # Only the tokenizer and the architecture facts live here; the weights load in the core.

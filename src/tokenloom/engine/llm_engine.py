@@ -18,6 +18,7 @@ from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
+from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
@@ -27,6 +28,7 @@ from tokenloom.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
         config.validate()
+        resolve_pooling(config)
         self.config = config
         # The caller needs only the tokenizer and the architecture facts; the weights are loaded
         # (and dequantized) once, in the engine core.

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.pooling_params import PoolerConfig
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -89,3 +90,19 @@ def resolve_pooler_config(model: str | None, user: PoolerConfig | None) -> Poole
         is_matryoshka=is_matryoshka,
         matryoshka_dimensions=matryoshka,
     )
+
+
+def resolve_pooling(config: EngineConfig) -> None:
+    """Decides, in place, whether the engine of `config` pools: then its runner becomes "pooling"
+    and its pooler_config the whole resolved one; a generating engine's config is left as its
+    caller wrote it. Idempotent: the caller's engine decides before the core starts (errors name
+    the setting there), and the engine core decides again from the same files, to the same end."""
+    if resolve_runner(config.model, config.runner, config.convert) != "pooling":
+        if config.pooler_config is not None:
+            raise ValueError("pooler_config applies to pooling models: start the engine with runner='pooling' "
+                             "(--runner pooling).")
+        return
+    config.runner = "pooling"
+    config.pooler_config = resolve_pooler_config(config.model, config.pooler_config)
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config does not apply to runner='pooling': a pooling model never decodes.")
