@@ -231,3 +231,21 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
         base = PoolingRequestOutput.from_request_output(out)
         return cls(base.request_id, EmbeddingOutput(base.outputs.data.tolist()), base.prompt_token_ids,
                    base.finished, base.num_cached_tokens, base.metrics)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: the similarity of a pair (here the cosine of the two embeddings)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's output of `LLM.score`: one per pair, `outputs.score`; `prompt_token_ids` are the
+    two inputs' tokens one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -175,3 +175,26 @@ def test_the_embedded_model_embeds_from_its_quantized_weights():
     assert (F.cosine_similarity(vectors["auto"], vectors[None], dim=1) > 0.999).all()
     sim = vectors["auto"] @ vectors["auto"].T
     assert sim[0, 1] > sim[0, 2] and sim[0, 1] > sim[1, 2]  # the two cats are closest
+
+
+def test_score_is_the_cosine_of_the_embeddings(models, mean_llm):
+    """vLLM's LLM.score with an embedding model (bi-encoder): 1:N and N:N pairs, each the cosine
+    similarity of transformers' pooled states (normalization aside: MEAN here)."""
+    model = models["st"][1]
+
+    def ref(text: str) -> torch.Tensor:
+        return embedding_reference(model, ids_of(mean_llm, text)).mean(0)
+
+    one_to_n = mean_llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    assert len(one_to_n) == 3 and all(o.finished for o in one_to_n)
+    for text, out in zip(PROMPTS[1:], one_to_n):
+        want = F.cosine_similarity(ref(PROMPTS[0]), ref(text), dim=0).item()
+        assert abs(out.outputs.score - want) < 1e-5
+        assert out.prompt_token_ids == ids_of(mean_llm, PROMPTS[0]) + ids_of(mean_llm, text)
+    # A cosine, also of vectors the engine does not normalize.
+    pairwise = mean_llm.score(PROMPTS[:2], PROMPTS[2:], use_tqdm=False, pooling_params=PoolingParams(normalize=False))
+    for a, b, out in zip(PROMPTS[:2], PROMPTS[2:], pairwise):
+        assert abs(out.outputs.score - F.cosine_similarity(ref(a), ref(b), dim=0).item()) < 1e-5
+    assert abs(mean_llm.score(PROMPTS[1], PROMPTS[1], use_tqdm=False)[0].outputs.score - 1.0) < 1e-6
+    with pytest.raises(ValueError, match="data_1 has 2 inputs and data_2 3"):
+        mean_llm.score(PROMPTS[:2], PROMPTS[1:], use_tqdm=False)

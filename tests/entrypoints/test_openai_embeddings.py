@@ -117,3 +117,30 @@ def test_an_embedding_server_does_not_generate(server):
     with pytest.raises(openai.BadRequestError, match="does not generate"):
         client.completions.create(model="embedder", prompt="Hi", max_tokens=4)
     assert client.embeddings.create(model="embedder", input="still up").data  # nothing broke
+
+
+def test_score_and_rerank(server, tiny):
+    def vec(text: str) -> torch.Tensor:
+        return reference(tiny, text_ids(tiny, text))
+
+    query, docs = "capital of France", ["Paris is the capital of France.", "Bananas are yellow.", "Hello"]
+    want = [F.cosine_similarity(vec(query), vec(d), dim=0).item() for d in docs]
+    for path in ("/score", "/v1/score"):
+        r = httpx.post(server.url(path), json={"model": "embedder", "text_1": query, "text_2": docs}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][0]["object"] == "score"
+        assert max(abs(d["score"] - w) for d, w in zip(body["data"], want)) < 1e-5
+        assert body["usage"]["prompt_tokens"] == sum(len(text_ids(tiny, t)) for t in [query, *docs])
+    pairwise = httpx.post(server.url("/score"), json={"text_1": docs[:2], "text_2": docs[1:]}, timeout=60).json()
+    assert abs(pairwise["data"][0]["score"] - F.cosine_similarity(vec(docs[0]), vec(docs[1]), dim=0).item()) < 1e-5
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(server.url(path), json={"query": query, "documents": docs, "top_n": 2}, timeout=60).json()
+        assert [x["index"] for x in r["results"]] == order[:2]
+        assert r["results"][0]["document"]["text"] == docs[order[0]]
+        assert abs(r["results"][0]["relevance_score"] - want[order[0]]) < 1e-5
+    bad = httpx.post(server.url("/score"), json={"text_1": docs[:2], "text_2": docs}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1", bad.text
+    empty = httpx.post(server.url("/rerank"), json={"query": query, "documents": []}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents", empty.text

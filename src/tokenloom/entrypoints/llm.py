@@ -6,6 +6,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from tokenloom.config import EngineConfig
@@ -17,7 +18,14 @@ from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.processor import check_vllm_only_args
-from tokenloom.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from tokenloom.entrypoints.score_utils import cosine_scores, score_pairs
+from tokenloom.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from tokenloom.pooling_params import PoolerConfig, PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -245,6 +253,29 @@ class LLM:
         outs = self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request,
                           tokenization_kwargs)
         return [PoolingRequestOutput.from_request_output(o) for o in outs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: Any = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` with an embedding model (a bi-encoder): the cosine similarity of
+        each pair's embeddings, one text against many (1:N) or two equal lists pairwise (N:N).
+        Each distinct input is embedded once."""
+        inputs, pairs = score_pairs(data_1, data_2)
+        outs = self.embed(inputs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                          lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        scores = cosine_scores([np.asarray(o.outputs.embedding) for o in outs], pairs)
+        return [ScoringRequestOutput(f"{outs[i].request_id}_{outs[j].request_id}", ScoringOutput(s),
+                                     outs[i].prompt_token_ids + outs[j].prompt_token_ids)
+                for (i, j), s in zip(pairs, scores)]
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: int | None,
               use_tqdm: bool, lora_request: Any, tokenization_kwargs: Any) -> list[RequestOutput]:

@@ -38,8 +38,10 @@ from tokenloom.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
     OpenAIServingError,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     bad_request,
     unix_time,
@@ -265,6 +267,19 @@ def build_app(
     async def create_embedding(request: Request) -> Response:
         req = await parse_body(request, EmbeddingRequest, max_request_body_bytes, engine)
         return await embeddings.create_embedding(req, request)
+
+    @app.post("/score", operation_id="create_score", openapi_extra=body_schema(ScoreRequest))
+    @app.post("/v1/score", openapi_extra=body_schema(ScoreRequest), include_in_schema=False)
+    async def create_score(request: Request) -> Response:
+        req = await parse_body(request, ScoreRequest, max_request_body_bytes, engine)
+        return await embeddings.create_score(req, request)
+
+    @app.post("/rerank", operation_id="create_rerank", openapi_extra=body_schema(RerankRequest))
+    @app.post("/v1/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    async def create_rerank(request: Request) -> Response:
+        req = await parse_body(request, RerankRequest, max_request_body_bytes, engine)
+        return await embeddings.create_rerank(req, request)
 
     @app.post("/tokenize", operation_id="tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:

@@ -270,3 +270,27 @@ class EmbeddingRequest(_Request):
     use_activation: bool | None = None  # vLLM's newer name for normalize
     add_special_tokens: bool = True  # vLLM extra: False tokenizes without a BOS
     priority: Int64 = 0  # vLLM extra
+
+
+class ScoreRequest(_Request):
+    """POST /score (vLLM's; an embedding model scores by cosine similarity): `text_1` against each
+    of `text_2` (1:N), or two lists of the same length pairwise."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    priority: Int64 = 0
+
+
+class RerankRequest(_Request):
+    """POST /rerank (vLLM's, the Jina / Cohere shape): `documents` ordered by their score against
+    `query`, the `top_n` best (0 or none: all)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(None, ge=0, le=INT64_MAX)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    priority: Int64 = 0

@@ -1,7 +1,8 @@
 """POST /v1/embeddings (OpenAI's), served by an engine started with `--runner pooling`: one
 embedding per input, pooled and normalized in the engine core (worker/pooler.py), sent as floats
 or as base64 of little-endian float32 bytes (what the official client asks for by default).
-Torch-free: the vectors arrive as bytes and leave as JSON or base64 through numpy."""
+And vLLM's /score and /rerank with the same model: cosine similarities of embeddings
+(entrypoints/score_utils.py). Torch-free: the vectors arrive as bytes, numpy does the rest."""
 from __future__ import annotations
 
 import base64
@@ -11,7 +12,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tokenloom.entrypoints.openai.protocol import EmbeddingRequest, OpenAIServingError, random_id, unix_time
+from tokenloom.entrypoints.openai.protocol import (
+    EmbeddingRequest,
+    OpenAIServingError,
+    RerankRequest,
+    ScoreRequest,
+    bad_request,
+    random_id,
+    unix_time,
+)
 from tokenloom.entrypoints.openai.serving_engine import (
     OpenAIServing,
     error_from_value_error,
@@ -20,35 +29,94 @@ from tokenloom.entrypoints.openai.serving_engine import (
     run_until_disconnected,
     usage,
 )
+from tokenloom.entrypoints.score_utils import cosine_scores, score_pairs
 from tokenloom.outputs import RequestOutput, pooled_array
 from tokenloom.pooling_params import PoolingParams
 
 
 class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, req: EmbeddingRequest, raw_request: Request) -> Response:
-        model = self.check_model(req.model)
-        if not self.engine.is_pooling:
-            raise OpenAIServingError(
-                "This model generates text (--runner generate): embeddings need a server started with "
-                "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
+        model = self._check_pooling_model(req.model)
         prompts = prompt_list(req.input, "input")
         if not req.add_special_tokens:  # the texts' own tokens, no BOS (token ids pass as given)
             encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
             prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
-        try:
-            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
-                                   use_activation=req.use_activation,
-                                   truncate_prompt_tokens=req.truncate_prompt_tokens)
-        except ValueError as e:
-            raise error_from_value_error(e) from None
-        self.check_capacity(len(prompts))
+        params = self._params(dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation,
+                              truncate_prompt_tokens=req.truncate_prompt_tokens)
         request_id = random_id("embd")
-        streams = await self.add_requests(request_id, prompts, params, req.priority, "input",
-                                          lora_request=self.lora_of(model))
-        outs = await run_until_disconnected(raw_request, self.collect_final(streams))
+        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
         if outs is None:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         return json_response(self._response(request_id, model, outs, req.encoding_format))
+
+    async def create_score(self, req: ScoreRequest, raw_request: Request) -> Response:
+        model = self._check_pooling_model(req.model)
+        try:
+            inputs, pairs = score_pairs(req.text_1, req.text_2, "text_1", "text_2")
+        except ValueError as e:
+            raise error_from_value_error(e) from None
+        request_id = random_id("score")
+        scored = await self._score(request_id, inputs, pairs, req, model, raw_request)
+        if scored is None:
+            return Response(status_code=499)
+        scores, usage_ = scored
+        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
+                              "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                              "usage": usage_})
+
+    async def create_rerank(self, req: RerankRequest, raw_request: Request) -> Response:
+        model = self._check_pooling_model(req.model)
+        if not req.documents:
+            raise bad_request("documents must not be empty.", param="documents")
+        try:
+            inputs, pairs = score_pairs(req.query, req.documents, "query", "documents")
+        except ValueError as e:
+            raise error_from_value_error(e) from None
+        request_id = random_id("rerank")
+        scored = await self._score(request_id, inputs, pairs, req, model, raw_request)
+        if scored is None:
+            return Response(status_code=499)
+        scores, usage_ = scored
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
+        results = [{"index": i, "relevance_score": scores[i],
+                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
+        return json_response({"id": request_id, "model": model, "results": results,
+                              "usage": {"total_tokens": usage_["total_tokens"]}})
+
+    # ---- shared ---------------------------------------------------------------------------------
+
+    def _check_pooling_model(self, model: str | None) -> str:
+        model = self.check_model(model)
+        if not self.engine.is_pooling:
+            raise OpenAIServingError(
+                "This model generates text (--runner generate): embeddings and scores need a server started with "
+                "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
+        return model
+
+    @staticmethod
+    def _params(**fields: Any) -> PoolingParams:
+        try:
+            return PoolingParams(**fields)
+        except ValueError as e:
+            raise error_from_value_error(e) from None
+
+    async def _embed(self, request_id: str, prompts: list[Any], params: PoolingParams, priority: int,
+                     prompt_param: str, model: str, raw_request: Request) -> list[RequestOutput] | None:
+        """One engine request per prompt, awaited; None when the client went away first."""
+        self.check_capacity(len(prompts))
+        streams = await self.add_requests(request_id, prompts, params, priority, prompt_param,
+                                          lora_request=self.lora_of(model))
+        return await run_until_disconnected(raw_request, self.collect_final(streams))
+
+    async def _score(self, request_id: str, inputs: list[Any], pairs: list[tuple[int, int]], req: Any, model: str,
+                     raw_request: Request) -> tuple[list[float], dict[str, Any]] | None:
+        params = self._params(truncate_prompt_tokens=req.truncate_prompt_tokens)
+        outs = await self._embed(request_id, inputs, params, req.priority, "text_1", model, raw_request)
+        if outs is None:
+            return None
+        vectors = [pooled_array(o.pooling_output) for o in outs]  # type: ignore[arg-type]
+        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
+        return cosine_scores(vectors, pairs), usage(prompt_tokens, 0)
 
     def _response(self, request_id: str, model: str, outs: list[RequestOutput], encoding_format: str
                   ) -> dict[str, Any]:

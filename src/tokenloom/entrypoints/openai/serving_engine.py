@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()  # encodes -inf logprobs as null instead of emitting invalid JSON
 _LOGGED_PROMPT_CHARS = 200  # --enable-log-requests shows this much of a prompt (vLLM: --max-log-len)
-_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+) (?:must|has|is)\b")
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z_0-9]*) (?:must|has|is)\b")
 
 
 def json_response(obj: Any, status_code: int = 200) -> Response:

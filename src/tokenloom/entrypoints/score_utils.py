@@ -1,0 +1,58 @@
+"""Scoring with an embedding model (vLLM's bi-encoder `score` and `rerank`): the cosine similarity
+of two texts' embeddings. Shared by `LLM.score` and the server's /score and /rerank; numpy only.
+
+Pairs as vLLM forms them: one text against one (1:1), one against many (1:N), or two lists of the
+same length, element by element (N:N). Each distinct text is embedded once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def score_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = "data_2"
+                ) -> tuple[list[Any], list[tuple[int, int]]]:
+    """(the distinct inputs to embed, the pairs to score as indices into them). An input is a
+    text or a list of token ids; a ValueError names the argument that does not fit."""
+    firsts, seconds = _as_list(data_1, name_1), _as_list(data_2, name_2)
+    if len(firsts) != 1 and len(firsts) != len(seconds):
+        raise ValueError(f"{name_1} has {len(firsts)} inputs and {name_2} {len(seconds)}: give one {name_1} "
+                         f"(scored against every {name_2}) or as many as {name_2} (scored pairwise).")
+    inputs: list[Any] = []
+    index: dict[Any, int] = {}
+
+    def slot(x: Any) -> int:
+        key = x if isinstance(x, str) else tuple(x)
+        if key not in index:
+            index[key] = len(inputs)
+            inputs.append(x)
+        return index[key]
+
+    pairs = [(slot(firsts[0] if len(firsts) == 1 else firsts[i]), slot(s)) for i, s in enumerate(seconds)]
+    return inputs, pairs
+
+
+def cosine_scores(vectors: list[np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair (whether or not the vectors were normalized)."""
+    out = []
+    for i, j in pairs:
+        a, b = vectors[i].astype(np.float64), vectors[j].astype(np.float64)
+        denom = float(np.linalg.norm(a) * np.linalg.norm(b))
+        out.append(float(a @ b) / denom if denom else 0.0)
+    return out
+
+
+def _as_list(data: Any, name: str) -> list[Any]:
+    if isinstance(data, str):
+        data = [data]
+    elif isinstance(data, dict):  # a prompt dict, as LLM.embed takes it
+        data = [data.get("prompt_token_ids", data.get("prompt"))]
+    elif isinstance(data, (list, tuple)) and data and all(isinstance(t, int) for t in data):
+        data = [list(data)]  # one prompt's token ids
+    if not isinstance(data, (list, tuple)) or not data:
+        raise ValueError(f"{name} must be a text, a list of texts or token ids, and not empty; got {data!r:.80}.")
+    for x in data:
+        if not isinstance(x, (str, list, tuple)) or (isinstance(x, str) and not x) or (not isinstance(x, str) and not x):
+            raise ValueError(f"{name} must hold non-empty texts or lists of token ids, got {x!r:.80}.")
+    return list(data)
