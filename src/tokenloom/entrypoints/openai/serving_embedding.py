@@ -17,7 +17,6 @@ from tokenloom.entrypoints.openai.protocol import (
     OpenAIServingError,
     RerankRequest,
     ScoreRequest,
-    bad_request,
     random_id,
     unix_time,
 )
@@ -50,33 +49,19 @@ class OpenAIServingEmbedding(OpenAIServing):
         return json_response(self._response(request_id, model, outs, req.encoding_format))
 
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> Response:
-        model = self._check_pooling_model(req.model)
-        try:
-            inputs, pairs = score_pairs(req.text_1, req.text_2, "text_1", "text_2")
-        except ValueError as e:
-            raise error_from_value_error(e) from None
-        request_id = random_id("score")
-        scored = await self._score(request_id, inputs, pairs, req, model, raw_request)
+        scored = await self._score("score", req, req.text_1, req.text_2, ("text_1", "text_2"), raw_request)
         if scored is None:
-            return Response(status_code=499)
-        scores, usage_ = scored
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        request_id, model, scores, usage_ = scored
         return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
                               "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                               "usage": usage_})
 
     async def create_rerank(self, req: RerankRequest, raw_request: Request) -> Response:
-        model = self._check_pooling_model(req.model)
-        if not req.documents:
-            raise bad_request("documents must not be empty.", param="documents")
-        try:
-            inputs, pairs = score_pairs(req.query, req.documents, "query", "documents")
-        except ValueError as e:
-            raise error_from_value_error(e) from None
-        request_id = random_id("rerank")
-        scored = await self._score(request_id, inputs, pairs, req, model, raw_request)
+        scored = await self._score("rerank", req, req.query, req.documents, ("query", "documents"), raw_request)
         if scored is None:
             return Response(status_code=499)
-        scores, usage_ = scored
+        request_id, model, scores, usage_ = scored
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
@@ -108,15 +93,23 @@ class OpenAIServingEmbedding(OpenAIServing):
                                           lora_request=self.lora_of(model))
         return await run_until_disconnected(raw_request, self.collect_final(streams))
 
-    async def _score(self, request_id: str, inputs: list[Any], pairs: list[tuple[int, int]], req: Any, model: str,
-                     raw_request: Request) -> tuple[list[float], dict[str, Any]] | None:
+    async def _score(self, kind: str, req: Any, data_1: Any, data_2: Any, names: tuple[str, str],
+                     raw_request: Request) -> tuple[str, str, list[float], dict[str, Any]] | None:
+        """(request id, model, each pair's cosine similarity, usage) of a score or rerank request;
+        None when the client went away first."""
+        model = self._check_pooling_model(req.model)
+        try:
+            inputs, pairs = score_pairs(data_1, data_2, *names)
+        except ValueError as e:
+            raise error_from_value_error(e) from None
+        request_id = random_id(kind)
         params = self._params(truncate_prompt_tokens=req.truncate_prompt_tokens)
-        outs = await self._embed(request_id, inputs, params, req.priority, "text_1", model, raw_request)
+        outs = await self._embed(request_id, inputs, params, req.priority, names[0], model, raw_request)
         if outs is None:
             return None
         vectors = [pooled_array(o.pooling_output) for o in outs]  # type: ignore[arg-type]
         prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        return cosine_scores(vectors, pairs), usage(prompt_tokens, 0)
+        return request_id, model, cosine_scores(vectors, pairs), usage(prompt_tokens, 0)
 
     def _response(self, request_id: str, model: str, outs: list[RequestOutput], encoding_format: str
                   ) -> dict[str, Any]:
