@@ -439,7 +439,7 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if self._frees_windows:  # after caching: the blocks leave the windows still cached
                 self.kv_cache_manager.remove_skipped_blocks(request)
-            pooled = model_runner_output.pooler_output.get(req_id)
+            pooled = None
             if req_id in failed:  # the runner failed this request alone (see ModelRunner._fail_request)
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = failed[req_id]
@@ -447,6 +447,7 @@ class Scheduler:
             elif request.pooling_params is not None:
                 # A pooling request ends with its prompt: the runner pooled it in this step.
                 new_token_ids = []
+                pooled = model_runner_output.pooler_output.get(req_id)
                 if pooled is not None:
                     request.status = RequestStatus.FINISHED_STOPPED
             else:

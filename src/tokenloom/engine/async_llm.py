@@ -93,9 +93,8 @@ class AsyncLLM:
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
             enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
-            pooler_config=config.pooler_config if config.is_pooling else None,
+            pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
         )
-        self.is_pooling = config.is_pooling
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
             PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix, max_model_len=self.max_model_len,
@@ -159,7 +158,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
         if params is None:
-            params = PoolingParams() if self.is_pooling else SamplingParams()
+            params = PoolingParams() if self.config.is_pooling else SamplingParams()
         arrival_time = now()
         # Counted as unfinished while it is tokenized, so that a burst of requests checked against
         # --max-waiting-requests meanwhile sees it (see get_num_unfinished_seqs).

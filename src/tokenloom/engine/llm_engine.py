@@ -50,7 +50,7 @@ class LLMEngine:
             self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
             enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
-            pooler_config=config.pooler_config if config.is_pooling else None,
+            pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self._dead_error: EngineDeadError | None = None

@@ -72,7 +72,7 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     def _check_pooling_model(self, model: str | None) -> str:
         model = self.check_model(model)
-        if not self.engine.is_pooling:
+        if not self.engine.config.is_pooling:
             raise OpenAIServingError(
                 "This model generates text (--runner generate): embeddings and scores need a server started with "
                 "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
