@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenloom import LLM, LoRARequest, SamplingParams
 from tokenloom.config import EngineConfig
@@ -54,6 +55,45 @@ def test_adapters_alone_and_mixed_match_peft(tiny, references, quantization):
     finally:
         llm.shutdown()
     assert references["all"] != references["base"] and references["qv"] != references["base"]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_decode_steps_with_adapters_run_fused_as_the_eager_layers(tiny, quantization):
+    """A decode step with adapters in it stays on the one C call (csrc/lora_decode.c adds their
+    products between the step's kernels), and gives the eager layers' tokens, with logprobs
+    equal to rounding: base, "all" and "qv" requests interleaved, of different lengths, so rows
+    join and leave and each step maps its tokens to its adapters anew."""
+    from tokenloom.ops import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    base_dir, adapters, _ = tiny
+    loras = list(requests(adapters).values())
+    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization,
+              num_kv_blocks=128, max_model_len=256, multiprocess=False, enable_prefix_caching=False)
+    try:
+        model = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
+        step = model.fused_decode
+        if step is None or step.step.dtype != torch.float32:
+            pytest.skip("no float32 fused decode step on this CPU (bfloat16 steps with adapters stay eager)")
+        order = [loras[i % 3] for i in (1, 0, 2, 2, 1, 0, 1, 2, 0)]
+        params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=1)
+                  for i in range(len(order))]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(order))]
+        runs = {}
+        for fused in (False, True):
+            model.fused_decode = step if fused else None
+            before = step.steps
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=order)
+            runs[fused] = [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in
+                                                          zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                           for o in outs]
+        assert step.steps - before >= max(p.max_tokens for p in params) - 1  # every decode step fused
+    finally:
+        llm.shutdown()
+    for (eager_ids, eager_lp), (fused_ids, fused_lp) in zip(runs[False], runs[True]):
+        assert fused_ids == eager_ids
+        assert fused_lp == pytest.approx(eager_lp, abs=1e-3 if quantization == "int8" else 2e-5)
 
 
 def test_prefix_cache_is_kept_apart_per_adapter(tiny, references):

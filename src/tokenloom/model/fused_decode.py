@@ -20,6 +20,10 @@ a decode of its own request in order, the C decode kernel's block table built, a
 can write -- and otherwise returns None, so the eager layers run (prefills, mixed steps, the
 PyTorch fallbacks).
 
+With LoRA adapters in the step (`lora_state`, set by worker/lora_manager.py), a float32 step
+adds their products in C (csrc/lora_decode.c), equal to the eager LoRALinear's to rounding; a
+bfloat16 one returns None.
+
 `TOKENLOOM_FUSED_DECODE=0` keeps the eager layers for every step (for A/B measurements).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from tokenloom.attention.torch_backend import TorchAttentionPlan
 from tokenloom.model import packed_linear
 from tokenloom.model.llama import Linear
+from tokenloom.model.lora import LoRAState
 from tokenloom.model.quant_linear import QuantLinear
 from tokenloom.ops import amx, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
@@ -76,6 +81,8 @@ class FusedDecode:
         self.step = step
         self.max_tokens = max_tokens  # None: any step size
         self.steps = 0  # decode steps run fused (tests and benchmarks read it)
+        # The LoRA adapters of each step (model/lora.LoRAState), set when the runner has them.
+        self.lora_state: LoRAState | None = None
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
@@ -141,12 +148,18 @@ class FusedDecode:
                 or h.dtype != self.step.dtype or h.device.type != "cpu"
                 or positions.dtype != torch.int64 or not positions.is_contiguous()):
             return None
+        lora = None
+        state = self.lora_state
+        if state is not None and state.active:
+            if self.step.dtype != torch.float32:  # the C step adds adapters to float32 steps only
+                return None
+            lora = ([a.decode_table(len(kv_caches)) for a in state.adapters], state.token_adapter)
         cache = kv_caches[0]
         # A bfloat16 step needs a bfloat16 cache; a float32 one writes float32 or bfloat16.
         ok = (torch.bfloat16,) if self.step.dtype == torch.bfloat16 else (torch.float32, torch.bfloat16)
         if cache.dtype not in ok or not cache.is_contiguous() or cache.shape[3] != self.step.num_kv_heads:
             return None
         out = self.step(h.contiguous(), positions, plan.write_slots.contiguous(),
-                        dp.block_table_i32, dp.seq_lens_i32, kv_caches)
+                        dp.block_table_i32, dp.seq_lens_i32, kv_caches, lora)
         self.steps += 1
         return out

@@ -12,7 +12,9 @@ so an adapter's parts for one fused projection share one `x @ A^T` product (the 
 stacked) and one product with their B matrices placed block-diagonally (each part's B writes
 only its own rows of the output): two matmuls per projection instead of one per part, fewer
 dispatches on a path that per-op overhead rules at small batches (benchmarks/README.md, "LoRA
-adapters").
+adapters"). Decode steps in float32 do not come here: the fused C step (model/fused_decode.py)
+adds the same products itself, reading each adapter's `decode_table` and the state's per-token
+adapter index.
 
 Taken: `r`, `lora_alpha`, `use_rslora` (scaling alpha / sqrt(r)), `target_modules` among q, k,
 v, o, gate, up and down projections. Refused, naming the option: DoRA, biases, per-module ranks
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from tokenloom.model.lora_config import read_adapter_config
+from tokenloom.ops.decode_step import DecodeLoRATable, LoRAProjection
 
 # PEFT's module name -> (the fused projection here, which of its parts).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -54,6 +57,8 @@ class _Projection:
 
     a: torch.Tensor  # [sum of ranks, in_features]
     b_t: torch.Tensor  # [sum of ranks, out_features]: scaling * B^T per part, zero elsewhere
+    # per part: (its first column of x @ a^T, end, its first output row, end)
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass
@@ -61,10 +66,19 @@ class LoRAAdapter:
     lora_int_id: int
     rank: int
     projections: dict[tuple[int, str], _Projection] = field(default_factory=dict)
+    _decode_table: DecodeLoRATable | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(p.a.nbytes + p.b_t.nbytes for p in self.projections.values())
+
+    def decode_table(self, num_layers: int) -> DecodeLoRATable:
+        """The adapter as the fused decode step reads it (built on first use; float32 only)."""
+        if self._decode_table is None:
+            self._decode_table = DecodeLoRATable([
+                None if (p := self.projections.get((layer, name))) is None else LoRAProjection(p.a, p.b_t, p.parts)
+                for layer in range(num_layers) for name in PROJECTIONS])
+        return self._decode_table
 
 
 def load_adapter(lora_int_id: int, path: str, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
@@ -103,15 +117,18 @@ def load_adapter(lora_int_id: int, path: str, model: nn.Module, max_rank: int, d
         total_rank = sum(a.shape[0] for _, a, _ in parts)
         b_t = torch.zeros(total_rank, row_starts[-1], dtype=torch.float32)
         col = 0
+        spans = []
         for part, a, b in parts:
             row0, row1 = row_starts[part], row_starts[part + 1]
             if a.shape[1] != in_features or b.shape[0] != row1 - row0 or a.shape[0] != b.shape[1]:
                 raise ValueError(f"lora_request: layer {layer}'s adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} "
                                  f"do not fit the model's projection ({row1 - row0} x {in_features}).")
             b_t[col:col + a.shape[0], row0:row1] = b.to(torch.float32).t() * cfg.scaling
+            spans.append((col, col + a.shape[0], row0, row1))
             col += a.shape[0]
         a_cat = torch.cat([a.to(torch.float32) for _, a, _ in parts])
-        adapter.projections[(layer, fused)] = _Projection(a_cat.to(dtype).contiguous(), b_t.to(dtype).contiguous())
+        adapter.projections[(layer, fused)] = _Projection(a_cat.to(dtype).contiguous(), b_t.to(dtype).contiguous(),
+                                                          tuple(spans))
     return adapter
 
 
@@ -133,6 +150,10 @@ class LoRAState:
 
     def __init__(self) -> None:
         self.groups: list[tuple[torch.Tensor | slice, LoRAAdapter]] = []
+        # For the fused decode step: the step's adapters and each token's index among them
+        # (int32 [T], -1 for none); set with `groups`.
+        self.adapters: list[LoRAAdapter] = []
+        self.token_adapter: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:

@@ -45,6 +45,16 @@ class _Model(ctypes.Structure):
                 ("cos_sin", _c_p), ("cs_stride", _c_i64)]
 
 
+class _LoRAProj(ctypes.Structure):  # csrc/lora_decode.c's tl_lora_proj
+    _fields_ = [("a", _c_p), ("b_t", _c_p), ("rank", _c_i32), ("num_parts", _c_i32),
+                ("r_start", _c_i32 * 4), ("n_start", _c_i32 * 3), ("n_end", _c_i32 * 3)]
+
+
+class _LoRA(ctypes.Structure):  # tl_lora
+    _fields_ = [("adapters", _c_p), ("token_adapter", _c_p), ("xa", _c_p), ("max_rank", _c_i32),
+                ("num_layers", _c_i32)]
+
+
 _FMT_BF16 = -1  # csrc/decode_step.c's TL_BF16: a bfloat16 weight packed for AMX
 _FMT_F32 = -2  # TL_F32: a plain row-major float32 weight
 _FMT_F32_PANEL = -3  # TL_F32_PANEL: a float32 weight packed in panels (cpu_kernels.F32Panels)
@@ -75,9 +85,41 @@ def _lib() -> ctypes.CDLL | None:
         lib.tl_llama_decode_workspace.argtypes = [ctypes.POINTER(_Model), _c_i64]
         lib.tl_llama_decode.restype = _c_i32
         lib.tl_llama_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _c_p, _c_p,
-                                        _c_i32, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p]
+                                        _c_i32, _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, ctypes.POINTER(_LoRA)]
         _bound.add(id(lib))
     return lib
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAProjection:
+    """One LoRA adapter on one of a layer's projections, in float32: `a` stacks its parts' A
+    matrices [rank, in], `b_t` their scaled B^T matrices [rank, out], block-diagonally; `parts`
+    gives each part's (first column of x A^T, end, first output column, end)."""
+
+    a: torch.Tensor
+    b_t: torch.Tensor
+    parts: tuple[tuple[int, int, int, int], ...]
+
+
+class DecodeLoRATable:
+    """One adapter's projections as the C step reads them: per layer qkv, o, gate_up and down,
+    None where the adapter has none."""
+
+    def __init__(self, projections: list[LoRAProjection | None]) -> None:
+        self.max_rank = 0
+        self._keep: list[torch.Tensor] = []
+        self.table = (_LoRAProj * len(projections))()
+        for dst, p in zip(self.table, projections):
+            if p is None:
+                continue
+            if p.a.dtype != torch.float32 or p.b_t.dtype != torch.float32 or not 0 < len(p.parts) <= 3:
+                raise ValueError("the fused decode step takes float32 adapters of 1-3 parts")
+            a, b_t = p.a.contiguous(), p.b_t.contiguous()
+            self._keep += [a, b_t]
+            dst.a, dst.b_t, dst.rank, dst.num_parts = a.data_ptr(), b_t.data_ptr(), a.shape[0], len(p.parts)
+            for i, (r0, r1, n0, n1) in enumerate(p.parts):
+                dst.r_start[i], dst.r_start[i + 1], dst.n_start[i], dst.n_end[i] = r0, r1, n0, n1
+            self.max_rank = max(self.max_rank, a.shape[0])
 
 
 @dataclass(eq=False)
@@ -153,11 +195,24 @@ class DecodeStep:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                 kv_caches: list[torch.Tensor],
+                 lora: tuple[list[DecodeLoRATable], torch.Tensor] | None = None) -> torch.Tensor:
         """h: [T, hidden] embeddings in the step's dtype; positions, slots: int64 [T];
         block_table: int32 [T, max blocks], seq_lens: int32 [T], all contiguous on the CPU, one
-        decode token per request in request order."""
+        decode token per request in request order. lora: the step's adapters and, per token, the
+        index of its adapter among them (int32 [T], -1 for none); float32 steps only."""
         self._set_caches(kv_caches)
+        lora_arg = None
+        if lora is not None:
+            tables, token_adapter = lora
+            if self.dtype != torch.float32 or token_adapter.dtype != torch.int32 or token_adapter.numel() != h.shape[0]:
+                raise ValueError("LoRA in the fused decode step: float32 steps, an int32 adapter index per token")
+            max_rank = max(t.max_rank for t in tables)
+            ptrs = (_c_p * len(tables))(*(ctypes.addressof(t.table) for t in tables))
+            xa = torch.empty(h.shape[0] * max_rank, dtype=torch.float32)
+            token_adapter = token_adapter.contiguous()  # referenced until the call returns
+            lora_arg = _LoRA(adapters=ctypes.addressof(ptrs), token_adapter=token_adapter.data_ptr(),
+                             xa=xa.data_ptr(), max_rank=max_rank, num_layers=len(self._layers))
         T = h.shape[0]
         need = self._lib.tl_llama_decode_workspace(ctypes.byref(self._model), T)
         if self._workspace.numel() < need:
@@ -166,7 +221,8 @@ class DecodeStep:
         rc = self._lib.tl_llama_decode(
             ctypes.byref(self._model), self._layers, h.data_ptr(), out.data_ptr(), T,
             positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-            seq_lens.data_ptr(), self._workspace.data_ptr())
+            seq_lens.data_ptr(), self._workspace.data_ptr(),
+            None if lora_arg is None else ctypes.byref(lora_arg))
         if rc != 0:
             raise ValueError(f"fused decode step failed (code {rc})")
         return out

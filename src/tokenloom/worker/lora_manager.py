@@ -29,12 +29,11 @@ class LoRAManager:
         self.capacity = config.max_cpu_loras or config.max_loras
         self.state = LoRAState()
         wrap_projections(model, self.state)
-        # The fused C decode step computes the base model's projections: steps with an adapter
-        # in them run the eager layers instead.
+        # The fused C decode step adds the step's adapters itself (float32 steps; it reads them
+        # from the state and runs the eager layers where it cannot).
         fused = getattr(model, "fused_decode", None)
         if fused is not None:
-            state = self.state
-            model.fused_decode = lambda *args: None if state.active else fused(*args)
+            fused.lora_state = self.state
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.row_adapter = np.zeros(max_rows, dtype=np.int64)  # lora_int_id per row, 0: none
 
@@ -69,10 +68,14 @@ class LoRAManager:
         """The step's token groups: the tokens of the requests in `rows` (request i's are
         query_start_loc[i]:query_start_loc[i+1]) by adapter."""
         ids = self.row_adapter[rows]
-        self.state.groups = []
+        self.state.groups, self.state.adapters, self.state.token_adapter = [], [], None
         if not ids.any():
             return
-        for lora_id in np.unique(ids[ids > 0]).tolist():
+        step_ids = np.unique(ids[ids > 0])
+        self.state.adapters = [self.adapters[i] for i in step_ids.tolist()]
+        index = np.where(ids > 0, np.searchsorted(step_ids, ids), -1).astype(np.int32)
+        self.state.token_adapter = torch.from_numpy(np.repeat(index, np.diff(query_start_loc[:len(rows) + 1])))
+        for lora_id in step_ids.tolist():
             members = np.flatnonzero(ids == lora_id)
             starts, ends = query_start_loc[members], query_start_loc[members + 1]
             if len(members) == len(rows) or (np.all(starts[1:] == ends[:-1])):
@@ -82,4 +85,4 @@ class LoRAManager:
             self.state.groups.append((tokens, self.adapters[lora_id]))
 
     def clear(self) -> None:
-        self.state.groups = []
+        self.state.groups, self.state.adapters, self.state.token_adapter = [], [], None

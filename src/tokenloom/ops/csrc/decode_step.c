@@ -70,6 +70,12 @@ int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *
 int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                            int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                            void *scratch, int64_t ksplit);
+/* LoRA adapters (lora_decode.c): opaque here, NULL for a step without one. */
+typedef struct tl_lora tl_lora;
+int32_t tl_lora_touches(const tl_lora *lo, int32_t layer, int32_t which, int32_t T);
+void tl_lora_add(const tl_lora *lo, int32_t layer, int32_t which, const float *x, int64_t K,
+                 int32_t T, float *y, int64_t N);
+enum { TL_QKV, TL_O, TL_GATE_UP, TL_DOWN };
 
 /* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py), a bfloat16 one packed
  * for AMX (fmt = TL_BF16, amx_gemm.c), a plain row-major float32 one (fmt = TL_F32,
@@ -155,16 +161,18 @@ static void norm(const tl_model *m, const void *x, void *residual, const void *w
 
 /* h [T, hidden]: the embeddings of the step's tokens. out [T, hidden]: the final norm's output.
  * Both in the activations' dtype. positions, slots (int64 [T]), block_table (int32 [T,
- * bt_stride]) and seq_lens (int32 [T]) as the attention plan has them. Returns 0, or the first
- * kernel's error code. */
+ * bt_stride]) and seq_lens (int32 [T]) as the attention plan has them. lora: the step's LoRA
+ * adapters, added to each projection's output before what follows it (RoPE, the norm,
+ * SiLU-and-mul), as the eager LoRALinear does; float32 activations only; NULL for none. Returns 0,
+ * or the first kernel's error code. */
 int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h, void *out,
                         int32_t T, const int64_t *positions, const int64_t *slots,
                         const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                        void *workspace) {
+                        void *workspace, const tl_lora *lora) {
     const int32_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
     const int64_t I = m->intermediate, es = m->act_bf16 ? 2 : 4;
-    if (m->num_layers < 1 || (m->act_bf16 && !m->kv_bf16)) return -1;
+    if (m->num_layers < 1 || (m->act_bf16 && !m->kv_bf16) || (lora && m->act_bf16)) return -1;
     char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     char *residual = base, *x = residual + T * H * es, *y = x + T * H * es;
     char *qkv = y + T * H * es, *attn = qkv + T * nqkv * es, *gu = attn + T * qd * es;
@@ -181,6 +189,7 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
             norm(m, y, residual, L->input_norm, x, T);
         }
         if ((rc = linear(m, &L->qkv, x, H, T, qkv, tmp))) return rc;
+        tl_lora_add(lora, l, TL_QKV, (const float *)x, H, T, (float *)qkv, nqkv);
         /* q and k heads are adjacent in a row: one RoPE over both */
         if (m->act_bf16)
             tl_rope_bf16((uint16_t *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
@@ -206,21 +215,25 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
             Hkv, D, m->block_size, m->scale, 0);
         if (rc) return rc;
         if ((rc = linear(m, &L->o, attn, qd, T, y, tmp))) return rc;
+        tl_lora_add(lora, l, TL_O, (const float *)attn, qd, T, (float *)y, H);
         norm(m, y, residual, L->post_norm, x, T);
         /* float32 on a quantized gate|up: SiLU-and-mul in the matmul's epilogue where the bf16
-         * tiles run (1: they do not, two passes as below), the same bits as the two passes */
-        rc = m->act_bf16 || L->gate_up.fmt < 0 ? 1
+         * tiles run (1: they do not, two passes as below), the same bits as the two passes; an
+         * adapter's product must come before the activation: two passes too */
+        rc = m->act_bf16 || L->gate_up.fmt < 0 || tl_lora_touches(lora, l, TL_GATE_UP, T) ? 1
              : tl_q_linear_silu(L->gate_up.fmt, (const uint8_t *)L->gate_up.w, L->gate_up.n, H,
                                 (const float *)x, H, T, (float *)act, I, L->gate_up.bias, tmp);
         if (rc < 0) return rc;
         if (rc) {
             if ((rc = linear(m, &L->gate_up, x, H, T, gu, tmp))) return rc;
+            tl_lora_add(lora, l, TL_GATE_UP, (const float *)x, H, T, (float *)gu, 2 * I);
             if (m->act_bf16)
                 tl_silu_and_mul_bf16((const uint16_t *)gu, 2 * I, (uint16_t *)act, I, T, (int32_t)I);
             else
                 tl_silu_and_mul_f32((const float *)gu, 2 * I, (float *)act, I, T, (int32_t)I);
         }
         if ((rc = linear(m, &L->down, act, I, T, y, tmp))) return rc;
+        tl_lora_add(lora, l, TL_DOWN, (const float *)act, I, T, (float *)y, H);
     }
     norm(m, y, residual, m->final_norm, out, T);
     return 0;
