@@ -40,6 +40,7 @@ from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.pooler import Pooler
+from tokenloom.worker.prompt_logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
     from tokenloom.sched_output import SchedulerOutput
@@ -179,8 +180,7 @@ class ModelRunner:
             torch.manual_seed(config.seed)
         # Requests that asked for prompt logprobs and have not finished their prefill: k, and the
         # parts computed so far (one per chunk), joined and sent when the prefill ends.
-        self._prompt_logprobs_k: dict[str, int] = {}
-        self._pending_prompt_logprobs: dict[str, list[LogprobsLists]] = {}
+        self.prompt_logprobs = PromptLogprobs()
         # Requests failed in this step (see _fail_request), reported in its ModelRunnerOutput.
         self._failed: dict[str, str] = {}
         # Speculative decoding: the proposer, and the rows whose request asked for structured
@@ -223,8 +223,7 @@ class ModelRunner:
                     self.lora.remove_row(row)
             if self.pooler is not None:
                 self.pooler.remove_request(req_id)
-            self._prompt_logprobs_k.pop(req_id, None)
-            self._pending_prompt_logprobs.pop(req_id, None)
+            self.prompt_logprobs.remove_request(req_id)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -251,7 +250,7 @@ class ModelRunner:
                     continue
             # A request resumed after preemption (it has outputs) already sent its prompt logprobs.
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
-                self._prompt_logprobs_k[new.req_id] = new.sampling_params.prompt_logprobs
+                self.prompt_logprobs.add_request(new.req_id, new.sampling_params.prompt_logprobs)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -275,8 +274,7 @@ class ModelRunner:
         self.sampler.remove_request(row)
         if self.pooler is not None:
             self.pooler.remove_request(req_id)
-        self._prompt_logprobs_k.pop(req_id, None)
-        self._pending_prompt_logprobs.pop(req_id, None)
+        self.prompt_logprobs.remove_request(req_id)
         self._failed[req_id] = f"request {req_id} failed while {stage}: {error!r}"
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, sample_req_ids: list[str],
@@ -321,7 +319,12 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         if self.pooler is not None:
             return self._pool(step, hidden, t0, t1)
-        prompt_logprobs = self._prompt_logprobs(step, hidden) if self._prompt_logprobs_k else {}
+        prompt_logprobs = self.prompt_logprobs.compute(
+            step.req_ids, step.rows, step.num_sched, step.computed, step.query_start_loc,
+            self.input_batch.num_prompt_tokens, self.input_batch.token_ids, hidden, self.model.compute_logits,
+            self.sampler.compute_prompt_logprobs,
+            lambda req_id, row, e: self._fail_request(req_id, row, "computing its prompt logprobs", e),
+        ) if self.prompt_logprobs else {}
         if self._failed:  # failed in this step: computed with the rest, never sampled
             step.do_sample &= np.fromiter((r not in self._failed for r in step.req_ids), dtype=bool,
                                           count=len(step.req_ids))
@@ -551,42 +554,6 @@ class ModelRunner:
             if proposal.size:
                 drafts[step.req_ids[p]] = proposal.tolist()
         return drafts
-
-    def _prompt_logprobs(self, step: _StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Logprobs of prompt tokens for the requests that asked for them (rare, so a Python loop
-        over just those requests). Chunks accumulate until the prefill ends, then go out together;
-        the first prompt token has none (nothing predicts it)."""
-        done: dict[str, LogprobsLists] = {}
-        batch = self.input_batch
-        rows, num_sched, computed, query_start_loc = step.rows, step.num_sched, step.computed, step.query_start_loc
-        for i, req_id in enumerate(step.req_ids):
-            k = self._prompt_logprobs_k.get(req_id)
-            if k is None:
-                continue
-            row = int(rows[i])
-            n_prompt = int(batch.num_prompt_tokens[row])
-            start = int(computed[i])
-            # The query token at position p predicts prompt token p + 1.
-            end = min(start + int(num_sched[i]), n_prompt - 1)
-            if end > start:
-                flat = torch.arange(end - start, device=hidden.device) + int(query_start_loc[i])
-                logits = self.model.compute_logits(hidden[flat])
-                targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy())
-                try:
-                    part = self.sampler.compute_prompt_logprobs(logits, targets, k)
-                except Exception as e:  # noqa: BLE001 - this request's k: fail it alone
-                    self._fail_request(req_id, row, "computing its prompt logprobs", e)
-                    continue
-                self._pending_prompt_logprobs.setdefault(req_id, []).append(part)
-            if start + int(num_sched[i]) >= n_prompt:
-                del self._prompt_logprobs_k[req_id]
-                parts = self._pending_prompt_logprobs.pop(req_id, [])
-                done[req_id] = LogprobsLists(
-                    token_ids=[t for p in parts for t in p.token_ids],
-                    logprobs=[x for p in parts for x in p.logprobs],
-                    ranks=[r for p in parts for r in p.ranks],
-                )
-        return done
 
 
 def _grammar_mask(so: SchedulerOutput, sample_req_ids: list[str]) -> GrammarMask | None:

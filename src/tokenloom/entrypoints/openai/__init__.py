@@ -146,6 +146,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.openai.api_server import run_serve
+    from tokenloom.entrypoints.openai.serve import run_serve
 
     return run_serve(args)
