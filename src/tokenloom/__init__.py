@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams", "PoolerConfig",
-           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "__version__"]
+           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torch import)
@@ -18,7 +19,8 @@ def __getattr__(name: str):  # lazy: `import tokenloom` must stay cheap (no torc
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-                "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput"):
+                "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+                "ScoringRequestOutput"):
         from tokenloom import outputs
 
         return getattr(outputs, name)

@@ -234,8 +234,32 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's: a classifier's probability per label (softmax; a one-label model's sigmoid), or
+    its logits when the request turned the activation off."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's output of `LLM.classify`: `outputs.probs`."""
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "ClassificationRequestOutput":
+        base = PoolingRequestOutput.from_request_output(out)
+        return cls(base.request_id, ClassificationOutput(base.outputs.data.tolist()), base.prompt_token_ids,
+                   base.finished, base.num_cached_tokens, base.metrics)
+
+
+@dataclass(slots=True)
 class ScoringOutput:
-    """vLLM's: the similarity of a pair (here the cosine of the two embeddings)."""
+    """vLLM's: the similarity of a pair: the cosine of the two embeddings (an embedding model), or
+    a cross-encoder's probability that the second text answers the first (a one-label classifier)."""
 
     score: float
 

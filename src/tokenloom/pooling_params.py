@@ -11,6 +11,11 @@ returns a vector made from the final hidden states (after the last norm) instead
   Normalize module).
 - `dimensions`: keep the first d components before normalizing (Matryoshka models only, as vLLM).
 
+A sequence classifier (`*ForSequenceClassification`) pools the same way (LAST by default, as
+transformers reads the last token) and then applies its `score` head: the task "classify" returns
+one probability per label (softmax; a sigmoid for a one-label model, a cross-encoder's score),
+or the raw logits with `use_activation=False`.
+
 A model's own sentence-transformers files (`modules.json`, `1_Pooling/config.json`) give its
 defaults, and `PoolerConfig` fields set by the user win over them (model/pooling_config.py).
 """
@@ -22,7 +27,7 @@ from typing import Any
 import msgspec
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-POOLING_TASKS = ("embed", "token_embed")
+POOLING_TASKS = ("embed", "token_embed", "classify")
 
 
 def _bad(field: str, requirement: str, value: Any) -> ValueError:
@@ -83,10 +88,11 @@ class PoolerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):  # type: ignore[call-arg]
-    """vLLM's `PoolingParams`: what one pooling request asks for. `task` "embed" (one vector) or
-    "token_embed" (one per prompt token); `normalize` / `use_activation` (vLLM's newer name)
-    None take the engine's; `dimensions` only for Matryoshka models; `truncate_prompt_tokens`
-    keeps the prompt's last k tokens (-1: as many as the model takes)."""
+    """vLLM's `PoolingParams`: what one pooling request asks for. `task` "embed" (one vector),
+    "token_embed" (one per prompt token) or "classify" (a classifier's label probabilities);
+    `normalize` / `use_activation` (vLLM's newer name; for classify: softmax or sigmoid) None take
+    the engine's; `dimensions` only for Matryoshka models; `truncate_prompt_tokens` keeps the
+    prompt's last k tokens (-1: as many as the model takes)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
@@ -108,14 +114,28 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):  # type: 
     def clone(self, **changes: Any) -> "PoolingParams":
         return msgspec.structs.replace(self, **changes)
 
-    def resolve(self, task: str, pooler: PoolerConfig, hidden_size: int) -> "PoolingParams":
-        """The request as the engine core runs it: the task, whether to normalize and the output
-        size, all decided (the caller checks everything here, naming the field)."""
+    def resolve(self, task: str, pooler: PoolerConfig, hidden_size: int,
+                classifier_labels: tuple[str, ...] | None = None) -> "PoolingParams":
+        """The request as the engine core runs it: the task, whether to normalize (classify:
+        whether to apply the activation) and the output size, all decided (the caller checks
+        everything here, naming the field). `classifier_labels`: the model's, None for a model
+        that embeds."""
         if self.task is not None and self.task != task:
             raise ValueError(f"task is {self.task!r} but this call runs the {task!r} task.")
+        if classifier_labels is not None and task != "classify":
+            raise ValueError(f"This model is a sequence classifier ({len(classifier_labels)} labels): it runs the "
+                             f"classify task (LLM.classify, LLM.score, the /classify route), not {task!r}.")
+        if classifier_labels is None and task == "classify":
+            raise ValueError("classify needs a sequence classification model (config.json naming a "
+                             "*ForSequenceClassification architecture); this one embeds (LLM.embed, /v1/embeddings).")
         normalize = self.normalize if self.normalize is not None else self.use_activation
         if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
             raise ValueError("normalize and use_activation (its newer name) disagree: give one of them.")
+        if task == "classify":
+            if self.dimensions is not None:
+                raise ValueError("dimensions applies to the embed task only, not 'classify'.")
+            return PoolingParams(use_activation=True if normalize is None else normalize, task=task,
+                                 truncate_prompt_tokens=self.truncate_prompt_tokens)
         if normalize is None:
             normalize = pooler.normalize if pooler.normalize is not None else True
         dimensions = self.dimensions

@@ -147,8 +147,8 @@ def test_each_kind_of_request_only_on_its_engine(models, last_llm):
         last_llm.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(ValueError, match="pooling_task is required"):
         last_llm.encode("Hello", use_tqdm=False)
-    with pytest.raises(ValueError, match="task must be one of embed, token_embed"):
-        PoolingParams(task="classify")
+    with pytest.raises(ValueError, match="task must be one of embed, token_embed, classify"):
+        PoolingParams(task="reward")
     assert last_llm.embed("Hello", use_tqdm=False)  # the engine took none of them
     with pytest.raises(ValueError, match="no language-model head.*runner='pooling'"):
         LLM(models["st"][0], runner="generate", **ENGINE)

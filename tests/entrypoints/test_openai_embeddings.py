@@ -144,3 +144,6 @@ def test_score_and_rerank(server, tiny):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1", bad.text
     empty = httpx.post(server.url("/rerank"), json={"query": query, "documents": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents", empty.text
+    # An embedding model does not classify: /classify is a 400 naming the model.
+    cls = httpx.post(server.url("/classify"), json={"input": query}, timeout=60)
+    assert cls.status_code == 400 and cls.json()["error"]["code"] == "model_not_classifier", cls.text

@@ -131,6 +131,22 @@ def tiny_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+def tiny_hf_classifier(kind: str, vocab_size: int, labels: Sequence[str], seed: int = 0):
+    """A 2-layer transformers `*ForSequenceClassification` of `kind` with these labels (id2label
+    in order), random weights, float32, eval mode: a cross-encoder when it has one label."""
+    import transformers
+
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)})
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForSequenceClassification")(config).to(torch.float32).eval()
+    randomize_(model, seed)
+    return model
+
+
 def save_hf_dir(model, tokenizer, directory: str, max_shard_size: str | None = None,
                 generation_eos: int | list[int] | None = None) -> str:
     os.makedirs(directory, exist_ok=True)

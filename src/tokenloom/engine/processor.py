@@ -146,7 +146,10 @@ class InputProcessor:
             if self.pooler_config is None:
                 raise ValueError("This model generates (runner='generate'): embeddings need an engine started with "
                                  "runner='pooling' (LLM(..., runner='pooling'), tokenloom serve --runner pooling).")
-            return params.resolve(task or params.task or "embed", self.pooler_config, self.model_config.hidden_size)
+            labels = self.model_config.classifier_labels
+            default = "embed" if labels is None else "classify"
+            return params.resolve(task or params.task or default, self.pooler_config, self.model_config.hidden_size,
+                                  labels)
         if self.pooler_config is not None and isinstance(params, SamplingParams):
             raise ValueError("This engine embeds (runner='pooling'): it does not generate text. Use LLM.embed() or "
                              "LLM.encode() (the /v1/embeddings route), or start another engine with runner='generate'.")

@@ -18,8 +18,9 @@ from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.processor import check_vllm_only_args
-from tokenloom.entrypoints.score_utils import cosine_scores, score_pairs
+from tokenloom.entrypoints.score_utils import check_cross_encoder, cosine_scores, score_pairs, text_pairs
 from tokenloom.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -246,13 +247,32 @@ class LLM:
         tokenization_kwargs: Any = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled tensor of each prompt (`outputs.data`) for
-        `pooling_task` "embed" ([hidden]) or "token_embed" ([prompt tokens, hidden])."""
+        `pooling_task` "embed" ([hidden]), "token_embed" ([prompt tokens, hidden]) or, with a
+        classifier, "classify" ([labels])."""
         if pooling_task is None:
             raise ValueError("pooling_task is required for LLM.encode: 'embed' (one vector per prompt, as "
-                             "LLM.embed) or 'token_embed' (one per prompt token).")
+                             "LLM.embed), 'token_embed' (one per prompt token) or 'classify' (a classifier's "
+                             "label probabilities, as LLM.classify).")
         outs = self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request,
                           tokenization_kwargs)
         return [PoolingRequestOutput.from_request_output(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: Any = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify` with a sequence classifier (`*ForSequenceClassification`, run
+        with runner="pooling"): `outputs.probs`, one probability per label in the order of the
+        model's id2label (softmax; a sigmoid for a one-label model), in input order."""
+        outs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request,
+                          tokenization_kwargs)
+        return [ClassificationRequestOutput.from_request_output(o) for o in outs]
 
     def score(
         self,
@@ -266,9 +286,19 @@ class LLM:
         lora_request: LoRARequest | None = None,
         tokenization_kwargs: Any = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` with an embedding model (a bi-encoder): the cosine similarity of
-        each pair's embeddings, one text against many (1:N) or two equal lists pairwise (N:N).
-        Each distinct input is embedded once."""
+        """vLLM's `LLM.score`, one text against many (1:N) or two equal lists pairwise (N:N). With an
+        embedding model (a bi-encoder): the cosine similarity of each pair's embeddings, each
+        distinct input embedded once. With a one-label classifier (a cross-encoder): its
+        probability for each pair of texts, tokenized together as the tokenizer encodes a pair."""
+        if check_cross_encoder(self.llm_engine.model_config.classifier_labels):
+            tokenizer = self.get_tokenizer()
+            prompts = [{"prompt_token_ids": tokenizer(a, text_pair=b)["input_ids"]}
+                       for a, b in text_pairs(data_1, data_2)]
+            classified = self.classify(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                       use_tqdm=use_tqdm, lora_request=lora_request,
+                                       tokenization_kwargs=tokenization_kwargs)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                    for o in classified]
         inputs, pairs = score_pairs(data_1, data_2)
         outs = self.embed(inputs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                           lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)

@@ -1,5 +1,8 @@
-"""Scoring with an embedding model (vLLM's bi-encoder `score` and `rerank`): the cosine similarity
-of two texts' embeddings. Shared by `LLM.score` and the server's /score and /rerank; numpy only.
+"""Scoring (vLLM's `score` and `rerank`), shared by `LLM.score` and the server's /score and /rerank;
+numpy only. With an embedding model (a bi-encoder): the cosine similarity of two texts'
+embeddings. With a one-label sequence classifier (a cross-encoder): its probability for the two
+texts read together, tokenized as a pair (the tokenizer's own pair template, as vLLM and
+sentence-transformers' CrossEncoder encode them).
 
 Pairs as vLLM forms them: one text against one (1:1), one against many (1:N), or two lists of the
 same length, element by element (N:N). Each distinct text is embedded once.
@@ -31,6 +34,30 @@ def score_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = 
 
     pairs = [(slot(firsts[0] if len(firsts) == 1 else firsts[i]), slot(s)) for i, s in enumerate(seconds)]
     return inputs, pairs
+
+
+def text_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = "data_2") -> list[tuple[str, str]]:
+    """A cross-encoder's pairs (1:1, 1:N or N:N, as `score_pairs`), each read as one input: texts
+    only (a pair's tokens come from the tokenizer's pair template)."""
+    firsts, seconds = _as_list(data_1, name_1), _as_list(data_2, name_2)
+    if len(firsts) != 1 and len(firsts) != len(seconds):
+        raise ValueError(f"{name_1} has {len(firsts)} inputs and {name_2} {len(seconds)}: give one {name_1} "
+                         f"(scored against every {name_2}) or as many as {name_2} (scored pairwise).")
+    for name, items in ((name_1, firsts), (name_2, seconds)):
+        if not all(isinstance(x, str) for x in items):
+            raise ValueError(f"{name}: a cross-encoder scores texts read as pairs; token ids are not taken.")
+    return [(firsts[0] if len(firsts) == 1 else firsts[i], s) for i, s in enumerate(seconds)]
+
+
+def check_cross_encoder(labels: tuple[str, ...] | None) -> bool:
+    """Whether a model with these classifier labels scores as a cross-encoder (one label); False
+    for an embedding model (None); a ValueError for a classifier of several labels."""
+    if labels is None:
+        return False
+    if len(labels) != 1:
+        raise ValueError(f"scores need an embedding model or a one-label classifier (a cross-encoder); this model "
+                         f"classifies into {len(labels)} labels: classify with it instead.")
+    return True
 
 
 def cosine_scores(vectors: list[np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:

@@ -36,6 +36,10 @@ class ModelArchConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # A sequence classifier (`*ForSequenceClassification`: a `score` head of one row per label
+    # over the last token's final state, no LM head): its labels in class order (config.json's
+    # id2label). None for a language model.
+    classifier_labels: tuple[str, ...] | None = None
 
 
 # The architectures we run (registry.py maps them to model classes), under the names each file
@@ -51,6 +55,11 @@ HF_ARCHITECTURES = {
     "LlamaModel": "llama",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
+    # Sequence classifiers (a `score` head, no LM head): run with runner="pooling" (classify, and
+    # score as cross-encoders when they have one label).
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
 }
 
 # GGUF `general.architecture` -> our architecture name.

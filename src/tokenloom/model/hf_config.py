@@ -98,8 +98,27 @@ def hf_model_config(directory: str) -> ModelArchConfig:
         qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
+        classifier_labels=_classifier_labels(cfg, path) if names[0].endswith("ForSequenceClassification") else None,
         **gemma,
     )
+
+
+def _classifier_labels(cfg: dict[str, Any], path: str) -> tuple[str, ...]:
+    """A sequence classifier's labels in class order: config.json's id2label (transformers writes
+    it for every classifier), else num_labels of transformers' default names LABEL_0, LABEL_1, ..."""
+    id2label = cfg.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            labels = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ModelLoadError(f"{path}: id2label keys must be class indices, got {sorted(id2label)[:3]}") from None
+        if sorted(labels) != list(range(len(labels))):
+            raise ModelLoadError(f"{path}: id2label must name the classes 0..{len(labels) - 1}, got {sorted(labels)}")
+        return tuple(labels[i] for i in range(len(labels)))
+    n = cfg.get("num_labels", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ModelLoadError(f"{path}: num_labels must be a positive integer, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))
 
 
 def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:

@@ -177,7 +177,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        # A classifier has no LM head (it never computes logits over the vocabulary; its
+        # compute_logits would read the embedding as a tied model's does) but a `score` head.
+        classifier = config.classifier_labels is not None
+        self.lm_head = None if config.tie_word_embeddings or classifier else Linear(config.hidden_size, config.vocab_size)
+        self.score = Linear(config.hidden_size, len(config.classifier_labels)) if classifier else None
         self.kv_cache_group_of_layer = group_of_layer(kv_cache_groups(config), config.num_hidden_layers)
         # The RoPE table stays float32 whatever the model dtype (cast per step after indexing,
         # as the reference casts its float32 cos/sin), so it is a plain attribute that `.to()`
@@ -246,7 +250,9 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H),
                                               "model.norm.weight": (H,)}
-        if not c.tie_word_embeddings:
+        if c.classifier_labels is not None:
+            shapes["score.weight"] = (len(c.classifier_labels), H)
+        elif not c.tie_word_embeddings:
             shapes["lm_head.weight"] = (c.vocab_size, H)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."

@@ -49,15 +49,17 @@ def resolve_runner(model: str | None, runner: str, convert: str) -> str:
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
     if convert not in CONVERTS:
-        raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (classification and reward models are "
-                         f"not supported), got {convert!r}.")
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (a language model is not converted into a "
+                         f"classifier or reward model; *ForSequenceClassification checkpoints classify as they are), "
+                         f"got {convert!r}.")
     if runner == "auto":
         runner = "pooling" if convert == "embed" or not has_lm_head(model_directory(model)) else "generate"
     if runner == "generate" and convert == "embed":
         raise ValueError("convert='embed' makes a pooling model: use it with runner='pooling' (or 'auto').")
     if runner == "generate" and not has_lm_head(model_directory(model)):
         raise ValueError(f"{model}: the checkpoint has no language-model head (its config.json names no *ForCausalLM "
-                         "architecture): it can only embed; start it with runner='pooling' (--runner pooling).")
+                         "architecture): it can only embed or classify; start it with runner='pooling' "
+                         "(--runner pooling).")
     return runner
 
 

@@ -226,7 +226,9 @@ def quantize_int8_(model: nn.Module) -> QuantSummary:
     summary = QuantSummary("int8")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, Linear) and child is not getattr(model, "lm_head", None):
+            # (a classifier's score head stays float: a few rows, read once per request)
+            if isinstance(child, Linear) and child is not getattr(model, "lm_head", None) \
+                    and child is not getattr(model, "score", None):
                 new = QuantLinear([quant.quantize_q8(child.weight)],
                                   None if child.bias is None else child.bias.detach().float().clone())
                 setattr(parent, name, new)

@@ -263,7 +263,7 @@ def _shard_vocab_(model: nn.Module, cfg: ModelArchConfig, rank: int, tp: int) ->
     if not cfg.tie_word_embeddings:
         if model.quant_lm_head is not None:
             model.quant_lm_head = take_rows(model.quant_lm_head, [(start, end)], "lm_head.weight")
-        else:
+        elif model.lm_head is not None:  # (a classifier has none: it never computes logits)
             head = model.lm_head
             head.weight = nn.Parameter(_pad_rows(head.weight[start:end], per).contiguous(), requires_grad=False)
     model.vocab_gather = VocabGather(V, per)

@@ -192,7 +192,8 @@ class ModelRunner:
         # LoRA adapters (enable_lora): every projection wrapped, the adapters per row.
         self.lora = LoRAManager(self.model, config, self.dtype, self.max_num_reqs) if config.enable_lora else None
         # Pooling (runner="pooling"): prompts are pooled, never sampled (worker/pooler.py).
-        self.pooler = Pooler(config.pooler_config) if config.is_pooling else None  # type: ignore[arg-type]
+        self.pooler = (Pooler(config.pooler_config, getattr(self.model, "score", None), self.dtype)  # type: ignore[arg-type]
+                       if config.is_pooling else None)
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

@@ -6,6 +6,10 @@ its tokens' states, a token_embed request its rows so far, and a CLS request its
 LAST needs nothing before the chunk that ends the prompt (and may start from a prefix-cache hit:
 the scheduler lets only LAST embed requests read the cache). A preempted request is removed here
 and recomputed from its first token, so its partial state starts again.
+
+A classifier's requests (task "classify") pool the same way and then go through its `score` head,
+all of a step's at once: softmax over the labels, or a sigmoid for a one-label model (a
+cross-encoder's relevance), unless the request turned the activation off.
 """
 from __future__ import annotations
 
@@ -13,14 +17,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from collections.abc import Callable
+
 from tokenloom.messages import PooledData
 from tokenloom.pooling_params import PoolerConfig, PoolingParams
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig) -> None:
-        assert config.pooling_type is not None  # resolved by EngineConfig.validate
+    def __init__(self, config: PoolerConfig,
+                 classifier: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """`classifier`: a sequence classifier's score head (the model's dtype in, one logit per
+        label out)."""
+        assert config.pooling_type is not None  # resolved by model/pooling_config.resolve_pooling
         self.pooling_type = config.pooling_type
+        self.classifier = classifier
+        self.dtype = dtype
         self.params: dict[str, PoolingParams] = {}
         self._partial: dict[str, torch.Tensor | list[torch.Tensor]] = {}
 
@@ -75,6 +87,7 @@ class Pooler:
                     finals.append((req_id, state / int(num_prompt_tokens[i])))  # type: ignore[operator]
                 else:
                     finals.append((req_id, state))  # type: ignore[arg-type]
+        finals = self._classify(finals)
         for req_id, vec in finals:
             params = self.params[req_id]
             if params.dimensions is not None:
@@ -84,6 +97,22 @@ class Pooler:
             arr = vec.contiguous().cpu().numpy().astype("<f4", copy=False)
             out[req_id] = PooledData(shape=list(arr.shape), data=arr.tobytes())
         return out
+
+    def _classify(self, finals: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The classify requests' pooled states through the score head, in one product; the
+        other requests' as they are."""
+        todo = [k for k, (req_id, _) in enumerate(finals) if self.params[req_id].task == "classify"]
+        if not todo:
+            return finals
+        if self.classifier is None:  # the processor refuses classify on a model without the head
+            raise RuntimeError("classify request on a model without a score head")
+        logits = self.classifier(torch.stack([finals[k][1] for k in todo]).to(self.dtype)).float()
+        probs = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+        finals = list(finals)
+        for row, k in enumerate(todo):
+            req_id = finals[k][0]
+            finals[k] = (req_id, probs[row] if self.params[req_id].use_activation else logits[row])
+        return finals
 
     def _kind(self, req_id: str) -> str:
         return "ALL" if self.params[req_id].task == "token_embed" else self.pooling_type

@@ -1,7 +1,8 @@
 """`tokenloom serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
-/v1/responses/{id}, GET .../input_items, POST .../cancel), GET /v1/models, POST
+/v1/responses/{id}, GET .../input_items, POST .../cancel), with --runner pooling POST
+/v1/embeddings, /classify, /score and /rerank (serving_embedding.py), GET /v1/models, POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py), POST /tokenize,
 POST /detokenize, GET /health (and vLLM's /ping), GET /version, GET /metrics, GET /ledger (the
 ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message", "type", "param",
@@ -30,6 +31,7 @@ import tokenloom
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -261,6 +263,12 @@ def build_app(
     async def create_embedding(request: Request) -> Response:
         req = await parse_body(request, EmbeddingRequest, max_request_body_bytes, engine)
         return await embeddings.create_embedding(req, request)
+
+    @app.post("/classify", operation_id="create_classify", openapi_extra=body_schema(ClassificationRequest))
+    @app.post("/v1/classify", openapi_extra=body_schema(ClassificationRequest), include_in_schema=False)
+    async def create_classify(request: Request) -> Response:
+        req = await parse_body(request, ClassificationRequest, max_request_body_bytes, engine)
+        return await embeddings.create_classify(req, request)
 
     @app.post("/score", operation_id="create_score", openapi_extra=body_schema(ScoreRequest))
     @app.post("/v1/score", openapi_extra=body_schema(ScoreRequest), include_in_schema=False)

@@ -272,9 +272,23 @@ class EmbeddingRequest(_Request):
     priority: Int64 = 0  # vLLM extra
 
 
+class ClassificationRequest(_Request):
+    """POST /classify (vLLM's; needs a sequence classifier run with --runner pooling): `input` as
+    /v1/embeddings takes it; each input gets its label probabilities and its most likely label."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    use_activation: bool | None = None  # False: the logits instead of probabilities
+    add_special_tokens: bool = True
+    user: str | None = None
+    priority: Int64 = 0
+
+
 class ScoreRequest(_Request):
-    """POST /score (vLLM's; an embedding model scores by cosine similarity): `text_1` against each
-    of `text_2` (1:N), or two lists of the same length pairwise."""
+    """POST /score (vLLM's): `text_1` against each of `text_2` (1:N), or two lists of the same
+    length pairwise; an embedding model scores by cosine similarity, a one-label classifier (a
+    cross-encoder) by its probability for the pair."""
 
     model: str | None = None
     text_1: str | list[str]

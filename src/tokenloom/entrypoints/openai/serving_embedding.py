@@ -1,8 +1,10 @@
 """POST /v1/embeddings (OpenAI's), served by an engine started with `--runner pooling`: one
 embedding per input, pooled and normalized in the engine core (worker/pooler.py), sent as floats
 or as base64 of little-endian float32 bytes (what the official client asks for by default).
-And vLLM's /score and /rerank with the same model: cosine similarities of embeddings
-(entrypoints/score_utils.py). Torch-free: the vectors arrive as bytes, numpy does the rest."""
+And vLLM's pooling routes beside it: POST /classify with a sequence classifier (each input's label
+probabilities and its most likely label), /score and /rerank with either kind of model (cosine
+similarities of embeddings, or a one-label classifier's probability for each pair read together:
+entrypoints/score_utils.py). Torch-free: the vectors arrive as bytes, numpy does the rest."""
 from __future__ import annotations
 
 import base64
@@ -13,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenloom.entrypoints.openai.protocol import (
+    ClassificationRequest,
     EmbeddingRequest,
     OpenAIServingError,
     RerankRequest,
@@ -28,7 +31,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     run_until_disconnected,
     usage,
 )
-from tokenloom.entrypoints.score_utils import cosine_scores, score_pairs
+from tokenloom.entrypoints.score_utils import check_cross_encoder, cosine_scores, score_pairs, text_pairs
 from tokenloom.outputs import RequestOutput, pooled_array
 from tokenloom.pooling_params import PoolingParams
 
@@ -36,6 +39,10 @@ from tokenloom.pooling_params import PoolingParams
 class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, req: EmbeddingRequest, raw_request: Request) -> Response:
         model = self._check_pooling_model(req.model)
+        if self.engine.model_config.classifier_labels is not None:
+            raise OpenAIServingError("This model is a sequence classifier: it classifies (/classify) and, with one "
+                                     "label, scores pairs (/score, /rerank); it does not embed.", 400,
+                                     "invalid_request_error", "model", "model_not_embedding")
         prompts = prompt_list(req.input, "input")
         if not req.add_special_tokens:  # the texts' own tokens, no BOS (token ids pass as given)
             encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
@@ -47,6 +54,32 @@ class OpenAIServingEmbedding(OpenAIServing):
         if outs is None:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         return json_response(self._response(request_id, model, outs, req.encoding_format))
+
+    async def create_classify(self, req: ClassificationRequest, raw_request: Request) -> Response:
+        model = self._check_pooling_model(req.model)
+        labels = self.engine.model_config.classifier_labels
+        if labels is None:
+            raise OpenAIServingError("This model embeds: /classify needs a sequence classifier (a checkpoint whose "
+                                     "config.json names *ForSequenceClassification).", 400, "invalid_request_error",
+                                     "model", "model_not_classifier")
+        prompts = prompt_list(req.input, "input")
+        if not req.add_special_tokens:
+            encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
+            prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
+        params = self._params(task="classify", use_activation=req.use_activation,
+                              truncate_prompt_tokens=req.truncate_prompt_tokens)
+        request_id = random_id("classify")
+        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
+        if outs is None:
+            return Response(status_code=499)
+        data = []
+        for i, out in enumerate(outs):
+            probs = pooled_array(out.pooling_output)  # type: ignore[arg-type]
+            data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
+                         "num_classes": len(labels)})
+        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
+        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
+                              "data": data, "usage": usage(prompt_tokens, 0)})
 
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> Response:
         scored = await self._score("score", req, req.text_1, req.text_2, ("text_1", "text_2"), raw_request)
@@ -95,21 +128,35 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def _score(self, kind: str, req: Any, data_1: Any, data_2: Any, names: tuple[str, str],
                      raw_request: Request) -> tuple[str, str, list[float], dict[str, Any]] | None:
-        """(request id, model, each pair's cosine similarity, usage) of a score or rerank request;
-        None when the client went away first."""
+        """(request id, model, each pair's score, usage) of a score or rerank request: the cosine
+        similarity of embeddings, or a cross-encoder's probability; None when the client went
+        away first."""
         model = self._check_pooling_model(req.model)
+        request_id = random_id(kind)
         try:
-            inputs, pairs = score_pairs(data_1, data_2, *names)
+            cross_encoder = check_cross_encoder(self.engine.model_config.classifier_labels)
+        except ValueError as e:
+            raise OpenAIServingError(str(e), 400, "invalid_request_error", "model", "model_not_scorer") from None
+        try:
+            if cross_encoder:
+                pairs = text_pairs(data_1, data_2, *names)
+                tokenizer = self.engine.tokenizer
+                inputs = [await self.engine.run_off_loop(lambda a, b: tokenizer(a, text_pair=b)["input_ids"], a, b)
+                          for a, b in pairs]
+                params = self._params(task="classify", truncate_prompt_tokens=req.truncate_prompt_tokens)
+            else:
+                inputs, index_pairs = score_pairs(data_1, data_2, *names)
+                params = self._params(truncate_prompt_tokens=req.truncate_prompt_tokens)
         except ValueError as e:
             raise error_from_value_error(e) from None
-        request_id = random_id(kind)
-        params = self._params(truncate_prompt_tokens=req.truncate_prompt_tokens)
         outs = await self._embed(request_id, inputs, params, req.priority, names[0], model, raw_request)
         if outs is None:
             return None
         vectors = [pooled_array(o.pooling_output) for o in outs]  # type: ignore[arg-type]
         prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        return request_id, model, cosine_scores(vectors, pairs), usage(prompt_tokens, 0)
+        scores = ([float(v[0]) for v in vectors] if params.task == "classify"
+                  else cosine_scores(vectors, index_pairs))
+        return request_id, model, scores, usage(prompt_tokens, 0)
 
     def _response(self, request_id: str, model: str, outs: list[RequestOutput], encoding_format: str
                   ) -> dict[str, Any]:
