@@ -183,6 +183,13 @@ def test_classify_route(servers, models):
     ids = tokenizer.encode(PROMPTS[1])
     raw = post(srv, "/v1/classify", {"input": ids, "use_activation": False}).json()["data"][0]["probs"]
     torch.testing.assert_close(torch.tensor(raw), hf_logits(model, ids), atol=1e-5, rtol=1e-4)
+    # Chat messages: rendered by the template into one input, as for embeddings.
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    chat = post(srv, "/classify", {"messages": messages}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    torch.testing.assert_close(torch.tensor(chat["data"][0]["probs"]), torch.softmax(hf_logits(model, ids), -1),
+                               atol=1e-5, rtol=1e-4)
     # What a three-label classifier cannot do: a 400 naming the field.
     for path, req, param in [("/score", {"text_1": QUERY, "text_2": DOCS}, "model"),
                              ("/rerank", {"query": QUERY, "documents": DOCS}, "model"),

@@ -93,6 +93,28 @@ def test_raw_base64_and_vllm_extras(server, tiny):
                                atol=2e-5, rtol=1e-4)
 
 
+def test_chat_messages_are_one_input(server, tiny):
+    """vLLM's chat form: `messages` rendered by the chat template (no generation prompt by default,
+    no special tokens on top of the template's) and embedded as one input."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}]
+    tokenizer = tiny[2]
+    for extra, generation_prompt in (({}, False), ({"add_generation_prompt": True}, True)):
+        r = httpx.post(server.url("/v1/embeddings"), json={"messages": messages, "encoding_format": "float", **extra},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        assert len(r.json()["data"]) == 1 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), reference(tiny, ids),
+                                   atol=2e-5, rtol=1e-4)
+    for body in ({"input": "hi", "messages": messages}, {}):  # exactly one of the two
+        r = httpx.post(server.url("/v1/embeddings"), json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    bad = httpx.post(server.url("/v1/embeddings"), json={"messages": messages, "chat_template": "{{ nope( }}"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),

@@ -174,7 +174,7 @@ def build_app(
                                        tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
                                        store_size=responses_store_size)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
-    embeddings = OpenAIServingEmbedding(engine, served_model_names, max_waiting_requests)
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     completions.log_requests = chat.log_requests = responses.log_requests = embeddings.log_requests = log_requests
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.

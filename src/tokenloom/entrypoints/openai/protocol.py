@@ -255,12 +255,27 @@ class ResponsesRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class EmbeddingRequest(_Request):
+class _ChatInput(_Request):
+    """vLLM's chat form of a pooling request: `messages` instead of `input`, rendered by the chat
+    template into one input (by default without a generation prompt and without the tokenizer's
+    special tokens on top of the template's, as vLLM's EmbeddingChatRequest)."""
+
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # None: True for `input` (the tokenizer's BOS), False for `messages` (the template has its own)
+    add_special_tokens: bool | None = None
+
+
+class EmbeddingRequest(_ChatInput):
     """POST /v1/embeddings (OpenAI's; needs an engine with --runner pooling): `input` is a text,
-    a list of texts, one prompt's token ids or a list of them; vLLM's extras after OpenAI's."""
+    a list of texts, one prompt's token ids or a list of them, or (vLLM's) chat `messages`;
+    vLLM's extras after OpenAI's."""
 
     model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     # The official client asks for base64 unless told otherwise: little-endian float32 bytes.
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # Matryoshka models only
@@ -268,19 +283,18 @@ class EmbeddingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     normalize: bool | None = None  # vLLM extra; None: the model's
     use_activation: bool | None = None  # vLLM's newer name for normalize
-    add_special_tokens: bool = True  # vLLM extra: False tokenizes without a BOS
     priority: Int64 = 0  # vLLM extra
 
 
-class ClassificationRequest(_Request):
-    """POST /classify (vLLM's; needs a sequence classifier run with --runner pooling): `input` as
-    /v1/embeddings takes it; each input gets its label probabilities and its most likely label."""
+class ClassificationRequest(_ChatInput):
+    """POST /classify (vLLM's; needs a sequence classifier run with --runner pooling): `input` or
+    `messages` as /v1/embeddings takes them; each input gets its label probabilities and its most
+    likely label."""
 
     model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     use_activation: bool | None = None  # False: the logits instead of probabilities
-    add_special_tokens: bool = True
     user: str | None = None
     priority: Int64 = 0
 

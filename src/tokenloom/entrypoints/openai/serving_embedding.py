@@ -20,6 +20,7 @@ from tokenloom.entrypoints.openai.protocol import (
     OpenAIServingError,
     RerankRequest,
     ScoreRequest,
+    bad_request,
     random_id,
     unix_time,
 )
@@ -31,6 +32,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     run_until_disconnected,
     usage,
 )
+from tokenloom.entrypoints.openai.tools import template_message
 from tokenloom.entrypoints.score_utils import check_cross_encoder, cosine_scores, score_pairs, text_pairs
 from tokenloom.outputs import RequestOutput, pooled_array
 from tokenloom.pooling_params import PoolingParams
@@ -43,10 +45,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIServingError("This model is a sequence classifier: it classifies (/classify) and, with one "
                                      "label, scores pairs (/score, /rerank); it does not embed.", 400,
                                      "invalid_request_error", "model", "model_not_embedding")
-        prompts = prompt_list(req.input, "input")
-        if not req.add_special_tokens:  # the texts' own tokens, no BOS (token ids pass as given)
-            encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
-            prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
+        prompts = await self._inputs(req)
         params = self._params(dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation,
                               truncate_prompt_tokens=req.truncate_prompt_tokens)
         request_id = random_id("embd")
@@ -62,10 +61,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIServingError("This model embeds: /classify needs a sequence classifier (a checkpoint whose "
                                      "config.json names *ForSequenceClassification).", 400, "invalid_request_error",
                                      "model", "model_not_classifier")
-        prompts = prompt_list(req.input, "input")
-        if not req.add_special_tokens:
-            encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
-            prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
+        prompts = await self._inputs(req)
         params = self._params(task="classify", use_activation=req.use_activation,
                               truncate_prompt_tokens=req.truncate_prompt_tokens)
         request_id = random_id("classify")
@@ -110,6 +106,23 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "This model generates text (--runner generate): embeddings and scores need a server started with "
                 "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
         return model
+
+    async def _inputs(self, req: EmbeddingRequest | ClassificationRequest) -> list[Any]:
+        """The request's engine inputs: each of `input` (texts tokenized with the tokenizer's
+        special tokens unless add_special_tokens is false; token ids as given), or `messages`
+        rendered by the chat template into one input, tokenized without them unless asked."""
+        if (req.input is None) == (req.messages is None):
+            raise bad_request("Give exactly one of input and messages.", param="input")
+        if req.messages is not None:
+            conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
+            text = await self.render_conversation(req, conversation, tools=[])
+            encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=bool(req.add_special_tokens))
+            return [list(await self.engine.run_off_loop(encode, text))]
+        prompts = prompt_list(req.input, "input")
+        if req.add_special_tokens is False:  # the texts' own tokens, no BOS (token ids pass as given)
+            encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
+            prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
+        return prompts
 
     @staticmethod
     def _params(**fields: Any) -> PoolingParams:
