@@ -14,7 +14,7 @@ returns a vector made from the final hidden states (after the last norm) instead
 A sequence classifier (`*ForSequenceClassification`) pools the same way (LAST by default, as
 transformers reads the last token) and then applies its `score` head: the task "classify" returns
 one probability per label (softmax; a sigmoid for a one-label model, a cross-encoder's score),
-or the raw logits with `use_activation=False`.
+or the raw logits with `use_activation=False`; "token_classify" does so for every prompt token.
 
 A model's own sentence-transformers files (`modules.json`, `1_Pooling/config.json`) give its
 defaults, and `PoolerConfig` fields set by the user win over them (model/pooling_config.py).
@@ -27,7 +27,10 @@ from typing import Any
 import msgspec
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-POOLING_TASKS = ("embed", "token_embed", "classify")
+POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
+# Which tasks each kind of pooling model runs (vLLM's supported tasks per architecture).
+EMBED_TASKS = ("embed", "token_embed")
+CLASSIFY_TASKS = ("classify", "token_classify")
 
 
 def _bad(field: str, requirement: str, value: Any) -> ValueError:
@@ -89,7 +92,8 @@ class PoolerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):  # type: ignore[call-arg]
     """vLLM's `PoolingParams`: what one pooling request asks for. `task` "embed" (one vector),
-    "token_embed" (one per prompt token) or "classify" (a classifier's label probabilities);
+    "token_embed" (one per prompt token), "classify" (a classifier's label probabilities) or
+    "token_classify" (those of every prompt token);
     `normalize` / `use_activation` (vLLM's newer name; for classify: softmax or sigmoid) None take
     the engine's; `dimensions` only for Matryoshka models; `truncate_prompt_tokens` keeps the
     prompt's last k tokens (-1: as many as the model takes)."""
@@ -122,18 +126,19 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):  # type: 
         that embeds."""
         if self.task is not None and self.task != task:
             raise ValueError(f"task is {self.task!r} but this call runs the {task!r} task.")
-        if classifier_labels is not None and task != "classify":
-            raise ValueError(f"This model is a sequence classifier ({len(classifier_labels)} labels): it runs the "
-                             f"classify task (LLM.classify, LLM.score, the /classify route), not {task!r}.")
-        if classifier_labels is None and task == "classify":
-            raise ValueError("classify needs a sequence classification model (config.json naming a "
+        if classifier_labels is not None and task not in CLASSIFY_TASKS:
+            raise ValueError(f"task is {task!r}, but this model is a sequence classifier ({len(classifier_labels)} "
+                             "labels): it runs the classify and token_classify tasks (LLM.classify, LLM.score, the "
+                             "/classify route).")
+        if classifier_labels is None and task in CLASSIFY_TASKS:
+            raise ValueError(f"task is {task!r}, which needs a sequence classification model (config.json naming a "
                              "*ForSequenceClassification architecture); this one embeds (LLM.embed, /v1/embeddings).")
         normalize = self.normalize if self.normalize is not None else self.use_activation
         if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
             raise ValueError("normalize and use_activation (its newer name) disagree: give one of them.")
-        if task == "classify":
+        if task in CLASSIFY_TASKS:
             if self.dimensions is not None:
-                raise ValueError("dimensions applies to the embed task only, not 'classify'.")
+                raise ValueError(f"dimensions applies to the embed task only, not {task!r}.")
             return PoolingParams(use_activation=True if normalize is None else normalize, task=task,
                                  truncate_prompt_tokens=self.truncate_prompt_tokens)
         if normalize is None:

@@ -60,6 +60,12 @@ def with_pair_template(directory: str):
     return transformers.AutoTokenizer.from_pretrained(directory)
 
 
+def hf_token_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' classifier logits at every token of one input: [tokens, labels]."""
+    with torch.no_grad():
+        return model.score(model.model(torch.tensor([ids])).last_hidden_state)[0].float()
+
+
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' classifier logits of one input (the last token's state through `score`)."""
     with torch.no_grad():
@@ -95,6 +101,12 @@ def test_classify_matches_transformers(labeled_llm, models):
     # A classification pools the last token, which is always computed: it reads the prefix cache.
     again = llm.classify(PROMPTS[0], use_tqdm=False)[0]
     assert again.num_cached_tokens >= 16 and again.outputs.probs == pytest.approx(outs[0].outputs.probs, abs=1e-6)
+    # token_classify: every prompt token's probabilities (the long prompt in chunks; no cache read).
+    ids = tokenizer.encode(PROMPTS[0])
+    per_token = llm.encode(PROMPTS[0], pooling_task="token_classify", use_tqdm=False)[0]
+    assert per_token.num_cached_tokens == 0
+    torch.testing.assert_close(per_token.outputs.data, torch.softmax(hf_token_logits(model, ids), -1),
+                               atol=1e-5, rtol=1e-4)
     # Truncated to its last 4 tokens, as vLLM's truncate_prompt_tokens.
     ids = tokenizer.encode(PROMPTS[0])
     cut = llm.classify(PROMPTS[0], truncate_prompt_tokens=4, use_tqdm=False)[0]
@@ -105,7 +117,7 @@ def test_classify_matches_transformers(labeled_llm, models):
 
 def test_a_classifier_runs_only_what_it_can(labeled_llm, models):
     llm = labeled_llm
-    with pytest.raises(ValueError, match="sequence classifier .3 labels.: it runs the classify task"):
+    with pytest.raises(ValueError, match="task is 'embed', but this model is a sequence classifier .3 labels.: it runs the classify"):
         llm.embed(PROMPTS[:1], use_tqdm=False)
     with pytest.raises(ValueError, match="classifies into 3 labels: classify with it instead"):
         llm.score(QUERY, DOCS, use_tqdm=False)
@@ -117,7 +129,7 @@ def test_a_classifier_runs_only_what_it_can(labeled_llm, models):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     embedder = LLM(models["embedder"], runner="pooling", **ENGINE)
     try:
-        with pytest.raises(ValueError, match="classify needs a sequence classification model"):
+        with pytest.raises(ValueError, match="task is 'classify', which needs a sequence classification model"):
             embedder.classify(PROMPTS[:1], use_tqdm=False)
     finally:
         embedder.shutdown()
@@ -183,6 +195,14 @@ def test_classify_route(servers, models):
     ids = tokenizer.encode(PROMPTS[1])
     raw = post(srv, "/v1/classify", {"input": ids, "use_activation": False}).json()["data"][0]["probs"]
     torch.testing.assert_close(torch.tensor(raw), hf_logits(model, ids), atol=1e-5, rtol=1e-4)
+    # /pooling: by default every token's probabilities (token_classify); the task as asked.
+    ids = tokenizer.encode(PROMPTS[0])
+    pooled = post(srv, "/pooling", {"input": PROMPTS[0]}).json()
+    assert pooled["data"][0]["object"] == "pooling" and pooled["id"].startswith("pool")
+    torch.testing.assert_close(torch.tensor(pooled["data"][0]["data"]), torch.softmax(hf_token_logits(model, ids), -1),
+                               atol=1e-5, rtol=1e-4)
+    one = post(srv, "/pooling", {"input": PROMPTS[0], "task": "classify", "use_activation": False}).json()
+    torch.testing.assert_close(torch.tensor(one["data"][0]["data"]), hf_logits(model, ids), atol=1e-5, rtol=1e-4)
     # Chat messages: rendered by the template into one input, as for embeddings.
     messages = [{"role": "user", "content": PROMPTS[0]}]
     ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
@@ -195,6 +215,8 @@ def test_classify_route(servers, models):
                              ("/rerank", {"query": QUERY, "documents": DOCS}, "model"),
                              ("/v1/embeddings", {"input": "hi"}, "model"),
                              ("/classify", {"input": []}, "input"),
+                             ("/pooling", {"input": "hi", "task": "reward"}, "task"),
+                             ("/pooling", {"input": "hi", "task": "embed"}, "task"),
                              ("/classify", {"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]:
         r = post(srv, path, req)
         assert r.status_code == 400, (path, r.text)

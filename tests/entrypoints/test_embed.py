@@ -132,9 +132,16 @@ def test_matryoshka_dimensions(models, mean_llm):
 
 
 def test_cls_pooling_from_pooler_config(models):
+    """Also: a *ForCausalLM with an untied LM head, run as an embedding model, holds no LM head
+    (nor a packed copy of one): it never computes logits."""
     model = models["causal"][1]
+    assert not model.config.tie_word_embeddings
     with LLM(models["causal"][0], runner="pooling", pooler_config={"pooling_type": "CLS", "normalize": False},
-             **ENGINE) as llm:
+             multiprocess=False, **ENGINE) as llm:
+        ours = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
+        assert ours.lm_head is None and ours.packed_lm_head is None and ours.quant_lm_head is None
+        with pytest.raises(RuntimeError, match="pooling model"):
+            ours.compute_logits(torch.zeros(1, model.config.hidden_size))
         outs = llm.embed(PROMPTS[:2], use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs):
             close(out.outputs.embedding, embedding_reference(model, ids_of(llm, prompt))[0])

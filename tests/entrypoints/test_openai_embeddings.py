@@ -166,6 +166,17 @@ def test_score_and_rerank(server, tiny):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1", bad.text
     empty = httpx.post(server.url("/rerank"), json={"query": query, "documents": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents", empty.text
+    # /pooling: every token's final state by default (token_embed), in base64 if asked.
+    ids = text_ids(tiny, TEXTS[0])
+    rows = F.normalize(embedding_reference(tiny[1], ids), dim=-1)
+    pooled = httpx.post(server.url("/pooling"), json={"input": TEXTS[0]}, timeout=60).json()
+    torch.testing.assert_close(torch.tensor(pooled["data"][0]["data"]), rows, atol=2e-5, rtol=1e-4)
+    b64 = httpx.post(server.url("/pooling"), json={"input": TEXTS[0], "task": "embed", "encoding_format": "base64"},
+                     timeout=60).json()["data"][0]["data"]
+    torch.testing.assert_close(torch.from_numpy(np.frombuffer(base64.b64decode(b64), dtype="<f4").copy()), rows[-1],
+                               atol=2e-5, rtol=1e-4)
+    bad_task = httpx.post(server.url("/pooling"), json={"input": query, "task": "token_classify"}, timeout=60)
+    assert bad_task.status_code == 400 and bad_task.json()["error"]["param"] == "task", bad_task.text
     # An embedding model does not classify: /classify is a 400 naming the model.
     cls = httpx.post(server.url("/classify"), json={"input": query}, timeout=60)
     assert cls.status_code == 400 and cls.json()["error"]["code"] == "model_not_classifier", cls.text

@@ -129,8 +129,8 @@ class Scheduler:
             return
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
-        if request.pooling_params is not None and (self.pooling_type != "LAST"
-                                                   or request.pooling_params.task == "token_embed"):
+        pooling = request.pooling_params
+        if pooling is not None and (self.pooling_type != "LAST" or pooling.task in ("token_embed", "token_classify")):
             # Pooled from every prompt token's state (or the first's): none may come from the
             # cache, whose blocks hold K/V, not hidden states. LAST needs only the last token,
             # which is always computed.

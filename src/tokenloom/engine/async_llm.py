@@ -231,7 +231,8 @@ class AsyncLLM:
         trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """vLLM's: a pooling request (runner="pooling"); yields its one, final output, whose
-        `outputs.data` is the pooled tensor. `pooling_task` "embed" (default) or "token_embed".
+        `outputs.data` is the pooled tensor. `pooling_task` "embed" or "token_embed" (an embedding
+        model; "embed" by default), "classify" or "token_classify" (a classifier; "classify").
         Closing the generator first aborts the request."""
         check_vllm_only_args(tokenization_kwargs)
         stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(), priority,

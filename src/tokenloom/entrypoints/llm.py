@@ -248,11 +248,11 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled tensor of each prompt (`outputs.data`) for
         `pooling_task` "embed" ([hidden]), "token_embed" ([prompt tokens, hidden]) or, with a
-        classifier, "classify" ([labels])."""
+        classifier, "classify" ([labels]) and "token_classify" ([prompt tokens, labels])."""
         if pooling_task is None:
             raise ValueError("pooling_task is required for LLM.encode: 'embed' (one vector per prompt, as "
-                             "LLM.embed), 'token_embed' (one per prompt token) or 'classify' (a classifier's "
-                             "label probabilities, as LLM.classify).")
+                             "LLM.embed), 'token_embed' (one per prompt token), 'classify' (a classifier's "
+                             "label probabilities, as LLM.classify) or 'token_classify' (those of every token).")
         outs = self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request,
                           tokenization_kwargs)
         return [PoolingRequestOutput.from_request_output(o) for o in outs]

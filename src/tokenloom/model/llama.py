@@ -194,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism (model/tensor_parallel) the LM head computes this rank's slice
         # of the vocabulary; this joins the slices. None with one rank.
         self.vocab_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # False once `drop_lm_head` ran: a pooling model, whose runner never asks for logits.
+        self.computes_logits = True
         # Decode steps as one C call (model/fused_decode.FusedDecode), set by the CPU model
         # runner once quantization and tensor parallelism have shaped the layers.
         self.fused_decode: Callable[..., torch.Tensor | None] | None = None
@@ -229,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
+        if not self.computes_logits:
+            raise RuntimeError("this model runs as a pooling model (runner='pooling'): its LM head was dropped")
         if self.quant_lm_head is not None:
             logits = self.quant_lm_head(hidden).float()  # bfloat16 in a bf16 model
         else:
@@ -237,6 +241,15 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head,
                             one_row_order=True).float()
         return logits if self.vocab_gather is None else self.vocab_gather(logits)
+
+    def drop_lm_head(self) -> None:
+        """For a model that only pools (embeddings, classification): frees an untied LM head (a
+        vocabulary-sized matrix, in float or quantized form) and keeps the packers from making a
+        copy of one, so the model holds one vocabulary-sized table, its embedding."""
+        self.lm_head = None
+        self.quant_lm_head = None
+        self.packed_lm_head = None
+        self.computes_logits = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -193,7 +193,8 @@ def pack_linear_weights(model: nn.Module, release_plain: bool = False) -> int:
         m.packed_weight = pack_weight(m.weight)
         if release_plain:
             _release_plain(m)
-    if hasattr(model, "packed_lm_head") and getattr(model, "quant_lm_head", None) is None:
+    if (hasattr(model, "packed_lm_head") and getattr(model, "quant_lm_head", None) is None
+            and getattr(model, "computes_logits", True)):
         model.packed_lm_head = pack_weight(model.lm_head_weight)
     return len(slots)
 

@@ -258,8 +258,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
             packed = getattr(m, "packed_weight", None)
             total += (packed_nbytes(packed) if m.weight.numel() == 0 and packed is not None
                       else m.weight.numel() * m.weight.element_size())
-    if getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None:
-        # a tied float head: its packed copy, else the embedding's table
+    if (getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None
+            and getattr(model, "computes_logits", True)):
+        # a tied float head: its packed copy, else the embedding's table (none: a pooling model)
         if (packed := getattr(model, "packed_lm_head", None)) is not None:
             total += packed_nbytes(packed)
         else:

@@ -123,6 +123,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device,
                                                      quantized=loaded.quantization != "none")
+        if config.is_pooling:  # pooled, never sampled: no LM head to hold or pack
+            self.model.drop_lm_head()
         if self.device.type == "cpu" and not config.compile:
             prepare_cpu_weights(self.model)
             # A Llama-family model's decode steps as one C call (the eager layers for every

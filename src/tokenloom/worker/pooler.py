@@ -99,20 +99,26 @@ class Pooler:
         return out
 
     def _classify(self, finals: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The classify requests' pooled states through the score head, in one product; the
-        other requests' as they are."""
-        todo = [k for k, (req_id, _) in enumerate(finals) if self.params[req_id].task == "classify"]
+        """The classify and token_classify requests' pooled states (one row, or one per token)
+        through the score head, in one product; the other requests' as they are."""
+        todo = [k for k, (req_id, _) in enumerate(finals)
+                if self.params[req_id].task in ("classify", "token_classify")]
         if not todo:
             return finals
         if self.classifier is None:  # the processor refuses classify on a model without the head
             raise RuntimeError("classify request on a model without a score head")
-        logits = self.classifier(torch.stack([finals[k][1] for k in todo]).to(self.dtype)).float()
+        rows = [finals[k][1].reshape(-1, finals[k][1].shape[-1]) for k in todo]
+        logits = self.classifier(torch.cat(rows).to(self.dtype)).float()
         probs = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
         finals = list(finals)
-        for row, k in enumerate(todo):
-            req_id = finals[k][0]
-            finals[k] = (req_id, probs[row] if self.params[req_id].use_activation else logits[row])
+        start = 0
+        for k, part in zip(todo, rows):
+            req_id, end = finals[k][0], start + part.shape[0]
+            params = self.params[req_id]
+            out = (probs if params.use_activation else logits)[start:end]
+            finals[k] = (req_id, out[0] if params.task == "classify" else out)
+            start = end
         return finals
 
     def _kind(self, req_id: str) -> str:
-        return "ALL" if self.params[req_id].task == "token_embed" else self.pooling_type
+        return "ALL" if self.params[req_id].task in ("token_embed", "token_classify") else self.pooling_type

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET, DELETE
 /v1/responses/{id}, GET .../input_items, POST .../cancel), with --runner pooling POST
-/v1/embeddings, /classify, /score and /rerank (serving_embedding.py), GET /v1/models, POST
+/v1/embeddings, /pooling, /classify, /score and /rerank (serving_embedding.py), GET /v1/models, POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py), POST /tokenize,
 POST /detokenize, GET /health (and vLLM's /ping), GET /version, GET /metrics, GET /ledger (the
 ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message", "type", "param",
@@ -37,6 +37,7 @@ from tokenloom.entrypoints.openai.protocol import (
     EmbeddingRequest,
     RerankRequest,
     OpenAIServingError,
+    PoolingRequest,
     ResponsesRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -263,6 +264,11 @@ def build_app(
     async def create_embedding(request: Request) -> Response:
         req = await parse_body(request, EmbeddingRequest, max_request_body_bytes, engine)
         return await embeddings.create_embedding(req, request)
+
+    @app.post("/pooling", operation_id="create_pooling", openapi_extra=body_schema(PoolingRequest))
+    async def create_pooling(request: Request) -> Response:
+        req = await parse_body(request, PoolingRequest, max_request_body_bytes, engine)
+        return await embeddings.create_pooling(req, request)
 
     @app.post("/classify", operation_id="create_classify", openapi_extra=body_schema(ClassificationRequest))
     @app.post("/v1/classify", openapi_extra=body_schema(ClassificationRequest), include_in_schema=False)

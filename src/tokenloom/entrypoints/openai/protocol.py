@@ -299,6 +299,23 @@ class ClassificationRequest(_ChatInput):
     priority: Int64 = 0
 
 
+class PoolingRequest(_ChatInput):
+    """POST /pooling (vLLM's): each input's pooled tensor for `task`, by default the model's
+    token-level one (token_embed for an embedding model, token_classify for a classifier: one
+    row per prompt token), as nested lists of floats or base64 of little-endian float32."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
+    task: str | None = None  # embed | token_embed | classify | token_classify
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+    priority: Int64 = 0
+
+
 class ScoreRequest(_Request):
     """POST /score (vLLM's): `text_1` against each of `text_2` (1:N), or two lists of the same
     length pairwise; an embedding model scores by cosine similarity, a one-label classifier (a

@@ -1,8 +1,9 @@
 """POST /v1/embeddings (OpenAI's), served by an engine started with `--runner pooling`: one
 embedding per input, pooled and normalized in the engine core (worker/pooler.py), sent as floats
 or as base64 of little-endian float32 bytes (what the official client asks for by default).
-And vLLM's pooling routes beside it: POST /classify with a sequence classifier (each input's label
-probabilities and its most likely label), /score and /rerank with either kind of model (cosine
+And vLLM's pooling routes beside it: POST /pooling (any task's pooled tensor; by default the
+token-level one), POST /classify with a sequence classifier (each input's label probabilities and
+its most likely label), /score and /rerank with either kind of model (cosine
 similarities of embeddings, or a one-label classifier's probability for each pair read together:
 entrypoints/score_utils.py). Torch-free: the vectors arrive as bytes, numpy does the rest."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tokenloom.entrypoints.openai.protocol import (
     ClassificationRequest,
     EmbeddingRequest,
     OpenAIServingError,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     bad_request,
@@ -77,6 +79,26 @@ class OpenAIServingEmbedding(OpenAIServing):
         return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
                               "data": data, "usage": usage(prompt_tokens, 0)})
 
+    async def create_pooling(self, req: PoolingRequest, raw_request: Request) -> Response:
+        model = self._check_pooling_model(req.model)
+        default = "token_embed" if self.engine.model_config.classifier_labels is None else "token_classify"
+        prompts = await self._inputs(req)
+        params = self._params(task=req.task or default, dimensions=req.dimensions, normalize=req.normalize,
+                              use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        request_id = random_id("pool")
+        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
+        if outs is None:
+            return Response(status_code=499)
+        data = []
+        for i, out in enumerate(outs):
+            arr = pooled_array(out.pooling_output)  # type: ignore[arg-type]
+            data.append({"index": i, "object": "pooling",
+                         "data": (base64.b64encode(arr.tobytes()).decode("ascii") if req.encoding_format == "base64"
+                                  else arr.tolist())})
+        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
+        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
+                              "data": data, "usage": usage(prompt_tokens, 0)})
+
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> Response:
         scored = await self._score("score", req, req.text_1, req.text_2, ("text_1", "text_2"), raw_request)
         if scored is None:
@@ -107,7 +129,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
         return model
 
-    async def _inputs(self, req: EmbeddingRequest | ClassificationRequest) -> list[Any]:
+    async def _inputs(self, req: EmbeddingRequest | ClassificationRequest | PoolingRequest) -> list[Any]:
         """The request's engine inputs: each of `input` (texts tokenized with the tokenizer's
         special tokens unless add_special_tokens is false; token ids as given), or `messages`
         rendered by the chat template into one input, tokenized without them unless asked."""
