@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import base64
 import functools
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -47,14 +50,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIServingError("This model is a sequence classifier: it classifies (/classify) and, with one "
                                      "label, scores pairs (/score, /rerank); it does not embed.", 400,
                                      "invalid_request_error", "model", "model_not_embedding")
-        prompts = await self._inputs(req)
         params = self._params(dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation,
                               truncate_prompt_tokens=req.truncate_prompt_tokens)
-        request_id = random_id("embd")
-        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
-        if outs is None:
-            return Response(status_code=499)  # nobody is listening; the requests were aborted
-        return json_response(self._response(request_id, model, outs, req.encoding_format))
+        return await self._list("embd", req, model, params, raw_request, lambda i, vec: {
+            "index": i, "object": "embedding", "embedding": _encoded(vec, req.encoding_format)})
 
     async def create_classify(self, req: ClassificationRequest, raw_request: Request) -> Response:
         model = self._check_pooling_model(req.model)
@@ -63,41 +62,18 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIServingError("This model embeds: /classify needs a sequence classifier (a checkpoint whose "
                                      "config.json names *ForSequenceClassification).", 400, "invalid_request_error",
                                      "model", "model_not_classifier")
-        prompts = await self._inputs(req)
         params = self._params(task="classify", use_activation=req.use_activation,
                               truncate_prompt_tokens=req.truncate_prompt_tokens)
-        request_id = random_id("classify")
-        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
-        if outs is None:
-            return Response(status_code=499)
-        data = []
-        for i, out in enumerate(outs):
-            probs = pooled_array(out.pooling_output)  # type: ignore[arg-type]
-            data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
-                         "num_classes": len(labels)})
-        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
-                              "data": data, "usage": usage(prompt_tokens, 0)})
+        return await self._list("classify", req, model, params, raw_request, lambda i, probs: {
+            "index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(), "num_classes": len(labels)})
 
     async def create_pooling(self, req: PoolingRequest, raw_request: Request) -> Response:
         model = self._check_pooling_model(req.model)
         default = "token_embed" if self.engine.model_config.classifier_labels is None else "token_classify"
-        prompts = await self._inputs(req)
         params = self._params(task=req.task or default, dimensions=req.dimensions, normalize=req.normalize,
                               use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens)
-        request_id = random_id("pool")
-        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
-        if outs is None:
-            return Response(status_code=499)
-        data = []
-        for i, out in enumerate(outs):
-            arr = pooled_array(out.pooling_output)  # type: ignore[arg-type]
-            data.append({"index": i, "object": "pooling",
-                         "data": (base64.b64encode(arr.tobytes()).decode("ascii") if req.encoding_format == "base64"
-                                  else arr.tolist())})
-        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
-                              "data": data, "usage": usage(prompt_tokens, 0)})
+        return await self._list("pool", req, model, params, raw_request, lambda i, arr: {
+            "index": i, "object": "pooling", "data": _encoded(arr, req.encoding_format)})
 
     async def create_score(self, req: ScoreRequest, raw_request: Request) -> Response:
         scored = await self._score("score", req, req.text_1, req.text_2, ("text_1", "text_2"), raw_request)
@@ -128,6 +104,24 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "This model generates text (--runner generate): embeddings and scores need a server started with "
                 "--runner pooling.", 400, "invalid_request_error", "model", "model_not_embedding")
         return model
+
+    async def _list(self, prefix: str, req: EmbeddingRequest | ClassificationRequest | PoolingRequest, model: str,
+                    params: PoolingParams, raw_request: Request, item: Callable[[int, np.ndarray], dict[str, Any]]
+                    ) -> Response:
+        """The list every one-input-one-result route answers (embeddings, classify, pooling): one
+        engine request per input, `item(index, pooled array)` for each, usage; 499 when the
+        client went away first."""
+        prompts = await self._inputs(req)
+        request_id = random_id(prefix)
+        outs = await self._embed(request_id, prompts, params, req.priority, "input", model, raw_request)
+        if outs is None:
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        # (collect_final raised for a failed request: each has its pooled result)
+        data = [item(i, pooled_array(o.pooling_output)) for i, o in enumerate(outs)]  # type: ignore[arg-type]
+        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
+        cached = self.cached_tokens(sum(o.num_cached_tokens for o in outs))
+        return json_response({"id": request_id, "object": "list", "created": unix_time(), "model": model,
+                              "data": data, "usage": usage(prompt_tokens, 0, cached)})
 
     async def _inputs(self, req: EmbeddingRequest | ClassificationRequest | PoolingRequest) -> list[Any]:
         """The request's engine inputs: each of `input` (texts tokenized with the tokenizer's
@@ -193,16 +187,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                   else cosine_scores(vectors, index_pairs))
         return request_id, model, scores, usage(prompt_tokens, 0)
 
-    def _response(self, request_id: str, model: str, outs: list[RequestOutput], encoding_format: str
-                  ) -> dict[str, Any]:
-        data = []
-        for i, out in enumerate(outs):
-            assert out.pooling_output is not None  # collect_final raised for a failed request
-            vec = pooled_array(out.pooling_output)
-            embedding: Any = (base64.b64encode(vec.tobytes()).decode("ascii") if encoding_format == "base64"
-                              else vec.tolist())
-            data.append({"index": i, "object": "embedding", "embedding": embedding})
-        prompt_tokens = sum(len(o.prompt_token_ids or ()) for o in outs)
-        cached = self.cached_tokens(sum(o.num_cached_tokens for o in outs))
-        return {"id": request_id, "object": "list",
-                "created": unix_time(), "model": model, "data": data, "usage": usage(prompt_tokens, 0, cached)}
+
+def _encoded(arr: np.ndarray, encoding_format: str) -> Any:
+    """A pooled array as floats (nested lists for a matrix) or base64 of its little-endian float32 bytes."""
+    return base64.b64encode(arr.tobytes()).decode("ascii") if encoding_format == "base64" else arr.tolist()
