@@ -111,8 +111,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="adapters whose weights the engine core keeps loaded once no request uses them, least "
                         "recently used dropped first (default: --max-loras)")
     g.add_argument("--runner", choices=("auto", "generate", "pooling"), default=_DEFAULTS.runner,
-                   help="generate text, or pool (embed: /v1/embeddings, LLM.embed); auto pools a checkpoint without a "
-                        "language-model head (default auto)")
+                   help="generate text, or pool (embed: /v1/embeddings, LLM.embed; classify with a "
+                        "*ForSequenceClassification checkpoint: /classify, LLM.classify); auto pools a checkpoint "
+                        "without a language-model head (default auto)")
     g.add_argument("--convert", choices=("auto", "none", "embed"), default=_DEFAULTS.convert,
                    help="embed: run the model as an embedding model (implies --runner pooling)")
     g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=json_dict, default=None,
