@@ -1,4 +1,4 @@
-"""The `tokenloom` command: `tokenloom generate | serve | bench | explain ...`."""
+"""The `tokenloom` command: `tokenloom generate | serve | run-batch | bench | explain ...`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 
 from tokenloom.entrypoints.bench import add_bench_parser
 from tokenloom.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from tokenloom.entrypoints.openai import add_serve_parser
+from tokenloom.entrypoints.openai import add_run_batch_parser, add_serve_parser
 from tokenloom.metrics.explain import add_explain_parser
 
 
@@ -53,6 +53,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 _SUBCOMMANDS = [
     _add_generate,
     add_serve_parser,  # tokenloom.entrypoints.openai
+    add_run_batch_parser,  # tokenloom.entrypoints.openai.run_batch
     add_bench_parser,  # tokenloom.entrypoints.bench (a group: bench serve | ...)
     add_explain_parser,  # tokenloom.metrics.explain
 ]

@@ -149,3 +149,33 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.openai.serve import run_serve
 
     return run_serve(args)
+
+
+def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
+    from tokenloom.entrypoints.engine_args import add_engine_args
+
+    p = sub.add_parser("run-batch", help="run a file of OpenAI Batch API requests offline (vLLM's run-batch)")
+    p.add_argument("-i", "--input-file", required=True,
+                   help="JSONL, one request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} "
+                   "(- for standard input)")
+    p.add_argument("-o", "--output-file", required=True,
+                   help="JSONL, one response per request in input order (- for standard output)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the requests' `model` may give (default: the model path)")
+    p.add_argument("--max-concurrency", type=int, default=1024,
+                   help="requests in flight at once (default 1024; the engine batches them continuously)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one (default: the tokenizer's)")
+    p.add_argument("--response-role", default="assistant", help="the role of chat replies (default: assistant)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage gets prompt_tokens_details.cached_tokens")
+    p.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on standard error")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.openai.run_batch import run_batch
+
+    return run_batch(args)
