@@ -28,9 +28,10 @@ import msgspec
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
-# Which tasks each kind of pooling model runs (vLLM's supported tasks per architecture).
-EMBED_TASKS = ("embed", "token_embed")
+# The tasks a classifier runs (vLLM's supported tasks per architecture; an embedding model runs
+# the others), and the tasks that return one row per prompt token (pooled over every token).
 CLASSIFY_TASKS = ("classify", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 def _bad(field: str, requirement: str, value: Any) -> ValueError:

@@ -41,6 +41,7 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.kv_cache_spec import KVCacheGroupSpec
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists, SchedulerStats, now
+from tokenloom.pooling_params import TOKEN_TASKS
 from tokenloom.runner_output import ModelRunnerOutput
 from tokenloom.sched_output import CachedRequestData, NewRequestData, SchedulerOutput, WaitReason
 from tokenloom.structured_output import StructuredOutputManager
@@ -130,7 +131,7 @@ class Scheduler:
         if self.kv_cache_manager.enable_caching:
             request.enable_block_hashing(self.block_size)
         pooling = request.pooling_params
-        if pooling is not None and (self.pooling_type != "LAST" or pooling.task in ("token_embed", "token_classify")):
+        if pooling is not None and (self.pooling_type != "LAST" or pooling.task in TOKEN_TASKS):
             # Pooled from every prompt token's state (or the first's): none may come from the
             # cache, whose blocks hold K/V, not hidden states. LAST needs only the last token,
             # which is always computed.

@@ -18,7 +18,13 @@ from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.processor import check_vllm_only_args
-from tokenloom.entrypoints.score_utils import check_cross_encoder, cosine_scores, score_pairs, text_pairs
+from tokenloom.entrypoints.score_utils import (
+    check_cross_encoder,
+    cosine_scores,
+    cross_encoder_inputs,
+    score_pairs,
+    text_pairs,
+)
 from tokenloom.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -291,9 +297,8 @@ class LLM:
         distinct input embedded once. With a one-label classifier (a cross-encoder): its
         probability for each pair of texts, tokenized together as the tokenizer encodes a pair."""
         if check_cross_encoder(self.llm_engine.model_config.classifier_labels):
-            tokenizer = self.get_tokenizer()
-            prompts = [{"prompt_token_ids": tokenizer(a, text_pair=b)["input_ids"]}
-                       for a, b in text_pairs(data_1, data_2)]
+            prompts = [{"prompt_token_ids": ids}
+                       for ids in cross_encoder_inputs(self.get_tokenizer(), text_pairs(data_1, data_2))]
             classified = self.classify(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                        use_tqdm=use_tqdm, lora_request=lora_request,
                                        tokenization_kwargs=tokenization_kwargs)

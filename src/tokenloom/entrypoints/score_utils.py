@@ -49,6 +49,12 @@ def text_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = "
     return [(firsts[0] if len(firsts) == 1 else firsts[i], s) for i, s in enumerate(seconds)]
 
 
+def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
+    """Each pair's token ids as the tokenizer encodes a pair (its pair template: a separator, special
+    tokens), the one input a cross-encoder reads."""
+    return [tokenizer(a, text_pair=b)["input_ids"] for a, b in pairs]
+
+
 def check_cross_encoder(labels: tuple[str, ...] | None) -> bool:
     """Whether a model with these classifier labels scores as a cross-encoder (one label); False
     for an embedding model (None); a ValueError for a classifier of several labels."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from collections.abc import Callable
 
 from tokenloom.messages import PooledData
-from tokenloom.pooling_params import PoolerConfig, PoolingParams
+from tokenloom.pooling_params import CLASSIFY_TASKS, TOKEN_TASKS, PoolerConfig, PoolingParams
 
 
 class Pooler:
@@ -102,7 +102,7 @@ class Pooler:
         """The classify and token_classify requests' pooled states (one row, or one per token)
         through the score head, in one product; the other requests' as they are."""
         todo = [k for k, (req_id, _) in enumerate(finals)
-                if self.params[req_id].task in ("classify", "token_classify")]
+                if self.params[req_id].task in CLASSIFY_TASKS]
         if not todo:
             return finals
         if self.classifier is None:  # the processor refuses classify on a model without the head
@@ -121,4 +121,4 @@ class Pooler:
         return finals
 
     def _kind(self, req_id: str) -> str:
-        return "ALL" if self.params[req_id].task in ("token_embed", "token_classify") else self.pooling_type
+        return "ALL" if self.params[req_id].task in TOKEN_TASKS else self.pooling_type

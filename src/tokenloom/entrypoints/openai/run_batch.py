@@ -136,10 +136,10 @@ def run_batch(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}.")
-    from tokenloom.entrypoints.openai.serve import _chat_template
+    from tokenloom.entrypoints.openai.serve import read_chat_template
 
     lines = read_batch(args.input_file)  # before the engine: a bad file costs no model load
-    chat_template = _chat_template(args.chat_template)
+    chat_template = read_chat_template(args.chat_template)
     out_dir = os.path.dirname(os.path.abspath(args.output_file))
     if args.output_file != "-" and not os.path.isdir(out_dir):
         raise ValueError(f"--output-file {args.output_file!r}: the folder {out_dir!r} does not exist")

@@ -49,7 +49,7 @@ def _server_class() -> type:
     return Server
 
 
-def _chat_template(value: str | None) -> str | None:
+def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's content when it names a file, else the template itself (vLLM's rule)."""
     if value is None:
         return None
@@ -119,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
-    chat_template = _chat_template(getattr(args, "chat_template", None))
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
     config = engine_config_from_args(args)

@@ -38,7 +38,13 @@ from tokenloom.entrypoints.openai.serving_engine import (
     usage,
 )
 from tokenloom.entrypoints.openai.tools import template_message
-from tokenloom.entrypoints.score_utils import check_cross_encoder, cosine_scores, score_pairs, text_pairs
+from tokenloom.entrypoints.score_utils import (
+    check_cross_encoder,
+    cosine_scores,
+    cross_encoder_inputs,
+    score_pairs,
+    text_pairs,
+)
 from tokenloom.outputs import RequestOutput, pooled_array
 from tokenloom.pooling_params import PoolingParams
 
@@ -168,10 +174,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise OpenAIServingError(str(e), 400, "invalid_request_error", "model", "model_not_scorer") from None
         try:
             if cross_encoder:
-                pairs = text_pairs(data_1, data_2, *names)
-                tokenizer = self.engine.tokenizer
-                inputs = [await self.engine.run_off_loop(lambda a, b: tokenizer(a, text_pair=b)["input_ids"], a, b)
-                          for a, b in pairs]
+                pairs = text_pairs(data_1, data_2, *names)  # tokenized off the loop, in one call
+                inputs = await self.engine.run_off_loop(cross_encoder_inputs, self.engine.tokenizer, pairs)
                 params = self._params(task="classify", truncate_prompt_tokens=req.truncate_prompt_tokens)
             else:
                 inputs, index_pairs = score_pairs(data_1, data_2, *names)
