@@ -96,6 +96,9 @@ def test_sigint_to_any_core_thread_ends_an_idle_core():
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.syscall(_SYS_TGKILL, pid, other, signal.SIGINT) == 0  # to that one thread
     _wait_dead(pid, timeout=10)
+    # Long enough for the client's socket to drop the dead peer: the next send then finds no one
+    # to send to, while the core's own account of its death still waits unread.
+    time.sleep(1.0)
     with pytest.raises(EngineDeadError, match="engine core stopped by SIGINT"):
         llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
     llm.shutdown()

@@ -291,7 +291,21 @@ class MPClient(EngineCoreClient):
     def _check_process(self) -> None:
         code = self.proc.poll()
         if code is not None:
-            self._mark_dead(f"engine core process {self.proc.pid} exited with code {code}")
+            self._mark_dead(self._unread_last_words() or f"engine core process {self.proc.pid} exited with code {code}")
+
+    def _unread_last_words(self) -> str | None:
+        """The dead core's own account of why it stopped, if it still waits unread: the core sends
+        it and then exits, so a send that finds no peer (or a poll that just missed it) can learn
+        of the exit first. Other unread outputs of a dead core are never delivered anyway: the
+        death fails every unfinished request."""
+        while self.output_socket.poll(0):
+            try:
+                outputs = self.decoder.decode(self.output_socket.recv(zmq.NOBLOCK, copy=False).buffer)
+            except (zmq.Again, msgspec.DecodeError):
+                return None
+            if outputs.engine_error is not None:
+                return outputs.engine_error
+        return None
 
     def _mark_dead(self, reason: str) -> None:
         self._dead_reason = reason
