@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokenloom.engine.async_llm import AsyncLLM
@@ -45,6 +45,15 @@ def _server_class() -> type:
             finally:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
+
+        on_started: Callable[[], None] | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            # Still inside the loop's turn that opened the socket: no request is answered before
+            # the start-up lines are out, so whoever sees the server answer can read them.
+            if self.started and self.on_started is not None:
+                self.on_started()
 
     return Server
 
@@ -90,6 +99,8 @@ def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]
     ]
     if info.cpu:
         lines.append(f"tokenloom serve: CPU {info.cpu}")
+    if info.cuda_graphs:
+        lines.append(f"tokenloom serve: CUDA graphs of {info.cuda_graphs} (--enforce-eager: none)")
     spec = engine.config.speculative_config
     if spec is not None:
         lines.append(f"tokenloom serve: speculative decoding {spec.method}, up to {spec.num_speculative_tokens} draft "
@@ -165,16 +176,17 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_died = asyncio.Event()
     keep_alive = getattr(args, "keep_alive_on_engine_death", False)
 
+    def say_what_runs() -> None:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print("\n".join(_startup_lines(engine, url, sampling_defaults)), flush=True)
+
+    server.on_started = say_what_runs
+
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive, died=engine_died))
         drain = asyncio.create_task(_end_requests_when_stopping(server, engine, DRAIN_S))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            host, port = sock.getsockname()[:2]
-            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            print("\n".join(_startup_lines(engine, url, sampling_defaults)), flush=True)
         await task
         watchdog.cancel()
         drain.cancel()
