@@ -118,6 +118,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # it compiled for minutes and then ran decode steps slower than eager (benchmarks/README.md,
     # "CPU: what was tried").
     compile: bool = False
+    # vLLM's switch: True runs every step eagerly. Otherwise, on CUDA, decode steps replay CUDA
+    # graphs captured at start-up (worker/cuda_graph.py); on the CPU there are none to turn off.
+    enforce_eager: bool = False
     # What the matmuls compute with (model/loader.QUANTIZATION_METHODS): "auto" computes a GGUF's
     # quantized tensors as shipped and an HF checkpoint in `dtype`; "int8" quantizes any
     # checkpoint's matrices at load; None / "none" is the float path (a GGUF dequantized).

@@ -209,6 +209,8 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # How the model is split: its tensor-parallel ranks and who runs them ("uni", "mp", "ray").
     tensor_parallel_size: int = 1
     executor_backend: str = "uni"
+    # On CUDA, the decode batches replayed from CUDA graphs (worker/cuda_graph.py); "": none.
+    cuda_graphs: str = ""
 
 
 class LedgerBucket(enum.IntEnum):

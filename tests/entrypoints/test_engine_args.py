@@ -104,11 +104,12 @@ def test_cli_args_take_vllm_flags(caplog):
     assert type(engine_args) is EngineArgs
     with caplog.at_level(logging.WARNING, logger="tokenloom"):
         config = engine_args.create_engine_config()
+    # --enforce-eager is a field of its own (CUDA graphs off), not one of vLLM's no-effect flags.
     assert config == EngineConfig(model="/models/m.gguf", max_model_len=1000, dtype="float32", max_num_seqs=8,
                                   enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES, seed=3,
-                                  override_generation_config={"temperature": 0.5})
+                                  override_generation_config={"temperature": 0.5}, enforce_eager=True)
     warned = _warnings(caplog)
-    assert "enforce-eager" in warned and "gpu-memory-utilization" not in warned
+    assert "enforce-eager" not in warned and "gpu-memory-utilization" not in warned
 
     # AsyncEngineArgs: the same options, and vLLM's --swap-space / --disable-log-stats parse too.
     parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
@@ -123,8 +124,7 @@ def test_cli_args_take_vllm_flags(caplog):
 
 
 def test_keywords_as_vllm_takes_them(caplog):
-    vllm_only = dict(gpu_memory_utilization=0.9, enforce_eager=True, trust_remote_code=True, swap_space=4,
-                     disable_log_stats=True)
+    vllm_only = dict(gpu_memory_utilization=0.9, trust_remote_code=True, swap_space=4, disable_log_stats=True)
     assert set(vllm_only) == set(VLLM_ONLY_ARGS)
     engine_args = EngineArgs("/models/m.gguf", max_model_len=512, **vllm_only)
     assert "max_model_len=512" in repr(engine_args)

@@ -21,6 +21,14 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Per-step plan shared by all layers (returned object is passed back to `forward`)."""
 
+    def prepare_for_cuda_graph(self, meta: AttentionMetadata) -> Any | None:
+        """The plan of a decode batch that a CUDA graph captures once and replays every step
+        (worker/cuda_graph.py), or None where the backend cannot make one. Such a plan launches
+        the same kernels on the same grids whatever the lengths: `meta.max_seq_len` is the
+        longest context any replay may have, and the lengths themselves are read on the device
+        (the host copies in `meta` describe the capture's padding, not the replays)."""
+        return None
+
     @abstractmethod
     def forward(
         self,

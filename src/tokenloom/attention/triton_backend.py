@@ -96,6 +96,21 @@ class TritonAttentionBackend(AttentionBackend):
             and int(seq_lens.max()) > meta.sliding_window else None,
         )
 
+    def prepare_for_cuda_graph(self, meta: AttentionMetadata) -> TritonAttentionPlan:
+        """A decode-only plan whose launches hold for any context up to `meta.max_seq_len`: the
+        kernel choice and split-KV partitions are made for that length (shorter contexts leave
+        the later partitions empty), and every kernel bounds its loops by `seq_lens` on the
+        device. The program tables and split-KV buffers are built by the first forward (the
+        warm-up before capture) and kept in the plan, which the graph then owns."""
+        B, w = meta.num_reqs, meta.sliding_window
+        return TritonAttentionPlan(
+            num_actual_tokens=B, num_reqs=B, max_query_len=1, max_seq_len=meta.max_seq_len,
+            query_start_loc=meta.query_start_loc, query_start_loc_cpu=torch.arange(B + 1, dtype=torch.int32),
+            seq_lens=meta.seq_lens, block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+            decode_only=True, prefill_only_no_context=False,
+            sliding_window=w if w is not None and meta.max_seq_len > w else None,
+        )
+
     def _path(self, plan: TritonAttentionPlan, hq: int, hkv: int, device: torch.device):
         key = (hq, hkv)
         if key in plan.paths:

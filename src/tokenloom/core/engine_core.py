@@ -67,6 +67,7 @@ class EngineCore:
                                       if self.scheduler.kv_cache_manager.num_groups > 1 else 0),
             tensor_parallel_size=config.tensor_parallel_size,
             executor_backend=config.executor_backend,
+            cuda_graphs=info.cuda_graphs,
         )
         if info.cpu:
             self.info.cpu, self.info.cpu_kernels_isa = info.cpu, info.cpu_kernels_isa

@@ -2,7 +2,7 @@
 
 vLLM's spellings work too, so that its launch scripts run unchanged where the meaning is the
 same: `--dtype half|float`, `--enable-prefix-caching`, sizes such as `--max-model-len 8k`
-(`human_int`), and options that mean nothing here (GPU memory, CUDA graphs, remote code) are
+(`human_int`), and options that mean nothing here (GPU memory, remote code) are
 accepted with a warning saying so (`warn_ignored_vllm_args`).
 """
 from __future__ import annotations
@@ -79,6 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
     g.add_argument("--no-ledger", dest="enable_ledger", action="store_false", help="turn the ledger (per-request timing, metrics) off")
     g.add_argument("--compile", action="store_true", help="torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: on CUDA, no decode steps replayed from CUDA graphs (as vLLM's)")
     g.add_argument("--quantization", default=_DEFAULTS.quantization, choices=["auto", "gguf", "int8", "none"],
                    help="auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model in float; "
                         "int8: int8 weights and activations for any model; none: dequantized float path")
@@ -123,16 +125,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")
-    v.add_argument("--enforce-eager", action="store_true", default=None, help="the model always runs eagerly here (see --compile)")
     v.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="no model code is ever downloaded or run here: the architectures are tokenloom's own")
     g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
 
 
-# vLLM's engine arguments that mean nothing here (GPU memory, CUDA graphs, remote code, swap,
+# vLLM's engine arguments that mean nothing here (GPU memory, remote code, swap,
 # its periodic stats log): its launch lines and `LLM(...)` calls pass them, so they are taken and
 # a warning says so.
-VLLM_ONLY_ARGS = ("gpu_memory_utilization", "enforce_eager", "trust_remote_code", "swap_space", "disable_log_stats")
+VLLM_ONLY_ARGS = ("gpu_memory_utilization", "trust_remote_code", "swap_space", "disable_log_stats")
 
 
 def warn_ignored_vllm_args(args: argparse.Namespace) -> None:
@@ -188,7 +189,6 @@ class EngineArgs:
 
     # VLLM_ONLY_ARGS: taken so vLLM's scripts run; a value other than None/False is warned about.
     gpu_memory_utilization: float | None = None
-    enforce_eager: bool | None = None
     trust_remote_code: bool | None = None
     swap_space: float | None = None
     disable_log_stats: bool | None = None

@@ -89,6 +89,7 @@ class LLM:
         enable_ledger: bool = True,
         trace_path: str | None = None,
         compile: bool = False,
+        enforce_eager: bool = False,
         quantization: str | None = "auto",
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
@@ -106,8 +107,8 @@ class LLM:
         override_pooler_config: PoolerConfig | dict[str, Any] | None = None,
         **vllm_only: Any,
     ) -> None:
-        """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `enforce_eager`,
-        `trust_remote_code`, `swap_space`, `disable_log_stats`) are taken with a warning; any
+        """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `trust_remote_code`,
+        `swap_space`, `disable_log_stats`) are taken with a warning; any
         other unknown keyword is a TypeError, as before."""
         unknown = sorted(set(vllm_only) - set(VLLM_ONLY_ARGS))
         if unknown:
@@ -133,6 +134,7 @@ class LLM:
             enable_ledger=enable_ledger,
             trace_path=trace_path,
             compile=compile,
+            enforce_eager=enforce_eager,
             quantization=quantization,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

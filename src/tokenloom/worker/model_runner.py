@@ -38,6 +38,7 @@ from tokenloom.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tokenloom.sample.grammar import GrammarMask
 from tokenloom.sample.sampler import Sampler, SamplerOutput
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
+from tokenloom.worker.cuda_graph import build_decode_graphs
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.pooler import Pooler
 from tokenloom.worker.prompt_logprobs import PromptLogprobs
@@ -110,9 +111,10 @@ class _StepInputs:
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     do_sample: np.ndarray  # bool: the request's last scheduled token is sampled
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: torch.Tensor | None  # None: the step replays a CUDA graph, which reads its own
+    positions: torch.Tensor | None
     plans: list[Any]  # one attention plan per KV cache group
+    graph_size: int | None = None  # the captured decode batch size it replays (worker/cuda_graph)
 
 
 class ModelRunner:
@@ -196,6 +198,8 @@ class ModelRunner:
         # Pooling (runner="pooling"): prompts are pooled, never sampled (worker/pooler.py).
         self.pooler = (Pooler(config.pooler_config, getattr(self.model, "score", None), self.dtype)  # type: ignore[arg-type]
                        if config.is_pooling else None)
+        # On CUDA: decode steps replayed from graphs captured now (None: every step eager).
+        self.graphs = build_decode_graphs(self, config)
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -319,7 +323,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         if self.lora is not None:
             self.lora.prepare(step.rows, step.query_start_loc, self.device)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
+        if step.graph_size is not None:
+            hidden = self.graphs.replay(step.graph_size)[: len(step.req_ids)]  # type: ignore[union-attr]
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         if self.pooler is not None:
             return self._pool(step, hidden, t0, t1)
         prompt_logprobs = self.prompt_logprobs.compute(
@@ -413,8 +420,12 @@ class ModelRunner:
             self._query_start_loc.np[: num_reqs + 1] = query_start_loc
             self._seq_lens.np[:num_reqs] = seq_lens
             max_query_len = int(num_sched.max())
-        query_start_loc_dev = self._query_start_loc.to_device(num_attn + 1)
-        seq_lens_dev = self._seq_lens.to_device(num_attn)
+        # One token per request and no drafts: a decode batch, which a captured graph replays.
+        graph_size = (self.graphs.size_for(num_reqs) if self.graphs is not None and num_tokens == num_reqs
+                      and attn_req is None else None)
+        if graph_size is None:
+            query_start_loc_dev = self._query_start_loc.to_device(num_attn + 1)
+            seq_lens_dev = self._seq_lens.to_device(num_attn)
 
         # One metadata per KV cache group: the lengths are shared, the page table and the slots
         # are the group's, and so is the window. The backend plans each group once per step.
@@ -426,6 +437,8 @@ class ModelRunner:
             slot_mapping[:] = block_table[req_indices if attn_req is None else self._arange[:num_tokens], block_in_req]
             slot_mapping *= self.block_size
             slot_mapping += offset
+            if graph_size is not None:
+                continue
             plans.append(self.attn_backend.prepare(AttentionMetadata(
                 num_actual_tokens=num_tokens,
                 num_reqs=num_attn,
@@ -443,12 +456,15 @@ class ModelRunner:
         # Requests that reach the end of their known tokens are sampled; prefill chunks that stop
         # short of it are not.
         do_sample = seq_lens >= batch.num_tokens[rows]
+        if graph_size is not None:  # the graph's buffers: the step's rows, then padding
+            self.graphs.pad(num_reqs, graph_size)  # type: ignore[union-attr]
+            self.graphs.copy_inputs(graph_size)  # type: ignore[union-attr]
         return _StepInputs(
             req_ids=req_ids, rows=rows, num_sched=num_sched, computed=computed,
             query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,
-            input_ids=self._input_ids.to_device(num_tokens),
-            positions=self._positions.to_device(num_tokens),
-            plans=plans,
+            input_ids=self._input_ids.to_device(num_tokens) if graph_size is None else None,
+            positions=self._positions.to_device(num_tokens) if graph_size is None else None,
+            plans=plans, graph_size=graph_size,
         )
 
     def _build_output(self, step: _StepInputs, sample_pos: list[int], sampler_out: SamplerOutput

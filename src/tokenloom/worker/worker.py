@@ -51,6 +51,7 @@ class WorkerInfo:
     pid: int
     cpu: str = ""
     cpu_kernels_isa: str = ""
+    cuda_graphs: str = ""  # what the runner captured ("": every step eager)
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -131,7 +132,8 @@ class Worker:
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             quantization=self.loaded.quantization,
             weight_bytes_per_token=weight_bytes_per_token(self.loaded.model),
-            num_threads=torch.get_num_threads(), pid=os.getpid())
+            num_threads=torch.get_num_threads(), pid=os.getpid(),
+            cuda_graphs=runner.graphs.describe() if runner.graphs is not None else "")
         if on_cpu:
             policy = (self.thread_governor.describe() if self.thread_governor is not None
                       else f"fixed, rank {rank} of {tp}")

@@ -121,6 +121,7 @@ class _Ours:
             "weight_bytes_per_token": info.weight_bytes_per_token,
             "memory": process_memory_mib(info.pid),
             "attention_backend": info.attention_backend,
+            "cuda_graphs": info.cuda_graphs,
             "cpu_choice": info.cpu,
             "num_kv_blocks": info.num_kv_blocks,
             "max_num_seqs": args.max_num_seqs,
@@ -390,7 +391,9 @@ def _print_report(result: dict[str, Any]) -> None:
     print(f"tokenloom quantization: {ours.get('quantization') or 'none'}")
     mem = ours.get("memory", {})
     print(f"tokenloom: max_num_seqs={ours['max_num_seqs']} max_num_batched_tokens={ours['max_num_batched_tokens']} "
-          f"attention={ours['attention_backend']} kv_cache_dtype={ours['kv_cache_dtype']}; CPU: core {ours['cpu'].get('core_cpu_util', 0):.2f} cores, "
+          f"attention={ours['attention_backend']} kv_cache_dtype={ours['kv_cache_dtype']}"
+          + (f" CUDA graphs: {ours['cuda_graphs']}" if ours.get("cuda_graphs") else "")
+          + f"; CPU: core {ours['cpu'].get('core_cpu_util', 0):.2f} cores, "
           f"caller {ours['cpu']['caller_cpu_util']:.2f} cores")
     if mem:
         print(f"tokenloom engine memory: {mem['rss_mib']:.0f} MiB resident after the runs, peak "
