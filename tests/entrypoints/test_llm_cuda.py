@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("torch sees no CUDA device", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from model_helpers import byte_vocab, tiny_gguf, tiny_hf_model  # noqa: E402
+from model_helpers import GEMMA3_WINDOW, byte_vocab, save_hf_dir, tiny_gemma3, tiny_gguf, tiny_hf_model  # noqa: E402
 
 from tokenloom import LLM, SamplingParams  # noqa: E402
 
@@ -123,6 +123,26 @@ def test_cuda_graphs_replay_what_eager_steps_compute(checkpoint, max_model_len):
                 assert graphs.num_replays >= MAX_TOKENS - 1 and 16 in graphs.graphs
     _assert_same(runs[False], runs[True], atol=1e-4)
     _assert_same(runs[False], _hf_greedy(ref, prompts, MAX_TOKENS), atol=1e-3)
+
+
+def test_gemma3_sliding_windows_on_the_gpu(tmp_path):
+    """Gemma 3: five layers in six see only the last 8 positions, one KV cache group (and one
+    graph plan) per kind of layer; prompts shorter and far longer than the window. Greedy tokens
+    as transformers' on the GPU, with graphs and with every step eager."""
+    from tokenloom.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_gguf(tmp_path, "llama", Q.F32))  # a byte-level vocabulary
+    ref = tiny_gemma3(len(tokenizer), seed=5)
+    directory = save_hf_dir(ref, tokenizer, str(tmp_path / "gemma3"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (1, 5, 9, 40, 150)]
+    assert max(len(p) for p in prompts) > 4 * GEMMA3_WINDOW
+    expected = _hf_greedy(ref.to("cuda"), prompts, MAX_TOKENS)
+    for eager in (False, True):
+        with LLM(directory, device="cuda", dtype="float32", multiprocess=False, kv_cache_memory_bytes=64 << 20,
+                 max_num_batched_tokens=64, enforce_eager=eager) as llm:
+            assert (llm.llm_engine.info.cuda_graphs == "") == eager
+            _assert_same(_ours(llm, prompts, MAX_TOKENS), expected, atol=1e-3)
 
 
 def test_prefix_cache_hits_change_nothing_on_the_gpu(checkpoint):

@@ -131,6 +131,31 @@ def tiny_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+GEMMA3_WINDOW, GEMMA3_LAYERS = 8, 6
+
+
+def tiny_gemma3(vocab_size: int, seed: int = 0, **overrides):
+    """A 6-layer transformers Gemma3ForCausalLM, five layers in six with a sliding window of 8,
+    random weights, float32, eval mode (the tests of model/gemma3.py and of Gemma 3 on CUDA)."""
+    import transformers
+
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=GEMMA3_LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+               sliding_window=GEMMA3_WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg)).to(torch.float32).eval()
+    randomize_(model, seed)
+    with torch.no_grad():  # Gemma's norms scale by 1 + w: weights around 0, not 1
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.sub_(1.0)
+    return model
+
+
 def tiny_hf_classifier(kind: str, vocab_size: int, labels: Sequence[str], seed: int = 0):
     """A 2-layer transformers `*ForSequenceClassification` of `kind` with these labels (id2label
     in order), random weights, float32, eval mode: a cross-encoder when it has one label."""

@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import (SENTENCEPIECE_VOCAB, hf_last_logits, randomize_, run_flat_batch,
-                           save_hf_dir, write_gguf)
+from model_helpers import (GEMMA3_LAYERS as LAYERS, GEMMA3_WINDOW as WINDOW, SENTENCEPIECE_VOCAB, hf_last_logits,
+                           run_flat_batch, save_hf_dir, tiny_gemma3, write_gguf)
 
 from tokenloom.attention.torch_backend import TorchAttentionBackend
 from tokenloom.kv_cache_spec import kv_cache_groups
@@ -23,28 +23,6 @@ from tokenloom.ops.elementwise import torch_ops_only
 
 # float32 on both sides, six layers: measured max |diff| ~1e-6.
 ATOL = 1e-4
-WINDOW = 8
-LAYERS = 6
-
-
-def tiny_gemma3(vocab_size: int, seed: int = 0, **overrides):
-    import transformers
-
-    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-               sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
-               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg)).to(torch.float32).eval()
-    randomize_(model, seed)
-    with torch.no_grad():  # Gemma's norms scale by 1 + w: weights around 0, not 1
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.sub_(1.0)
-    return model
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
