@@ -12,6 +12,7 @@ import pytest
 from sched_helpers import check_block_invariants, make_request
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.model.loader import load_tokenizer
 from tokenloom.runner_output import ModelRunnerOutput
@@ -177,3 +178,36 @@ def test_a_token_outside_the_grammar_fails_the_request_alone(tokenizer):
     by_id = {o.request_id: o for o in outs.outputs}
     assert str(by_id["bad"].finish_reason) == "error" and "structured_outputs.regex" in by_id["bad"].error
     assert not by_id["ok"].finished
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tokenizer):
+    """The compilation fails after the request was queued for it: the request ends with ERROR
+    and the compiler's message, holds no block, and the others run on."""
+    manager = GatedManager(tokenizer)
+    manager.gate.clear()
+    s = scheduler_with(manager)
+    s.add_request(make_request("broken", 5, structured_outputs=SO(json='{"type": "nonsense-type"}')))
+    s.add_request(make_request("free", 5))
+    step(s)
+    manager.gate.set()
+    with pytest.raises(Exception):
+        s.requests["broken"].structured_output.future.result(timeout=60)
+    _, outs = step(s)
+    by_id = {o.request_id: o for o in outs.outputs}
+    assert str(by_id["broken"].finish_reason) == "error" and by_id["broken"].error
+    assert "broken" not in s.requests and not s.grammars.compiling
+    assert "free" in by_id and not by_id["free"].finished
+    check_block_invariants(s)
+
+
+def test_a_request_aborted_while_its_grammar_compiles_never_runs(tokenizer):
+    manager = GatedManager(tokenizer)
+    manager.gate.clear()
+    s = scheduler_with(manager)
+    s.add_request(make_request("json", 5, structured_outputs=SO(regex="[a-z]{3}")))
+    step(s)
+    s.finish_requests("json", RequestStatus.FINISHED_ABORTED)
+    assert not s.grammars.compiling and "json" not in s.requests
+    manager.gate.set()
+    so, outs = step(s)
+    assert so.num_scheduled_tokens == {} and outs.outputs == [] and not s.has_unfinished_requests()

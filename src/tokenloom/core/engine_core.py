@@ -153,7 +153,7 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.waiting_for_grammar:
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.grammars.compiling:
             # Part of this (empty) step, so the ledger counts it as queue_grammar_compile.
             self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         outputs.timestamp = now()
@@ -200,7 +200,7 @@ class EngineCore:
         pool = s.kv_cache_manager.block_pool
         return {
             "num_running": len(s.running),
-            "num_waiting": len(s.waiting) + len(s.waiting_for_grammar),
+            "num_waiting": len(s.waiting) + len(s.grammars.compiling),
             "num_requests": len(s.requests),
             "num_free_blocks": pool.num_free_blocks,
             "num_cached_free_blocks": s.kv_cache_manager.num_cached_free_blocks,

@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.grammar_queue import GrammarQueue
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
@@ -111,12 +112,9 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * self.num_spec_tokens
-        # Structured outputs (None: no grammar backend, such requests are rejected). Requests
-        # whose grammar is compiling wait here, outside the policy queue, so nobody queues behind
-        # them; `structured_req_ids` are the live ones with a matcher (empty: a step pays nothing).
+        # Structured outputs (core/grammar_queue.py): requests whose grammar compiles wait there.
         self.structured_output_manager = structured_output_manager
-        self.waiting_for_grammar: dict[str, Request] = {}
-        self.structured_req_ids: set[str] = set()
+        self.grammars = GrammarQueue(structured_output_manager)
         self.pooling_type = config.pooler_config.pooling_type if config.pooler_config is not None else None
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -137,14 +135,8 @@ class Scheduler:
             # which is always computed.
             request.skip_reading_prefix_cache = True
         self.requests[request.request_id] = request
-        if request.sampling_params.structured_outputs is not None:
-            assert self.structured_output_manager is not None  # see _admission_error
-            so = request.structured_output = self.structured_output_manager.request_grammar(
-                request.sampling_params.structured_outputs)
-            if not so.ready() or so.error is not None:  # compiling (or failed: see _check_grammars)
-                self.waiting_for_grammar[request.request_id] = request
-                return
-            self.structured_req_ids.add(request.request_id)  # a cached grammar: queued at once
+        if request.sampling_params.structured_outputs is not None and not self.grammars.add(request):
+            return  # waits for its grammar
         self.waiting.add(request)
 
     def reject_request(self, request: Request, error: str) -> None:
@@ -189,14 +181,14 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif self.waiting_for_grammar.pop(req_id, None) is None:
+            elif not self.grammars.remove(request):
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
         if request.structured_output is not None:
-            self.structured_req_ids.discard(request.request_id)
+            self.grammars.remove(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -211,8 +203,13 @@ class Scheduler:
         self.step += 1
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._head_wanted_blocks = ()
-        if self.waiting_for_grammar:
-            self._check_grammars(plan)
+        if self.grammars.compiling:
+            ready, failed = self.grammars.take_ready(plan.wait_reasons)
+            for request in ready:  # in policy order
+                self.waiting.add(request)
+            for request in failed:
+                self._free_request(request)
+                self.rejected.append(request)
         self._schedule_running(plan)
         # After a preemption the cache is short of blocks: admitting anyone now would only
         # take blocks the running requests need next.
@@ -235,55 +232,15 @@ class Scheduler:
         self.finished_req_ids = set()
         for req_id, num_new_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_new_tokens
-        if self.structured_req_ids:
-            self._grammar_bitmask(output)
+        if self.grammars.live:
+            self.grammars.bitmask(output, self.requests)
         return output
-
-    # ---- structured outputs -----------------------------------------------------------------
-
-    def _check_grammars(self, plan: _StepPlan) -> None:
-        """Requests whose grammar has compiled join the waiting queue (in policy order); a failed
-        compilation fails its request; the rest wait another step, without holding anyone up."""
-        for req_id, request in list(self.waiting_for_grammar.items()):
-            so = request.structured_output
-            assert so is not None
-            if not so.ready():
-                plan.wait_reasons[req_id] = WaitReason.GRAMMAR_COMPILE
-                continue
-            del self.waiting_for_grammar[req_id]
-            if so.error is not None:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = so.error
-                self._free_request(request)
-                self.rejected.append(request)
-                continue
-            self.structured_req_ids.add(req_id)
-            self.waiting.add(request)
-
-    def _grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The bitmask rows of the structured requests that sample in this step: those whose
-        computed tokens now reach the end of their tokens (a prefill chunk short of it is not
-        sampled). One cheap pass over the scheduled ids; xgrammar fills the rows in one call."""
-        requests = self.requests
-        ids = [
-            req_id for req_id in output.num_scheduled_tokens
-            if req_id in self.structured_req_ids
-            and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
-        ]
-        if not ids:
-            return
-        assert self.structured_output_manager is not None
-        output.structured_output_req_ids = ids
-        output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-            [requests[r].structured_output for r in ids])  # type: ignore[misc]
 
     def wait_for_grammars(self, timeout: float) -> None:
         """When nothing can run until a grammar compiles, the busy loop waits here (up to
         `timeout`) instead of spinning empty steps."""
-        if self.waiting_for_grammar and not self.running and not self.waiting and not self.rejected:
-            assert self.structured_output_manager is not None
-            self.structured_output_manager.wait_any(
-                [r.structured_output for r in self.waiting_for_grammar.values()], timeout)  # type: ignore[misc]
+        if not self.running and not self.waiting and not self.rejected:
+            self.grammars.wait(timeout)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         if self.spec_disable_by_batch_size is not None and len(self.running) >= self.spec_disable_by_batch_size:
@@ -454,7 +411,7 @@ class Scheduler:
             else:
                 new_token_ids = self._append_and_check_stop(request, sampled)
                 if new_token_ids and request.structured_output is not None:
-                    self._advance_grammar(request, new_token_ids)
+                    self.grammars.advance(request, new_token_ids)
             if self.num_spec_tokens:
                 self._set_drafts(request, model_runner_output.spec_token_ids.get(req_id))
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
@@ -510,21 +467,6 @@ class Scheduler:
         for pos in range(num_accepted):
             self.spec_accepted_per_pos[pos] += 1
 
-    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> None:
-        """The matcher accepts the tokens the request kept. A grammar that is complete (it accepted
-        its stop token) finishes the request with STOP; a token it refuses (the mask was not
-        applied, e.g. min_tokens suppressed the only allowed stop token) fails it, honestly."""
-        so = request.structured_output
-        assert so is not None
-        if not so.accept(new_token_ids):
-            if not request.is_finished:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = (f"token {new_token_ids[-1]} does not fit the request's "
-                                 f"structured_outputs.{so.params.kind} constraint")
-            return
-        if not request.is_finished and so.is_terminated:
-            request.status = RequestStatus.FINISHED_STOPPED
-
     def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one at a time; the ones after a stop are dropped."""
         for n, token_id in enumerate(sampled, 1):
@@ -564,7 +506,7 @@ class Scheduler:
         return SchedulerStats(
             step=so.step if so is not None else self.step,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting_reqs=len(self.waiting) + len(self.grammars.compiling),
             num_prefill_tokens=so.num_prefill_tokens if so is not None else 0,
             num_decode_tokens=so.num_decode_tokens if so is not None else 0,
             token_budget=self.max_num_batched_tokens,
