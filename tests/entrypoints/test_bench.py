@@ -4,6 +4,7 @@ asserted (the machine is shared). `bench serve` (and `explain --url`) run agains
 started with an API key."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -294,3 +295,17 @@ def test_a_figure_a_baseline_does_not_report_is_a_dash():
 
     assert megabytes_cell(None) == megabytes_cell(0) == "-"  # transformers reports no weight bytes
     assert megabytes_cell(96_412_345) == "96.4"
+
+
+def test_the_transformers_baseline_runs_in_the_dtype_tokenloom_runs_on_its_device():
+    """float32 on the CPU (transformers' best there), bfloat16 on CUDA (like for like with
+    tokenloom's dtype="auto"); an explicit --baseline-dtype wins; vLLM compares both."""
+    from tokenloom.entrypoints.bench.throughput import baseline_dtypes
+
+    def args(**kw):
+        return argparse.Namespace(**{"baseline": "hf", "baseline_dtype": None, "vllm_dtype": None, "device": "cpu", **kw})
+
+    assert baseline_dtypes(args()) == ["float32"]
+    assert baseline_dtypes(args(device="cuda")) == baseline_dtypes(args(device="cuda:1")) == ["bfloat16"]
+    assert baseline_dtypes(args(device="cuda", baseline_dtype="float32")) == ["float32"]
+    assert baseline_dtypes(args(baseline="vllm")) == ["float32", "bfloat16"]

@@ -30,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="untimed iterations first (--num-iters-warmup: vllm bench latency's name)")
     p.add_argument("--baseline", choices=["hf", "llamacpp"], default=None,
                    help="also run transformers generate() at the same batch size (hf), or llama.cpp on the same GGUF (llamacpp, batch 1)")
-    p.add_argument("--baseline-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the transformers baseline's dtype (llama.cpp runs the GGUF as stored)")
+    p.add_argument("--baseline-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the transformers baseline's dtype (default: float32 on the CPU, bfloat16 on CUDA; "
+                        "llama.cpp runs the GGUF as stored)")
     p.add_argument("--llamacpp-python", default=None,
                    help="python of an environment with llama-cpp-python installed (for --baseline llamacpp)")
     p.add_argument("--profile", action="store_true", help="print the engine step profile over the timed iterations")
@@ -199,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "llamacpp" and args.batch_size != 1:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     check_output_json(args.output_json)
+    if args.baseline_dtype is None:  # like for like with tokenloom's dtype="auto" on CUDA
+        args.baseline_dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
     from tokenloom.entrypoints.bench.machine import Progress, machine_info
 
     batches = _iteration_prompts(args)

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the transformers baseline")
     p.add_argument("--baseline-dtype", choices=["float32", "bfloat16", "best"], default=None,
                    help="the baseline's dtype (best: both, compared with the faster); default: "
-                        "best for vllm, float32 for hf")
+                        "best for vllm; for hf float32 on the CPU, bfloat16 on CUDA (as tokenloom runs there)")
     p.add_argument("--num-iters", type=int, default=1,
                    help="timed runs per engine, each on fresh prompts; the median is reported")
     p.add_argument("--vllm-python", default=None,
@@ -253,8 +253,10 @@ def baseline_dtypes(args: argparse.Namespace) -> list[str]:
     the GGUF as shipped, once."""
     if args.baseline == "llamacpp":
         return ["gguf"]
+    # transformers on a GPU in bfloat16, as tokenloom's dtype="auto" runs there: like for like.
+    on_cuda = str(getattr(args, "device", "cpu")).startswith("cuda")
     choice = args.baseline_dtype or (args.vllm_dtype if args.baseline == "vllm" else None) \
-        or ("best" if args.baseline == "vllm" else "float32")
+        or ("best" if args.baseline == "vllm" else "bfloat16" if on_cuda else "float32")
     return ["float32", "bfloat16"] if choice == "best" else [choice]
 
 
