@@ -289,6 +289,9 @@ class MPClient(EngineCoreClient):
         return outputs
 
     def _check_process(self) -> None:
+        # Another thread may have found the death first (the async client's output side) and
+        # the sockets may be closed since: its reason stands.
+        self._check_alive()
         code = self.proc.poll()
         if code is not None:
             self._mark_dead(self._unread_last_words() or f"engine core process {self.proc.pid} exited with code {code}")
@@ -298,13 +301,13 @@ class MPClient(EngineCoreClient):
         it and then exits, so a send that finds no peer (or a poll that just missed it) can learn
         of the exit first. Other unread outputs of a dead core are never delivered anyway: the
         death fails every unfinished request."""
-        while self.output_socket.poll(0):
-            try:
+        try:
+            while self.output_socket.poll(0):
                 outputs = self.decoder.decode(self.output_socket.recv(zmq.NOBLOCK, copy=False).buffer)
-            except (zmq.Again, msgspec.DecodeError):
-                return None
-            if outputs.engine_error is not None:
-                return outputs.engine_error
+                if outputs.engine_error is not None:
+                    return outputs.engine_error
+        except (zmq.ZMQError, msgspec.DecodeError):  # zmq.Again, or a socket closed by a shutdown
+            pass
         return None
 
     def _mark_dead(self, reason: str) -> None:
