@@ -97,8 +97,10 @@ class DecodeGraphs:
             block_table.np[n:size, 0] = 0
             slot_mapping.np[n:size] = -1
 
-    def copy_inputs(self, size: int) -> None:
-        """The first `size` rows of every host buffer to the device buffers the graphs read."""
+    def stage(self, n: int, size: int) -> None:
+        """Rows n..size padded (`pad`), then the first `size` rows of every host buffer copied to
+        the device buffers the graphs read."""
+        self.pad(n, size)
         for staged in (self.input_ids, self.positions, self.seq_lens, *self.block_tables, *self.slot_mappings):
             staged.to_device(size)
         self.query_start_loc.to_device(size + 1)
@@ -123,8 +125,7 @@ class DecodeGraphs:
         it compiles the kernels and builds what the plans keep (program tables, split-KV
         buffers) before the capture, which must not copy from the host. Returns the forward's
         arguments, which the graph reads."""
-        self.pad(0, size)
-        self.copy_inputs(size)
+        self.stage(0, size)
         plans = [self.backend.prepare_for_cuda_graph(AttentionMetadata(
             num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc.dev[:size + 1], seq_lens=self.seq_lens.dev[:size],
@@ -144,8 +145,7 @@ class DecodeGraphs:
         expected = self.model(*args).float()
         got = self.replay(size).float()
         self.num_replays = 0
-        self.pad(0, size)
-        self.copy_inputs(size)
+        self.stage(0, size)
         if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2):
             raise RuntimeError(f"the CUDA graph of {size} requests replays other hidden states than the eager "
                                f"forward (max difference {float((got - expected).abs().max()):.3g})")

@@ -457,8 +457,7 @@ class ModelRunner:
         # short of it are not.
         do_sample = seq_lens >= batch.num_tokens[rows]
         if graph_size is not None:  # the graph's buffers: the step's rows, then padding
-            self.graphs.pad(num_reqs, graph_size)  # type: ignore[union-attr]
-            self.graphs.copy_inputs(graph_size)  # type: ignore[union-attr]
+            self.graphs.stage(num_reqs, graph_size)  # type: ignore[union-attr]
         return _StepInputs(
             req_ids=req_ids, rows=rows, num_sched=num_sched, computed=computed,
             query_start_loc=query_start_loc, seq_lens=seq_lens, do_sample=do_sample,

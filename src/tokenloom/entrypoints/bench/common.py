@@ -45,6 +45,12 @@ def random_prompt_ids(tokenizer: Any, vocab_size: int, num: int, length: int, se
 # ---- engine side -----------------------------------------------------------------------------------
 
 
+def default_hf_dtype(device: str) -> str:
+    """The transformers baseline's dtype when none is given: float32 on the CPU (its best
+    there), bfloat16 on CUDA, like for like with tokenloom's dtype="auto" there."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def make_llm(args: argparse.Namespace, **overrides: Any) -> Any:
     """An `LLM` from the command's engine options (`add_engine_args`)."""
     from tokenloom.entrypoints.engine_args import engine_config_from_args

@@ -189,7 +189,7 @@ class _LlamaCpp:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive
+    from tokenloom.entrypoints.bench.common import check_output_json, default_hf_dtype, emit, positive
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         positive(name, getattr(args, name))
@@ -200,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "llamacpp" and args.batch_size != 1:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     check_output_json(args.output_json)
-    if args.baseline_dtype is None:  # like for like with tokenloom's dtype="auto" on CUDA
-        args.baseline_dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
+    args.baseline_dtype = args.baseline_dtype or default_hf_dtype(args.device)
     from tokenloom.entrypoints.bench.machine import Progress, machine_info
 
     batches = _iteration_prompts(args)

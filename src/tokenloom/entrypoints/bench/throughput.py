@@ -253,10 +253,10 @@ def baseline_dtypes(args: argparse.Namespace) -> list[str]:
     the GGUF as shipped, once."""
     if args.baseline == "llamacpp":
         return ["gguf"]
-    # transformers on a GPU in bfloat16, as tokenloom's dtype="auto" runs there: like for like.
-    on_cuda = str(getattr(args, "device", "cpu")).startswith("cuda")
+    from tokenloom.entrypoints.bench.common import default_hf_dtype
+
     choice = args.baseline_dtype or (args.vllm_dtype if args.baseline == "vllm" else None) \
-        or ("best" if args.baseline == "vllm" else "bfloat16" if on_cuda else "float32")
+        or ("best" if args.baseline == "vllm" else default_hf_dtype(args.device))
     return ["float32", "bfloat16"] if choice == "best" else [choice]
 
 
