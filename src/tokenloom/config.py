@@ -164,6 +164,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: PoolerConfig | None = None
+    # vLLM's `hf_overrides`: config.json keys replaced before the model is read (an HF directory
+    # only), e.g. Qwen3-Reranker run as a classifier: {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true} (model/hf_config.read_config_json). A dict, not
+    # vLLM's alternative of a function: the engine core reads the checkpoint in its own process.
+    hf_overrides: dict[str, Any] | None = None
 
     @property
     def executor_backend(self) -> str:
@@ -182,6 +188,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                 setattr(self, name, os.fspath(getattr(self, name)))
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # type: ignore[arg-type]
         self.pooler_config = PoolerConfig.from_any(self.pooler_config)
+        if callable(self.hf_overrides):
+            raise ValueError("hf_overrides must be a dict of config.json keys (a function cannot reach the engine "
+                             "core, which reads the checkpoint in its own process).")
+        if self.hf_overrides is not None:
+            try:
+                msgspec.json.encode(self.hf_overrides)
+            except (TypeError, msgspec.EncodeError) as e:
+                raise ValueError(f"hf_overrides must hold JSON values (as config.json does): {e}") from None
         try:
             msgspec.convert(msgspec.structs.asdict(self), type(self))
         except msgspec.ValidationError as e:

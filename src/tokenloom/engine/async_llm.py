@@ -82,7 +82,7 @@ class AsyncLLM:
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
         # Only the tokenizer and the architecture facts live here; the weights load in the core.
         self.tokenizer = load_tokenizer(config.model)
-        self.model_config = load_model_config(config.model)
+        self.model_config = load_model_config(config.model, config.hf_overrides, config.convert)
         self.data_parallel_size = config.data_parallel_size
         self.engine_core: AsyncMPClient | DPAsyncClient = (
             DPAsyncClient(config) if config.data_parallel_size > 1

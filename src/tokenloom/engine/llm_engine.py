@@ -33,7 +33,7 @@ class LLMEngine:
         # The caller needs only the tokenizer and the architecture facts; the weights are loaded
         # (and dequantized) once, in the engine core.
         self.tokenizer = load_tokenizer(config.model)
-        self.model_config = load_model_config(config.model)
+        self.model_config = load_model_config(config.model, config.hf_overrides, config.convert)
         self.engine_core: EngineCoreClient
         # Replicas behind a load balancer only for data parallelism; at data_parallel_size=1 the
         # backend ("mp", "ray") says only who runs the tensor-parallel ranks (as vLLM).

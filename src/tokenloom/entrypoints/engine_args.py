@@ -116,8 +116,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="generate text, or pool (embed: /v1/embeddings, LLM.embed; classify with a "
                         "*ForSequenceClassification checkpoint: /classify, LLM.classify); auto pools a checkpoint "
                         "without a language-model head (default auto)")
-    g.add_argument("--convert", choices=("auto", "none", "embed"), default=_DEFAULTS.convert,
-                   help="embed: run the model as an embedding model (implies --runner pooling)")
+    g.add_argument("--convert", choices=("auto", "none", "embed", "classify"), default=_DEFAULTS.convert,
+                   help="embed: run the model as an embedding model; classify: a *ForCausalLM as its "
+                        "*ForSequenceClassification, its score head from the checkpoint or made from LM-head rows "
+                        "by classifier_from_token in --hf-overrides (both imply --runner pooling)")
+    g.add_argument("--hf-overrides", type=json_dict, default=None, metavar="JSON",
+                   help='config.json keys replaced before the model is read, as vLLM\'s; Qwen3-Reranker as a '
+                        'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
     g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=json_dict, default=None,
                    metavar="JSON", help='how a pooling model pools, over its own settings: \'{"pooling_type": "MEAN", '
                                         '"normalize": false}\' (LAST, MEAN or CLS; default: the model\'s '

@@ -65,6 +65,9 @@ class LLM:
     `runner="pooling"` makes an embedding engine: `embed(prompts)` and `encode(prompts,
     pooling_task=...)` instead of generating (pooling_params.py); `pooler_config` (vLLM's, or
     its older `override_pooler_config`) overrides the model's pooling type and normalization.
+    `hf_overrides` replaces config.json keys (vLLM's), and `convert="classify"` runs a causal
+    LM as a sequence classifier: with `classifier_from_token` its score head is made from LM-head
+    rows (Qwen3-Reranker, see EngineConfig.hf_overrides).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class LLM:
         convert: str = "auto",
         pooler_config: PoolerConfig | dict[str, Any] | None = None,
         override_pooler_config: PoolerConfig | dict[str, Any] | None = None,
+        hf_overrides: dict[str, Any] | None = None,
         **vllm_only: Any,
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `trust_remote_code`,
@@ -149,6 +153,7 @@ class LLM:
             runner=runner,
             convert=convert,
             pooler_config=_pooler_config(pooler_config, override_pooler_config),  # type: ignore[arg-type]
+            hf_overrides=hf_overrides,
         )
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.

@@ -34,13 +34,13 @@ class Executor(ABC):
     def check_model(config: EngineConfig) -> ModelArchConfig:
         """The model's config, read from metadata, after checking that the tensor-parallel size
         splits it: a bad size fails here, before any worker starts."""
-        model_config = load_model_config(config.model)
+        model_config = load_model_config(config.model, config.hf_overrides, config.convert)
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         return model_config
 
     def model_config(self) -> ModelArchConfig:
         """The full model's config (vocabulary, EOS ids) for the engine core."""
-        return load_model_config(self.config.model)
+        return load_model_config(self.config.model, self.config.hf_overrides, self.config.convert)
 
     def tokenizer(self) -> Any:
         return load_tokenizer(self.config.model)

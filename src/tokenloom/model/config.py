@@ -40,6 +40,10 @@ class ModelArchConfig:
     # over the last token's final state, no LM head): its labels in class order (config.json's
     # id2label). None for a language model.
     classifier_labels: tuple[str, ...] | None = None
+    # A score head made from LM-head rows instead of read from the checkpoint (vLLM's
+    # classifier_from_token with `method`, see hf_config.CLASSIFIER_METHODS): the tokens' ids.
+    classifier_token_ids: tuple[int, ...] | None = None
+    classifier_method: str | None = None
 
 
 # The architectures we run (registry.py maps them to model classes), under the names each file

@@ -45,11 +45,26 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def hf_model_config(directory: str) -> ModelArchConfig:
+def read_config_json(directory: str, hf_overrides: dict[str, Any] | None = None,
+                     convert: str = "auto") -> dict[str, Any]:
+    """config.json as the engine reads it: vLLM's `hf_overrides` replace its top-level keys, and
+    `convert="classify"` makes a `*ForCausalLM` a `*ForSequenceClassification` (vLLM's
+    as_seq_cls_model: the same decoder with a `score` head, read from the checkpoint or made
+    from LM-head rows by `classifier_from_token`)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"{directory}: no config.json (expected an HF model directory or a .gguf file)")
-    cfg = _read_json(path)
+    cfg = _read_json(path) | dict(hf_overrides or {})
+    if convert == "classify":
+        cfg["architectures"] = [n.replace("ForCausalLM", "ForSequenceClassification")
+                                for n in cfg.get("architectures") or []]
+    return cfg
+
+
+def hf_model_config(directory: str, hf_overrides: dict[str, Any] | None = None,
+                    convert: str = "auto") -> ModelArchConfig:
+    path = os.path.join(directory, "config.json")
+    cfg = read_config_json(directory, hf_overrides, convert)
     names = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
     if arch is None:
@@ -98,9 +113,58 @@ def hf_model_config(directory: str) -> ModelArchConfig:
         qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
-        classifier_labels=_classifier_labels(cfg, path) if names[0].endswith("ForSequenceClassification") else None,
+        **_classifier_fields(cfg, path, directory, names[0].endswith("ForSequenceClassification")),
         **gemma,
     )
+
+
+# vLLM's ways of making a classifier's `score` head from LM-head rows (`method`, with the
+# tokens in `classifier_from_token`): "from_2_way_softmax" is one label, the row of the second
+# token minus the first's, so its sigmoid is the two tokens' softmax (Qwen3-Reranker's "yes"
+# against "no"); "no_post_processing" is one label per token, their rows as they are.
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def _classifier_fields(cfg: dict[str, Any], path: str, directory: str, classifier: bool) -> dict[str, Any]:
+    """classifier_labels, and for a head made from LM-head rows classifier_token_ids and
+    classifier_method (see CLASSIFIER_METHODS); errors name the config.json / hf_overrides key."""
+    tokens, method = cfg.get("classifier_from_token"), cfg.get("method")
+    if cfg.get("is_original_qwen3_reranker"):
+        method = "from_2_way_softmax"  # as vLLM's Qwen3ForSequenceClassification config does
+    if tokens is None and method is None:
+        return {"classifier_labels": _classifier_labels(cfg, path) if classifier else None}
+    if not classifier:
+        raise ModelLoadError(f"{path}: classifier_from_token makes a sequence classifier's score head, but the "
+                             f"architecture is {cfg.get('architectures')!r}: also set architectures to "
+                             "*ForSequenceClassification in hf_overrides, or convert='classify'")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError(f"{path}: classifier_from_token must be a list of vocabulary tokens, e.g. "
+                             f'["no", "yes"], got {tokens!r}')
+    if method not in CLASSIFIER_METHODS:
+        raise ModelLoadError(f"{path}: method must be one of {', '.join(CLASSIFIER_METHODS)} to make the score head "
+                             f"from classifier_from_token (is_original_qwen3_reranker sets the first), got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ModelLoadError(f"{path}: method from_2_way_softmax takes two classifier_from_token (the false "
+                             f"token, then the true one), got {len(tokens)}: {tokens!r}")
+    n = 1 if method == "from_2_way_softmax" else len(tokens)
+    return {"classifier_labels": tuple(f"LABEL_{i}" for i in range(n)),
+            "classifier_token_ids": _vocabulary_ids(directory, tokens), "classifier_method": method}
+
+
+def _vocabulary_ids(directory: str, tokens: list[str]) -> tuple[int, ...]:
+    """Each token's id in the checkpoint's vocabulary, as the tokenizer's convert_tokens_to_ids
+    (a token, not text to encode: "yes" and "Ġyes" are different tokens)."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"{directory}: classifier_from_token needs tokenizer.json to find the tokens' ids")
+    tokenizer = Tokenizer.from_file(path)
+    ids = [tokenizer.token_to_id(t) for t in tokens]
+    missing = [t for t, i in zip(tokens, ids) if i is None]
+    if missing:
+        raise ModelLoadError(f"{directory}: classifier_from_token {missing!r} not in the tokenizer's vocabulary")
+    return tuple(ids)
 
 
 def _classifier_labels(cfg: dict[str, Any], path: str) -> tuple[str, ...]:

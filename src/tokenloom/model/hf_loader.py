@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.hf_config import _read_json
 
@@ -70,3 +71,29 @@ def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
         with safe_open(path, framework="pt") as f:
             for name in names:
                 yield name, f.get_tensor(stored[name]).to(dtype)
+
+
+def classifier_score_weight(directory: str, config: ModelArchConfig, embedding: torch.Tensor) -> torch.Tensor:
+    """A classifier's `score` weight made from LM-head rows (config.classifier_token_ids, by
+    config.classifier_method; see hf_config.CLASSIFIER_METHODS), in float32: the LM head is the
+    checkpoint's `lm_head.weight`, of which only those rows are read, or the embedding of a tied
+    model."""
+    ids = config.classifier_token_ids
+    assert ids is not None
+    if config.tie_word_embeddings:
+        rows = embedding[list(ids)].float()
+    else:
+        path = _safetensors_files(directory).get("lm_head.weight")
+        if path is None:
+            raise ModelLoadError(f"lm_head.weight: missing tensor in {directory} (classifier_from_token reads the "
+                                 "LM head's rows of its tokens; the config says tie_word_embeddings=false)")
+        with safe_open(path, framework="pt") as f:
+            head = f.get_slice("lm_head.weight")
+            shape = tuple(head.get_shape())
+            if shape != (config.vocab_size, config.hidden_size):
+                raise ModelLoadError(f"lm_head.weight: expected shape {(config.vocab_size, config.hidden_size)}, "
+                                     f"got {shape} in {path}")
+            rows = torch.cat([head[i:i + 1] for i in ids]).float()
+    if config.classifier_method == "from_2_way_softmax":
+        return rows[1:2] - rows[0:1]  # true minus false: sigmoid of it is the pair's softmax
+    return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,10 +22,11 @@ from tokenloom.model.gguf_config import gguf_model_config
 from tokenloom.model.gguf_file import read_gguf
 from tokenloom.model.gguf_loader import check_gguf_tensors, iter_gguf_weights
 from tokenloom.model.hf_config import hf_model_config
-from tokenloom.model.hf_loader import iter_hf_weights
+from tokenloom.model.hf_loader import classifier_score_weight, iter_hf_weights
 from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.source import (
+    check_config_options,
     default_model_path,
     gemma3_270m_path,
     load_model_config,
@@ -133,13 +134,15 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto",
-               pooling: bool = False) -> LoadedModel:
+               pooling: bool = False, hf_overrides: dict[str, Any] | None = None,
+               convert: str = "auto") -> LoadedModel:
     """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
     weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does.
     `pooling`: the model only embeds, so a checkpoint without an LM head (an HF `*Model`, names
-    without the `model.` prefix) loads too."""
+    without the `model.` prefix) loads too. `hf_overrides` and `convert` as in EngineConfig."""
     start = time.perf_counter()
     path, kind = resolve_model(path)
+    check_config_options(path, kind, hf_overrides, convert)
     torch_dtype = resolve_dtype(dtype, device)
     if (dtype == "auto" and torch_dtype != torch.float32
             and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
@@ -154,13 +157,15 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         g = read_gguf(path)
         config = gguf_model_config(g)
     else:
-        config = hf_model_config(path)
+        config = hf_model_config(path, hf_overrides, convert)
 
     # Parameters are allocated uninitialised (see llama.Linear) and filled from the checkpoint.
     # Not the meta device: its first use costs seconds of one-off set-up inside torch.
     with torch.device(device):
         model = build_model(config).to(torch_dtype)
     expected = model.checkpoint_shapes()
+    if config.classifier_token_ids is not None:
+        expected.pop("score.weight")  # made from LM-head rows below, not read
     summary = None
     to_load = expected
     if method == "gguf":
@@ -170,6 +175,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     weights = (iter_gguf_weights(g, config, to_load, torch_dtype) if kind == "gguf"
                else iter_hf_weights(path, to_load, torch_dtype, optional={"lm_head.weight"} if pooling else set()))
     loaded = model.load_weights(weights)
+    if config.classifier_token_ids is not None:
+        with torch.no_grad():
+            model.score.weight.copy_(classifier_score_weight(path, config, model.embed_tokens.weight))
     if pooling and "lm_head.weight" not in loaded:
         to_load = {k: v for k, v in to_load.items() if k != "lm_head.weight"}  # a headless checkpoint
     missing = set(to_load) - loaded

@@ -3,7 +3,9 @@ the engine core both resolve it, from the same files, to the same answer).
 
 vLLM's rules: `runner="auto"` is "pooling" for a checkpoint without a language-model head
 (`architectures` naming `*Model`, e.g. Qwen3Model) and "generate" otherwise; a `*ForCausalLM`
-checkpoint (Qwen3-Embedding's config says Qwen3ForCausalLM) embeds with `runner="pooling"`.
+checkpoint (Qwen3-Embedding's config says Qwen3ForCausalLM) embeds with `runner="pooling"`;
+`convert="classify"`, or `hf_overrides` naming a `*ForSequenceClassification`, pools as a
+classifier (hf_config.read_config_json applies both before anything here reads config.json).
 A sentence-transformers model's `modules.json` and pooling config give its pooling type and
 whether it normalizes; `pooler_config` fields set by the user override them.
 """
@@ -14,10 +16,11 @@ import os
 from typing import Any
 
 from tokenloom.config import EngineConfig
+from tokenloom.model.hf_config import read_config_json
 from tokenloom.pooling_params import PoolerConfig
 
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
+CONVERTS = ("auto", "none", "embed", "classify")
 
 # sentence-transformers' pooling modes -> vLLM's pooling types (the first one set wins).
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
@@ -36,34 +39,43 @@ def model_directory(model: str | None) -> str | None:
     return model if model is not None and os.path.isdir(model) else None
 
 
-def has_lm_head(directory: str | None) -> bool:
-    """Whether config.json names a generative architecture (`*For*LM`); GGUFs always do."""
+def _config(directory: str, hf_overrides: dict[str, Any] | None, convert: str = "auto") -> dict[str, Any]:
+    try:
+        return read_config_json(directory, hf_overrides, convert)
+    except (OSError, ValueError):
+        return {}  # the loader names what is wrong with it
+
+
+def has_lm_head(directory: str | None, hf_overrides: dict[str, Any] | None = None, convert: str = "auto") -> bool:
+    """Whether config.json (with hf_overrides) names a generative architecture (`*For*LM`);
+    GGUFs always do."""
     if directory is None:
         return True
-    cfg = _json(os.path.join(directory, "config.json")) or {}
-    names = cfg.get("architectures") or []
+    names = _config(directory, hf_overrides, convert).get("architectures") or []
     return not names or any("ForCausalLM" in n or "ForConditionalGeneration" in n for n in names)
 
 
-def resolve_runner(model: str | None, runner: str, convert: str) -> str:
+def resolve_runner(model: str | None, runner: str, convert: str, hf_overrides: dict[str, Any] | None = None) -> str:
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)} (a language model is not converted into a "
-                         f"classifier or reward model; *ForSequenceClassification checkpoints classify as they are), "
+                         f"reward model; *ForSequenceClassification checkpoints classify as they are), "
                          f"got {convert!r}.")
+    headless = not has_lm_head(model_directory(model), hf_overrides, convert)
     if runner == "auto":
-        runner = "pooling" if convert == "embed" or not has_lm_head(model_directory(model)) else "generate"
-    if runner == "generate" and convert == "embed":
-        raise ValueError("convert='embed' makes a pooling model: use it with runner='pooling' (or 'auto').")
-    if runner == "generate" and not has_lm_head(model_directory(model)):
+        runner = "pooling" if convert in ("embed", "classify") or headless else "generate"
+    if runner == "generate" and convert in ("embed", "classify"):
+        raise ValueError(f"convert={convert!r} makes a pooling model: use it with runner='pooling' (or 'auto').")
+    if runner == "generate" and headless:
         raise ValueError(f"{model}: the checkpoint has no language-model head (its config.json names no *ForCausalLM "
                          "architecture): it can only embed or classify; start it with runner='pooling' "
                          "(--runner pooling).")
     return runner
 
 
-def resolve_pooler_config(model: str | None, user: PoolerConfig | None) -> PoolerConfig:
+def resolve_pooler_config(model: str | None, user: PoolerConfig | None,
+                          hf_overrides: dict[str, Any] | None = None) -> PoolerConfig:
     """The engine's pooling: the user's fields, else the model's sentence-transformers files,
     else vLLM's defaults for decoder models (LAST, normalized); Matryoshka facts from config.json."""
     directory = model_directory(model)
@@ -79,7 +91,7 @@ def resolve_pooler_config(model: str | None, user: PoolerConfig | None) -> Poole
                 if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling"):
                     st = _json(os.path.join(directory, str(m.get("path", "")), "config.json")) or {}
                     pooling_type = next((v for k, v in _ST_MODES.items() if st.get(k)), None)
-        cfg = _json(os.path.join(directory, "config.json")) or {}
+        cfg = _config(directory, hf_overrides)
         dims = cfg.get("matryoshka_dimensions")
         if isinstance(dims, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
             matryoshka = list(dims)
@@ -99,12 +111,12 @@ def resolve_pooling(config: EngineConfig) -> None:
     and its pooler_config the whole resolved one; a generating engine's config is left as its
     caller wrote it. Idempotent: the caller's engine decides before the core starts (errors name
     the setting there), and the engine core decides again from the same files, to the same end."""
-    if resolve_runner(config.model, config.runner, config.convert) != "pooling":
+    if resolve_runner(config.model, config.runner, config.convert, config.hf_overrides) != "pooling":
         if config.pooler_config is not None:
             raise ValueError("pooler_config applies to pooling models: start the engine with runner='pooling' "
                              "(--runner pooling).")
         return
     config.runner = "pooling"
-    config.pooler_config = resolve_pooler_config(config.model, config.pooler_config)
+    config.pooler_config = resolve_pooler_config(config.model, config.pooler_config, config.hf_overrides)
     if config.speculative_config is not None:
         raise ValueError("speculative_config does not apply to runner='pooling': a pooling model never decodes.")

@@ -12,7 +12,7 @@ import functools
 import importlib
 import importlib.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
@@ -78,11 +78,25 @@ def resolve_model(path: str | None) -> tuple[str, str]:
         ".gguf file)" if given != path else ""))
 
 
-def load_model_config(path: str | None = None) -> ModelArchConfig:
-    """Architecture facts from metadata only (GGUF header or config.json); no tensor is read,
-    except a Llama 3.1 GGUF's few-dozen rope frequency factors."""
+def load_model_config(path: str | None = None, hf_overrides: dict[str, Any] | None = None,
+                      convert: str = "auto") -> ModelArchConfig:
+    """Architecture facts from metadata only (GGUF header or config.json, with `hf_overrides`
+    and `convert` as hf_config.read_config_json applies them); no tensor is read, except a
+    Llama 3.1 GGUF's few-dozen rope frequency factors."""
     path, kind = resolve_model(path)
-    return gguf_model_config(read_gguf(path)) if kind == "gguf" else hf_model_config(path)
+    check_config_options(path, kind, hf_overrides, convert)
+    return gguf_model_config(read_gguf(path)) if kind == "gguf" else hf_model_config(path, hf_overrides, convert)
+
+
+def check_config_options(path: str, kind: str, hf_overrides: dict[str, Any] | None, convert: str) -> None:
+    """`hf_overrides` and `convert="classify"` rewrite an HF directory's config.json; a GGUF file
+    has none (its metadata is llama.cpp's), so they are refused there rather than ignored."""
+    if kind == "gguf" and hf_overrides:
+        raise ModelLoadError(f"{path}: hf_overrides replaces keys of an HF directory's config.json, and a GGUF "
+                             "file has none")
+    if kind == "gguf" and convert == "classify":
+        raise ModelLoadError(f"{path}: convert='classify' needs an HF directory (its config.json and LM head); "
+                             "this is a GGUF file")
 
 
 def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:

@@ -112,7 +112,8 @@ class Worker:
         init_tensor_parallel(rank, tp, distributed_init_method, config.device)
         device = f"cuda:{torch.cuda.current_device()}" if tp > 1 and not on_cpu else config.device
         self.loaded = load_model(config.model, dtype=config.dtype, device=device,
-                                 quantization=config.quantization, pooling=config.is_pooling)
+                                 quantization=config.quantization, pooling=config.is_pooling,
+                                 hf_overrides=config.hf_overrides, convert=config.convert)
         check_tensor_parallel(self.loaded.config, tp)
         self.full_config = self.loaded.config
         # The rank's view (its heads): the runner sizes the KV cache by it.
