@@ -27,8 +27,14 @@ QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifi
 # One longer than the 16-token budget (scored in chunks), one of one token.
 PROMPTS = ["<Query>: Which city is the capital of France, and what river runs through it?\n<Document>: Paris.",
            "yes", "<Query>: bananas\n<Document>: Bananas are yellow."]
-QUERY = "<Query>: What is the capital of France?\n"
+QUERY = "<Query>: What is the capital of France? "  # joined to " <Document>", not " " + "<Document>"
 DOCS = ["<Document>: Paris is the capital of France.", "<Document>: Bananas are yellow."]
+# A score template in the shape of vLLM's qwen3_reranker.jinja: the pair comes as the messages
+# "query" and "document" (the texts then carry no markup of their own).
+SCORE_TEMPLATE = ("<|im_start|>system\nSay whether the Document answers the Query: \"yes\" or \"no\".<|im_end|>\n"
+                  "<|im_start|>user\n<Query>: {{ messages | selectattr('role', 'eq', 'query') | map(attribute='content') "
+                  "| first }}\n<Document>: {{ messages | selectattr('role', 'eq', 'document') | "
+                  "map(attribute='content') | first }}<|im_end|>\n<|im_start|>assistant\n")
 ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256, num_kv_blocks=64, dtype="float32")
 
 
@@ -43,6 +49,14 @@ def models(tmp_path_factory, smollm2_path):
     tied = tiny_hf_model("llama", vocab_size=len(tokenizer), seed=12, tie_word_embeddings=True)
     return {"untied": (save_hf_dir(untied, tokenizer, str(root / "untied")), untied),
             "tied": (save_hf_dir(tied, tokenizer, str(root / "tied")), tied), "tokenizer": tokenizer}
+
+
+def rendered_pair_ids(tokenizer, query: str, document: str) -> list[int]:
+    """What SCORE_TEMPLATE makes of a pair, rendered here by jinja2 itself."""
+    import jinja2
+
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    return tokenizer(jinja2.Template(SCORE_TEMPLATE).render(messages=messages))["input_ids"]
 
 
 def last_logits(model, ids: list[int]) -> torch.Tensor:
@@ -73,11 +87,11 @@ def test_qwen3_reranker_overrides_classify_and_score_like_the_lm(models):
         assert out.outputs.probs[0] == pytest.approx(want, abs=1e-5)
     logits = last_logits(model, tokenizer.encode(PROMPTS[0]))
     assert raw.outputs.probs[0] == pytest.approx((logits[yes] - logits[no]).item(), abs=1e-4)
-    # A one-label classifier is a cross-encoder: each pair read as one input (this tokenizer has
-    # no pair template, so the query's tokens then the document's, as vLLM's score reads it).
+    # A one-label classifier is a cross-encoder: each pair read as one input, for a language
+    # model the two texts joined (vLLM's use_sep_token false), not the tokenizer's pair encoding.
     for out, doc in zip(scores, DOCS):
-        ids = tokenizer(QUERY, text_pair=doc)["input_ids"]
-        assert out.prompt_token_ids == ids == tokenizer.encode(QUERY) + tokenizer.encode(doc)
+        ids = tokenizer(QUERY + doc)["input_ids"]
+        assert out.prompt_token_ids == ids != tokenizer(QUERY, text_pair=doc)["input_ids"]
         want = torch.softmax(last_logits(model, ids)[[no, yes]], -1)[1].item()
         assert out.outputs.score == pytest.approx(want, abs=1e-5)
     assert len({round(o.outputs.probs[0], 4) for o in outs}) == len(PROMPTS)  # the inputs are told apart
@@ -136,16 +150,23 @@ def test_what_cannot_be_overridden(models, smollm2_path):
         LLM(models["untied"][0], convert="classify", **ENGINE)
 
 
-def test_served_reranker_with_vllms_launch_flags(models):
+def test_served_reranker_with_vllms_launch_flags(models, tmp_path):
     """`tokenloom serve DIR --hf_overrides JSON` (vLLM's underscore spelling): /rerank and /score
-    give the offline engine's scores; the same model served without the overrides generates."""
+    give transformers' probabilities; with --chat-template the pairs are rendered by it, as
+    vLLM's score template."""
     directory, model = models["untied"]
     tokenizer = models["tokenizer"]
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
-    want = [torch.softmax(last_logits(model, tokenizer(QUERY, text_pair=d)["input_ids"])[[no, yes]], -1)[1].item()
-            for d in DOCS]
+
+    def p_yes(ids: list[int]) -> float:
+        return torch.softmax(last_logits(model, ids)[[no, yes]], -1)[1].item()
+
+    want = [p_yes(tokenizer(QUERY + d)["input_ids"]) for d in DOCS]
     srv = ServerProcess(["--model", directory, "--hf_overrides", json.dumps(QWEN3_RERANKER), "--dtype", "float32",
                          "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "reranker"], None)
+    template = tmp_path / "reranker.jinja"
+    template.write_text(SCORE_TEMPLATE)
+    templated = None
     try:
         r = httpx.post(srv.url("/rerank"), json={"model": "reranker", "query": QUERY, "documents": DOCS}, timeout=60)
         assert r.status_code == 200, r.text
@@ -156,6 +177,37 @@ def test_served_reranker_with_vllms_launch_flags(models):
         assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-5)
         r = httpx.post(srv.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
+        templated = ServerProcess(["--model", directory, "--hf-overrides", json.dumps(QWEN3_RERANKER), "--chat-template",
+                                   str(template), "--dtype", "float32", "--max-model-len", "256",
+                                   "--num-kv-blocks", "64"], None)
+        r = httpx.post(templated.url("/v1/rerank"), json={"query": "capital of France?", "documents": ["Paris.", "Bananas."]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [got[0], got[1]] == pytest.approx([p_yes(rendered_pair_ids(tokenizer, "capital of France?", d))
+                                                  for d in ("Paris.", "Bananas.")], abs=1e-5)
     finally:
-        srv.stop()
-        os.unlink(srv.log.name)
+        for s in (srv, templated):
+            if s is not None:
+                s.stop()
+                os.unlink(s.log.name)
+
+
+def test_score_template_offline(models):
+    """LLM.score(..., chat_template=...) renders each pair with the score template; an embedding
+    model refuses one."""
+    directory, model = models["untied"]
+    tokenizer = models["tokenizer"]
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    llm = LLM(directory, hf_overrides=QWEN3_RERANKER, **ENGINE)
+    try:
+        outs = llm.score("capital of France?", ["Paris.", "Bananas."], chat_template=SCORE_TEMPLATE, use_tqdm=False)
+        with pytest.raises(ValueError, match="chat_template is the score template, and it could not render"):
+            llm.score("a", "b", chat_template="{{ messages[5].content }}", use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, doc in zip(outs, ["Paris.", "Bananas."]):
+        ids = rendered_pair_ids(tokenizer, "capital of France?", doc)
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(torch.softmax(last_logits(model, ids)[[no, yes]], -1)[1].item(),
+                                                  abs=1e-5)

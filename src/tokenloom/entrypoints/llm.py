@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable, Sequence
@@ -298,20 +299,31 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         tokenization_kwargs: Any = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`, one text against many (1:N) or two equal lists pairwise (N:N). With an
         embedding model (a bi-encoder): the cosine similarity of each pair's embeddings, each
         distinct input embedded once. With a one-label classifier (a cross-encoder): its
-        probability for each pair of texts, tokenized together as the tokenizer encodes a pair."""
-        if check_cross_encoder(self.llm_engine.model_config.classifier_labels):
-            prompts = [{"prompt_token_ids": ids}
-                       for ids in cross_encoder_inputs(self.get_tokenizer(), text_pairs(data_1, data_2))]
+        probability for each pair of texts read as one input: the text `chat_template` (a score
+        template, e.g. vLLM's qwen3_reranker.jinja) renders from the messages query and
+        document, else as score_utils.cross_encoder_inputs reads a pair."""
+        model_config = self.llm_engine.model_config
+        if check_cross_encoder(model_config.classifier_labels):
+            render = None if chat_template is None else functools.partial(
+                self.llm_engine.input_processor.apply_chat_template, add_generation_prompt=False,
+                chat_template=chat_template)
+            pairs = text_pairs(data_1, data_2)
+            prompts = [{"prompt_token_ids": ids} for ids in
+                       cross_encoder_inputs(self.get_tokenizer(), pairs, model_config.use_sep_token, render)]
             classified = self.classify(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                        use_tqdm=use_tqdm, lora_request=lora_request,
                                        tokenization_kwargs=tokenization_kwargs)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
                     for o in classified]
         inputs, pairs = score_pairs(data_1, data_2)
+        if chat_template is not None:
+            raise ValueError("chat_template applies to scoring with a cross-encoder (a one-label classifier); "
+                             "an embedding model embeds each text as it is.")
         outs = self.embed(inputs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                           lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         scores = cosine_scores([np.asarray(o.outputs.embedding) for o in outs], pairs)

@@ -1,14 +1,15 @@
 """Scoring (vLLM's `score` and `rerank`), shared by `LLM.score` and the server's /score and /rerank;
 numpy only. With an embedding model (a bi-encoder): the cosine similarity of two texts'
 embeddings. With a one-label sequence classifier (a cross-encoder): its probability for the two
-texts read together, tokenized as a pair (the tokenizer's own pair template, as vLLM and
-sentence-transformers' CrossEncoder encode them).
+texts read together (`cross_encoder_inputs`: a score template's text, the tokenizer's own pair
+template as vLLM and sentence-transformers' CrossEncoder encode them, or the texts joined).
 
 Pairs as vLLM forms them: one text against one (1:1), one against many (1:N), or two lists of the
 same length, element by element (N:N). Each distinct text is embedded once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,9 +50,25 @@ def text_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = "
     return [(firsts[0] if len(firsts) == 1 else firsts[i], s) for i, s in enumerate(seconds)]
 
 
-def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
-    """Each pair's token ids as the tokenizer encodes a pair (its pair template: a separator, special
-    tokens), the one input a cross-encoder reads."""
+def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]], use_sep_token: bool = True,
+                         render: Callable[[list[dict[str, str]]], str] | None = None) -> list[list[int]]:
+    """Each pair's token ids, the one input a cross-encoder reads, as vLLM forms it: with a score
+    template (`render`, the template given with --chat-template or `chat_template`) the text it
+    renders from the messages [{"role": "query", ...}, {"role": "document", ...}]; else, for a
+    cross-encoder (`use_sep_token`), the tokenizer's encoding of a pair (its pair template: a
+    separator, special tokens); else, for a language model run as a classifier (Qwen3-Reranker),
+    the two texts joined and encoded as one."""
+    if render is not None:
+        texts = []
+        for a, b in pairs:
+            try:
+                texts.append(render([{"role": "query", "content": a}, {"role": "document", "content": b}]))
+            except Exception as e:  # noqa: BLE001 - a template error is the caller's template's or text's
+                raise ValueError(f"chat_template is the score template, and it could not render a query and "
+                                 f"document pair: {e}") from None
+        return [tokenizer(t)["input_ids"] for t in texts]
+    if not use_sep_token:
+        return [tokenizer(a + b)["input_ids"] for a, b in pairs]
     return [tokenizer(a, text_pair=b)["input_ids"] for a, b in pairs]
 
 

@@ -44,6 +44,9 @@ class ModelArchConfig:
     # classifier_from_token with `method`, see hf_config.CLASSIFIER_METHODS): the tokens' ids.
     classifier_token_ids: tuple[int, ...] | None = None
     classifier_method: str | None = None
+    # How a one-label classifier reads a scored pair (vLLM's name): True, the tokenizer's pair
+    # encoding (a cross-encoder's separator); False, the two texts joined (an LM as reranker).
+    use_sep_token: bool = True
 
 
 # The architectures we run (registry.py maps them to model classes), under the names each file

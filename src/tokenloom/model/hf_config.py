@@ -147,7 +147,10 @@ def _classifier_fields(cfg: dict[str, Any], path: str, directory: str, classifie
         raise ModelLoadError(f"{path}: method from_2_way_softmax takes two classifier_from_token (the false "
                              f"token, then the true one), got {len(tokens)}: {tokens!r}")
     n = 1 if method == "from_2_way_softmax" else len(tokens)
-    return {"classifier_labels": tuple(f"LABEL_{i}" for i in range(n)),
+    # A language model scoring a pair reads the two texts joined (vLLM's use_sep_token, formerly
+    # use_pad_token, is false for these unless the config says otherwise).
+    use_sep_token = bool(cfg.get("use_sep_token", cfg.get("use_pad_token", False)))
+    return {"classifier_labels": tuple(f"LABEL_{i}" for i in range(n)), "use_sep_token": use_sep_token,
             "classifier_token_ids": _vocabulary_ids(directory, tokens), "classifier_method": method}
 
 

@@ -175,7 +175,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         try:
             if cross_encoder:
                 pairs = text_pairs(data_1, data_2, *names)  # tokenized off the loop, in one call
-                inputs = await self.engine.run_off_loop(cross_encoder_inputs, self.engine.tokenizer, pairs)
+                render = None if self.chat_template is None else functools.partial(
+                    self.engine.input_processor.apply_chat_template, add_generation_prompt=False,
+                    chat_template=self.chat_template)  # the server's --chat-template is its score template
+                inputs = await self.engine.run_off_loop(cross_encoder_inputs, self.engine.tokenizer, pairs,
+                                                        self.engine.model_config.use_sep_token, render)
                 params = self._params(task="classify", truncate_prompt_tokens=req.truncate_prompt_tokens)
             else:
                 inputs, index_pairs = score_pairs(data_1, data_2, *names)
