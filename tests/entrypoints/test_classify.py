@@ -15,7 +15,7 @@ import torch
 from conftest import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from model_helpers import save_hf_dir, tiny_hf_classifier, tiny_hf_model  # noqa: E402
+from model_helpers import GEMMA3_WINDOW, save_hf_dir, tiny_gemma3, tiny_hf_classifier, tiny_hf_model  # noqa: E402
 
 from tokenloom import LLM, PoolingParams  # noqa: E402
 
@@ -252,3 +252,21 @@ def test_classify_with_tensor_parallelism(models, labeled_llm):
         llm.shutdown()
     for g, w in zip(got, want):
         assert g == pytest.approx(w, abs=1e-5)
+
+
+def test_gemma3_classifier_matches_transformers(models, tmp_path):
+    """Gemma3TextForSequenceClassification (Gemma 3 270M is a common base for small classifiers):
+    its sliding-window layers and norms, the score head without the LM's logit softcapping."""
+    tokenizer = models["tokenizer"]
+    model = tiny_gemma3(len(tokenizer), seed=7, labels=["spam", "ham"])
+    assert model.config.final_logit_softcapping is not None  # the LM's, not applied to the score
+    directory = save_hf_dir(model, tokenizer, str(tmp_path / "gemma3-classifier"))
+    llm = LLM(directory, **ENGINE)
+    try:
+        outs = llm.classify(PROMPTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(tokenizer.encode(PROMPTS[0])) > 2 * GEMMA3_WINDOW  # read through the sliding windows
+    for out, prompt in zip(outs, PROMPTS):
+        want = torch.softmax(hf_logits(model, tokenizer.encode(prompt)), -1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=1e-5, rtol=1e-4)

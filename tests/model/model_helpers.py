@@ -134,9 +134,10 @@ def tiny_hf_model(kind: str, vocab_size: int, seed: int = 0, **overrides):
 GEMMA3_WINDOW, GEMMA3_LAYERS = 8, 6
 
 
-def tiny_gemma3(vocab_size: int, seed: int = 0, **overrides):
+def tiny_gemma3(vocab_size: int, seed: int = 0, labels: Sequence[str] | None = None, **overrides):
     """A 6-layer transformers Gemma3ForCausalLM, five layers in six with a sliding window of 8,
-    random weights, float32, eval mode (the tests of model/gemma3.py and of Gemma 3 on CUDA)."""
+    random weights, float32, eval mode (the tests of model/gemma3.py and of Gemma 3 on CUDA);
+    with `labels`, a Gemma3TextForSequenceClassification of those labels instead."""
     import transformers
 
     cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=GEMMA3_LAYERS,
@@ -145,9 +146,12 @@ def tiny_gemma3(vocab_size: int, seed: int = 0, **overrides):
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if labels is not None:
+        cfg |= dict(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)})
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg)).to(torch.float32).eval()
+    cls = transformers.Gemma3ForCausalLM if labels is None else transformers.Gemma3TextForSequenceClassification
+    model = cls(transformers.Gemma3TextConfig(**cfg)).to(torch.float32).eval()
     randomize_(model, seed)
     with torch.no_grad():  # Gemma's norms scale by 1 + w: weights around 0, not 1
         for name, p in model.named_parameters():

@@ -67,6 +67,10 @@ HF_ARCHITECTURES = {
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
+    # transformers' text-only Gemma 3 classifier, and the name convert="classify" gives a
+    # Gemma3ForCausalLM (a gemma3_text config either way).
+    "Gemma3TextForSequenceClassification": "gemma3",
+    "Gemma3ForSequenceClassification": "gemma3",
 }
 
 # GGUF `general.architecture` -> our architecture name.

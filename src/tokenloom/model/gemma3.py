@@ -123,6 +123,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H),
                                               "model.norm.weight": (H,)}
+        if c.classifier_labels is not None:  # Gemma3TextForSequenceClassification (the LM head is tied)
+            shapes["score.weight"] = (len(c.classifier_labels), H)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             shapes |= {p + f"{n}.weight": (H,) for n in _NORMS}
