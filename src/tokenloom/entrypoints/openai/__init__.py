@@ -95,6 +95,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "ChatML tool templates) or 'json' (alias 'llama3_json': the whole reply is a call object or a list of "
         "them); default: hermes",
     )
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="a thinking model's <think>...</think> part of a chat reply becomes the message's "
+                        "reasoning_content (and reasoning), the rest its content (default: none, the reply is all content)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM's: tool_choice='auto' is always on here, read by --tool-call-parser")
     p.add_argument("--chat-template", default=None,

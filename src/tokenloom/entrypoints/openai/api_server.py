@@ -56,6 +56,7 @@ from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, O
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.request_body import body_schema, error_response, parse_body, validation_error
+from tokenloom.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
@@ -141,6 +142,7 @@ def build_app(
     shutdown_engine_on_exit: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
     chat_template: str | None = None,
     response_role: str = "assistant",
     allowed_origins: list[str] | None = None,
@@ -168,9 +170,12 @@ def build_app(
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or None), "
+                         f"got {reasoning_parser!r}.")
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests,
                              tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
-                             response_role=response_role)
+                             response_role=response_role, reasoning_parser=reasoning_parser)
     responses = OpenAIServingResponses(engine, served_model_names, max_waiting_requests,
                                        tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
                                        store_size=responses_store_size)

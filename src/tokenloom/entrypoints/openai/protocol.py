@@ -194,6 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # the reply starts with the last message, when that is the assistant's
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: false drops the reasoning
 
 
 class TokenizeRequest(_Request):

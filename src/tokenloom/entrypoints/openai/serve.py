@@ -152,6 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_engine_on_exit=True,
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template,
         response_role=getattr(args, "response_role", "assistant"),
         allowed_origins=getattr(args, "allowed_origins", None),

@@ -16,6 +16,7 @@ from tokenloom.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning
 from tokenloom.entrypoints.openai.structured import structured_outputs_of
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import (
@@ -37,15 +38,17 @@ from tokenloom.entrypoints.openai.serving_engine import (
     sse_event,
     usage,
 )
-from tokenloom.outputs import CompletionOutput
 from tokenloom.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser, response_role: str = "assistant", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_parser: ToolParser, response_role: str = "assistant",
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser  # reads `tool_choice="auto"` replies (--tool-call-parser)
         self.response_role = response_role  # --response-role, as vLLM's (OpenAI: "assistant")
+        # --reasoning-parser: the <think> part of a reply is its reasoning (reasoning_parsers.py).
+        self.reasoning_parser = reasoning_parser
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
         choice, extra = resolve_tools(req.tools or [], req.tool_choice, req.parallel_tool_calls)
@@ -81,6 +84,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         prompt = await self.render_conversation(req, conversation)
+        # With a reasoning parser, whether the reply starts inside <think> (the prompt opened it).
+        reasoning = None if self.reasoning_parser is None else opens_reasoning(prompt)
         # vLLM's echo: the reply repeats the last message first when it is the assistant's own.
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""
@@ -98,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(options and options.include_usage)
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
             body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice, echo,
-                                continuous_usage, as_ids)
+                                continuous_usage, as_ids, reasoning, req.include_reasoning)
             return EngineStreamingResponse(body, on_close=lambda: self.abort_streams(streams))
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
@@ -106,9 +111,18 @@ class OpenAIServingChat(OpenAIServing):
         out = result[0]
         choices = []
         for c in out.outputs:
-            message, finish_reason = self._message(c, choice)
+            text, thought = c.text, None
+            if reasoning is not None:
+                split = split_reasoning(c.text, reasoning)
+                text, thought = split.content, split.reasoning
+            message, finish_reason = self._message(text, c.finish_reason, choice)
             if echo and isinstance(message.get("content"), str):
                 message["content"] = echo + message["content"]
+            if reasoning is not None:
+                if message.get("content") == "":
+                    message["content"] = None  # the reply was all reasoning (as vLLM)
+                if req.include_reasoning:
+                    message |= reasoning_fields(thought or None)
             choices.append({
                 "index": c.index,
                 "message": message,
@@ -128,11 +142,11 @@ class OpenAIServingChat(OpenAIServing):
             }
         )
 
-    def _message(self, c: CompletionOutput, choice: ToolChoice) -> tuple[dict[str, Any], str | None]:
-        """The assistant message of a finished choice and its finish_reason: `tool_calls` when
-        the reply is calls (a reply cut by max_tokens keeps its text and `length`), except for a
-        named function, where OpenAI and vLLM answer `stop` (and vLLM an empty content)."""
-        text, finish = c.text, c.finish_reason
+    def _message(self, text: str, finish: str | None, choice: ToolChoice) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished choice's text (its content, the reasoning taken
+        out) and its finish_reason: `tool_calls` when the reply is calls (a reply cut by
+        max_tokens keeps its text and `length`), except for a named function, where OpenAI and
+        vLLM answer `stop` (and vLLM an empty content)."""
         if choice.mode in ("required", "named"):
             calls = constrained_calls(choice, text) if finish == "stop" else None
             content = "" if choice.mode == "named" else None
@@ -157,6 +171,8 @@ class OpenAIServingChat(OpenAIServing):
         echo: str = "",
         continuous_usage: bool = False,
         as_ids: bool = False,
+        reasoning: bool | None = None,
+        include_reasoning: bool = True,
     ) -> AsyncIterator[bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
@@ -169,6 +185,7 @@ class OpenAIServingChat(OpenAIServing):
             ]
             yield sse_event({**base, "choices": first, **extra})
             tool_streams = [ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
+            thoughts = [None if reasoning is None else ReasoningStream(reasoning) for _ in range(stream.num_seqs)]
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = max(cached, out.num_cached_tokens)
@@ -179,10 +196,15 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason == "error":
                         check_output_error(out)
                     completion_tokens += len(c.token_ids)
+                    text, thought, thoughts_of = c.text, "", thoughts[c.index]
+                    if thoughts_of is not None:
+                        thought, text = thoughts_of.feed(c.text, c.finish_reason is not None)
                     if choice.mode == "none":
-                        delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+                        delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
                     else:
-                        delta, finish_reason = tool_streams[c.index].feed(c.text, c.finish_reason)
+                        delta, finish_reason = tool_streams[c.index].feed(text, c.finish_reason)
+                    if thought and include_reasoning:
+                        delta = reasoning_fields(thought) | delta
                     choices.append(
                         {
                             "index": c.index,
@@ -204,3 +226,9 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIServingError as e:
             yield sse_event(e.to_dict())
         yield SSE_DONE
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's (or delta's) reasoning under both of vLLM's names: `reasoning_content` (also
+    DeepSeek's API's, which most clients read) and `reasoning`, its newer one."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}

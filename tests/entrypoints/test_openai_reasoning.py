@@ -1,0 +1,132 @@
+"""Reasoning in chat replies (`--reasoning-parser`): the `<think>` part of a reply is the
+message's reasoning_content, the rest its content, streamed or not. The split's rules (with any
+chunking of a stream), then the real server with the official client, the embedded model made
+to write a thinking reply by a regex grammar."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning
+
+SERVER_ARGS = ["--reasoning-parser", "qwen3", "--num-kv-blocks", "256"]
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", [
+    ("<think>\nplan\n</think>\n\nThe answer.", False, "\nplan\n", "\n\nThe answer."),  # Qwen3 thinking
+    ("\n<think>plan</think>answer", False, "plan", "answer"),
+    ("The answer, no thinking.", False, "", "The answer, no thinking."),  # enable_thinking=False
+    ("a < b and <think> later", False, "", "a < b and <think> later"),  # a tag not at the start is text
+    ("plan</think>answer", True, "plan", "answer"),  # DeepSeek-R1: the prompt opened <think>
+    ("a plan cut short", True, "a plan cut short", ""),  # no </think>: all reasoning
+    ("<think>cut short", False, "cut short", ""),
+])
+def test_split(text, opened, reasoning, content):
+    split = split_reasoning(text, opened)
+    assert (split.reasoning, split.content) == (reasoning, content)
+
+
+def test_where_a_prompt_leaves_the_reply():
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")  # DeepSeek-R1, Qwen3 thinking-only models
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
+    assert not opens_reasoning("<|im_start|>assistant\n")
+    assert opens_reasoning("<think>old</think> turn <think>")
+
+
+def test_a_stream_holds_back_what_a_later_delta_decides():
+    s = ReasoningStream(opened=False)
+    assert s.feed("<th", False) == ("", "")  # may be the opening tag
+    assert s.feed("ink>pl", False) == ("pl", "")
+    assert s.feed("an</th", False) == ("an", "")  # may be the closing tag
+    assert s.feed("ink>Hi", False) == ("", "Hi")
+    assert s.feed("", True) == ("", "")
+    s = ReasoningStream(opened=False)
+    assert s.feed("<", False) == ("", "")
+    assert s.feed("b>bold", True) == ("", "<b>bold")  # not a tag after all: content, nothing lost
+    s = ReasoningStream(opened=True)
+    assert s.feed("cut </thi", False) == ("cut ", "")
+    assert s.feed("", True) == ("</thi", "")  # the reply ended: the held text is reasoning
+
+
+_TEXT = st.text(alphabet="ab <>/\nthink", max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lead=st.sampled_from(["", "\n", " "]), start=st.booleans(), reasoning=_TEXT, end=st.booleans(),
+       content=_TEXT, opened=st.booleans(), cuts=st.lists(st.integers(0, 60), max_size=8))
+def test_any_chunking_of_a_stream_adds_up_to_the_whole_reply(lead, start, reasoning, end, content, opened, cuts):
+    text = lead + ("<think>" if start else "") + reasoning + ("</think>" if end else "") + content
+    whole = split_reasoning(text, opened)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream = ReasoningStream(opened)
+    got_reasoning = got_content = ""
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:] + [len(text)])):
+        r, c = stream.feed(text[a:b], finished=i == len(bounds) - 1)
+        got_reasoning, got_content = got_reasoning + r, got_content + c
+    assert (got_reasoning, got_content) == (whole.reasoning, whole.content)
+    assert len(whole.reasoning) + len(whole.content) <= len(text)
+
+
+# The embedded model writes what the grammar lets it: a thinking reply, then an answer.
+THINKING = r"<think>[a-z ]{4,30}</think>[A-Z][a-z ]{3,30}\."
+
+
+def _chat(client, **kw):
+    kw = {"max_tokens": 48} | kw
+    return client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                          messages=[{"role": "user", "content": "Is Paris the capital of France?"}],
+                                          **kw)
+
+
+def test_reasoning_content_streamed_or_not(server):
+    client = server.client()
+    whole = _chat(client, extra_body={"structured_outputs": {"regex": THINKING}}).choices[0]
+    reasoning, content = whole.message.reasoning_content, whole.message.content
+    assert re.fullmatch(r"[a-z ]{4,30}", reasoning) and re.fullmatch(r"[A-Z][a-z ]{3,30}\.", content)
+    assert whole.message.model_extra["reasoning"] == reasoning and whole.finish_reason == "stop"
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in _chat(client, stream=True, extra_body={"structured_outputs": {"regex": THINKING}}):
+        for choice in chunk.choices:
+            for key in streamed:
+                streamed[key] += getattr(choice.delta, key, None) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": content}
+    # include_reasoning false: the reasoning is dropped, the content is the same.
+    dropped = _chat(client, extra_body={"structured_outputs": {"regex": THINKING}, "include_reasoning": False})
+    assert dropped.choices[0].message.content == content
+    assert "reasoning_content" not in (dropped.choices[0].message.model_extra or {})
+    # A reply without <think> is all content.
+    plain = _chat(client, extra_body={"structured_outputs": {"regex": r"[A-Z][a-z ]{3,30}\."}}).choices[0].message
+    assert plain.reasoning_content is None and re.fullmatch(r"[A-Z][a-z ]{3,30}\.", plain.content)
+
+
+def test_a_prompt_that_opens_think_and_a_tool_call_after_reasoning(server):
+    client = server.client()
+    # DeepSeek-R1's shape: the template ends the prompt inside <think>.
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n<think>\n")
+    out = _chat(client, extra_body={"structured_outputs": {"regex": r"[a-z ]{4,30}</think>[A-Z][a-z ]{3,30}\."},
+                                    "chat_template": template}).choices[0].message
+    assert re.fullmatch(r"[a-z ]{4,30}", out.reasoning_content) and re.fullmatch(r"[A-Z][a-z ]{3,30}\.", out.content)
+    # Tool calls are read from the content, after the reasoning.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = r'<think>[a-z ]{4,20}</think><tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    for stream in (False, True):
+        kw = dict(tools=[weather], tool_choice="auto", max_tokens=96, extra_body={"structured_outputs": {"regex": call}})
+        if not stream:
+            choice = _chat(client, **kw).choices[0]
+            reasoning, calls, finish = choice.message.reasoning_content, choice.message.tool_calls, choice.finish_reason
+            assert choice.message.content is None
+        else:
+            reasoning, calls, finish = "", [], None
+            for chunk in _chat(client, stream=True, **kw):
+                for ch in chunk.choices:
+                    reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+                    assert not ch.delta.content
+                    calls += ch.delta.tool_calls or []
+                    finish = ch.finish_reason or finish
+        assert re.fullmatch(r"[a-z ]{4,20}", reasoning) and finish == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
