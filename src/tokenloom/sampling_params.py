@@ -149,6 +149,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):  # type: igno
     # newlines or runs of spaces). Free whitespace lets a small model pad forever; see the
     # engine's cap in structured_output/.
     disable_any_whitespace: bool = False
+    # Set by the server under --reasoning-parser, not by requests: (the `<think>` token id, the
+    # `</think>` token id, whether the prompt left the reply inside `<think>`). The grammar then
+    # waits for the reasoning to end, as vLLM's does: unconstrained inside it, allowed to open
+    # it as the first token (structured_output/manager.StructuredOutputRequest).
+    _reasoning: tuple[int, int, bool] | None = None
 
     def __post_init__(self) -> None:
         self._verify()

@@ -130,3 +130,60 @@ def test_a_prompt_that_opens_think_and_a_tool_call_after_reasoning(server):
                     finish = ch.finish_reason or finish
         assert re.fullmatch(r"[a-z ]{4,20}", reasoning) and finish == "tool_calls"
         assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, smollm2_path):
+    """A tiny random model whose vocabulary has `<think>` and `</think>` as tokens of their own
+    (as Qwen3's has: added, not special, so they stay in the text), served with the qwen3 parser."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import ServerProcess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from model_helpers import save_hf_dir, tiny_hf_model
+
+    from tokenloom.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    model = tiny_hf_model("qwen3", vocab_size=len(tokenizer), seed=21)
+    directory = save_hf_dir(model, tokenizer, str(tmp_path_factory.mktemp("thinking") / "model"))
+    srv = ServerProcess(["--model", directory, "--reasoning-parser", "qwen3", "--dtype", "float32",
+                         "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "thinker"], None)
+    try:
+        yield srv, tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)
+
+
+def _think_chat(client, bias: dict[int, float], **kw):
+    return client.chat.completions.create(
+        model="thinker", temperature=0, logprobs=True, messages=[{"role": "user", "content": "Yes or no?"}],
+        logit_bias={str(k): v for k, v in bias.items()}, **kw).choices[0]
+
+
+def test_a_grammar_waits_for_the_reasoning_to_end(thinking_server):
+    """As vLLM's: under a reasoning parser a grammar constrains the answer, not the reasoning.
+    The random model is steered by logit_bias; the grammar only lets it answer yes or no."""
+    srv, (start, end) = thinking_server
+    client = srv.client()
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    opened = "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>\n"
+    # Inside a prompt-opened <think> nothing is constrained: `</think>` (pushed up) ends it, then
+    # the grammar rules the answer.
+    out = _think_chat(client, {end: 100}, max_tokens=8, extra_body=choice | {"chat_template": opened})
+    assert out.logprobs.content[0].token == "</think>" and out.finish_reason == "stop"
+    assert out.message.content in ("yes", "no") and out.message.reasoning_content is None
+    # The first token may open <think> instead of starting the answer; inside, <think> again is
+    # reasoning too (the grammar would refuse it), up to max_tokens.
+    out = _think_chat(client, {start: 100}, max_tokens=4, extra_body=choice)
+    assert [t.token for t in out.logprobs.content] == ["<think>"] * 4 and out.finish_reason == "length"
+    assert out.message.reasoning_content == "<think>" * 3 and out.message.content is None
+    # A reply that does not open <think> (pushed down) is constrained from its first token.
+    out = _think_chat(client, {start: -100}, max_tokens=8, extra_body=choice)
+    assert out.message.content in ("yes", "no") and out.message.reasoning_content is None
+    assert out.finish_reason == "stop"

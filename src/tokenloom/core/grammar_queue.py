@@ -60,7 +60,8 @@ class GrammarQueue:
         computed tokens now reach the end of their tokens (a prefill chunk short of it is not
         sampled). One cheap pass over the scheduled ids; xgrammar fills the rows in one call."""
         ids = [req_id for req_id in output.num_scheduled_tokens
-               if req_id in self.live and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
+               if req_id in self.live and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
+               and requests[req_id].structured_output.constrains_next]  # type: ignore[union-attr]
         if not ids:
             return
         assert self.manager is not None

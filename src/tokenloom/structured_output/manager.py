@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
+# Where a request with reasoning (StructuredOutputsParams._reasoning) is: its first output token
+# may open `<think>` or start the grammar's text; inside the reasoning nothing is constrained;
+# after `</think>` (or from the start, without reasoning) the grammar rules.
+UNDECIDED, REASONING, GRAMMAR = 0, 1, 2
+
+
 @dataclass(slots=True, eq=False)
 class StructuredOutputRequest:
     """One request's grammar: its compilation, then its matcher."""
@@ -41,6 +47,11 @@ class StructuredOutputRequest:
     stop_token_ids: list[int]
     matcher: xgr.GrammarMatcher | None = None
     error: str | None = field(default=None)
+    phase: int = GRAMMAR
+
+    def __post_init__(self) -> None:
+        if self.params._reasoning is not None:
+            self.phase = REASONING if self.params._reasoning[2] else UNDECIDED
 
     def ready(self) -> bool:
         """True once the matcher exists; False while compiling. A failed compilation sets
@@ -58,17 +69,32 @@ class StructuredOutputRequest:
         return True
 
     def accept(self, token_ids: list[int]) -> bool:
-        """Advances the matcher; False when a token breaks the grammar (it is not accepted)."""
+        """Advances the matcher; False when a token breaks the grammar (it is not accepted).
+        Tokens of the reasoning (and the tags around it) are not the grammar's."""
         matcher = self.matcher
         assert matcher is not None
         for token in token_ids:
+            if self.phase != GRAMMAR:
+                start, end, _ = self.params._reasoning  # type: ignore[misc]
+                if self.phase == REASONING:
+                    self.phase = GRAMMAR if token == end else REASONING
+                    continue
+                if token == start:  # UNDECIDED: the reply opens its reasoning
+                    self.phase = REASONING
+                    continue
+                self.phase = GRAMMAR  # the reply starts with the grammar's text
             if not matcher.accept_token(token):
                 return False
         return True
 
     @property
+    def constrains_next(self) -> bool:
+        """Whether the next token gets a bitmask row (not inside the reasoning)."""
+        return self.phase != REASONING
+
+    @property
     def is_terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+        return self.phase == GRAMMAR and self.matcher is not None and self.matcher.is_terminated()
 
 
 class StructuredOutputManager:
@@ -137,6 +163,11 @@ class StructuredOutputManager:
         matchers = [r.matcher for r in requests]
         assert self._batch_matcher is not None and all(m is not None for m in matchers)
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        for row, r in enumerate(requests):
+            if r.phase == UNDECIDED:  # the grammar's first tokens, or `<think>`
+                start = r.params._reasoning[0]  # type: ignore[index]
+                bit = 1 << (start % 32)
+                bitmask[row, start // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
         return bitmask
 
     def wait_any(self, requests: list[StructuredOutputRequest], timeout: float) -> None:
