@@ -187,6 +187,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):  # type: igno
         if self.json_object is not None:
             _bool(f"{p}.json_object", self.json_object)
         _bool(f"{p}.disable_any_whitespace", self.disable_any_whitespace)
+        r = self._reasoning
+        if r is not None and not (isinstance(r, (tuple, list)) and len(r) == 3
+                                  and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r[:2])
+                                  and isinstance(r[2], bool)):
+            raise _fail(f"{p}._reasoning", "(the <think> token id, the </think> token id, a bool)", r)
         kinds = self.kinds()
         if not kinds:
             raise ValueError(
@@ -397,6 +402,8 @@ class SamplingParams(
             ("logit_bias", None if self.logit_bias is None else list(self.logit_bias)),
             ("_all_stop_token_ids", self._all_stop_token_ids),
             ("_bad_words_token_ids", [t for w in self._bad_words_token_ids or () for t in w]),
+            ("structured_outputs._reasoning", list((self.structured_outputs._reasoning or ())[:2])
+             if self.structured_outputs is not None else None),
         ):
             bad = [t for t in ids or () if not 0 <= t < vocab_size]
             if bad:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -183,6 +184,11 @@ def test_a_grammar_waits_for_the_reasoning_to_end(thinking_server):
     out = _think_chat(client, {start: 100}, max_tokens=4, extra_body=choice)
     assert [t.token for t in out.logprobs.content] == ["<think>"] * 4 and out.finish_reason == "length"
     assert out.message.reasoning_content == "<think>" * 3 and out.message.content is None
+    # The token ids are the server's to set, not a request's.
+    r = httpx.post(srv.url("/v1/chat/completions"), timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}],
+        "structured_outputs": {"choice": ["yes"], "_reasoning": [10**9, 0, True]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
     # A reply that does not open <think> (pushed down) is constrained from its first token.
     out = _think_chat(client, {start: -100}, max_tokens=8, extra_body=choice)
     assert out.message.content in ("yes", "no") and out.message.reasoning_content is None

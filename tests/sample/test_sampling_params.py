@@ -173,6 +173,8 @@ def test_all_stop_token_ids():
         (dict(logit_bias={150: 1.0}), "logit_bias"),
         (dict(_all_stop_token_ids=[100]), "_all_stop_token_ids"),
         (dict(_bad_words_token_ids=[[1, 500]]), "_bad_words_token_ids"),
+        (dict(structured_outputs=StructuredOutputsParams(regex="a", _reasoning=(5, 100, False))),
+         "structured_outputs._reasoning"),
     ],
 )
 def test_verify_against_vocab(kwargs, field):
@@ -330,3 +332,10 @@ def test_from_optional_takes_none_for_the_default():
     assert SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=3) == SamplingParams(max_tokens=3)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_optional(top_p=2.0)
+
+
+def test_reasoning_token_ids_are_checked_where_they_are_made():
+    # The server's own field (--reasoning-parser): a malformed value is refused at construction.
+    for bad in [(1, 2), (1, -2, True), (1, 2, 1), ("a", 2, True)]:
+        with pytest.raises(ValueError, match="structured_outputs._reasoning must be"):
+            StructuredOutputsParams(regex="a", _reasoning=bad)

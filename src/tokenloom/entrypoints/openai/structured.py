@@ -89,6 +89,9 @@ def structured_outputs_of(req: _SamplingFields, *extras: tuple[StructuredOutputs
         if so is not None:
             found.append((so, param))
     if req.structured_outputs is not None:
+        private = sorted(k for k in req.structured_outputs if str(k).startswith("_"))
+        if private:  # the server's own (e.g. _reasoning, set under --reasoning-parser)
+            raise bad_request(f"structured_outputs has an unknown field: {private[0]!r}.", param="structured_outputs")
         try:
             found.append((StructuredOutputsParams(**req.structured_outputs), "structured_outputs"))
         except TypeError as e:  # an unknown key
