@@ -184,6 +184,11 @@ def test_a_grammar_waits_for_the_reasoning_to_end(thinking_server):
     out = _think_chat(client, {start: 100}, max_tokens=4, extra_body=choice)
     assert [t.token for t in out.logprobs.content] == ["<think>"] * 4 and out.finish_reason == "length"
     assert out.message.reasoning_content == "<think>" * 3 and out.message.content is None
+    # The same in the Responses API: the reasoning is unconstrained there too.
+    response = client.responses.create(model="thinker", input="Yes or no?", temperature=0, max_output_tokens=4,
+                                       extra_body=choice | {"logit_bias": {str(start): 100}})
+    assert [item.type for item in response.output] == ["reasoning"] and response.status == "incomplete"
+    assert response.output[0].content[0].text == "<think>" * 3
     # The token ids are the server's to set, not a request's.
     r = httpx.post(srv.url("/v1/chat/completions"), timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}],
@@ -193,3 +198,27 @@ def test_a_grammar_waits_for_the_reasoning_to_end(thinking_server):
     out = _think_chat(client, {start: -100}, max_tokens=8, extra_body=choice)
     assert out.message.content in ("yes", "no") and out.message.reasoning_content is None
     assert out.finish_reason == "stop"
+
+
+def test_responses_api_gives_a_reasoning_item(server):
+    """/v1/responses under the parser: the reasoning is a `reasoning` item ahead of the message,
+    streamed as response.reasoning_text.* events; the same split as chat's for the same prompt."""
+    client = server.client()
+    chat = _chat(client, extra_body={"structured_outputs": {"regex": THINKING}}).choices[0].message
+    kw = dict(model="SmolLM2-135M-Instruct", input="Is Paris the capital of France?", temperature=0,
+              max_output_tokens=48, extra_body={"structured_outputs": {"regex": THINKING}})
+    response = client.responses.create(**kw)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].type == "reasoning_text"
+    assert response.output[0].content[0].text == chat.reasoning_content
+    assert response.output_text == chat.content
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    events = list(client.responses.create(stream=True, **kw))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, answer) == (chat.reasoning_content, chat.content)
+    kinds = [e.type for e in events]
+    # The reasoning item is done before the message starts.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert final.status == "completed" and [item.type for item in final.output] == ["reasoning", "message"]

@@ -175,13 +175,14 @@ def build_app(
                          f"got {reasoning_parser!r}.")
     chat = OpenAIServingChat(engine, served_model_names, max_waiting_requests,
                              tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
-                             response_role=response_role, reasoning_parser=reasoning_parser)
+                             response_role=response_role)
     responses = OpenAIServingResponses(engine, served_model_names, max_waiting_requests,
                                        tool_parser=TOOL_PARSERS[tool_call_parser](), chat_template=chat_template,
                                        store_size=responses_store_size)
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     embeddings = OpenAIServingEmbedding(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     completions.log_requests = chat.log_requests = responses.log_requests = embeddings.log_requests = log_requests
+    chat.reasoning_parser = responses.reasoning_parser = reasoning_parser
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.
     adapters = LoRAModules(engine, served_model_names, lora_modules or {})

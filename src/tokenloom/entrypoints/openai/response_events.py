@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import ToolChoice, ToolStream
 from tokenloom.outputs import CompletionOutput
@@ -36,14 +37,15 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int,
+                   reasoning_tokens: int = 0) -> dict[str, Any]:
     """The Responses API's usage. `cache_write_tokens` is 0: the prefix cache keeps computed
     blocks as a side effect of running the prompt, at no extra cost to count."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -54,8 +56,16 @@ class ResponseRun:
     into the Responses API's logprob entries (None: logprobs were not asked for)."""
 
     def __init__(self, response: dict[str, Any], choice: ToolChoice, parser: ToolParser,
-                 logprobs_of: Callable[[CompletionOutput], list[dict[str, Any]]] | None) -> None:
+                 logprobs_of: Callable[[CompletionOutput], list[dict[str, Any]]] | None,
+                 reasoning: ReasoningStream | None = None) -> None:
         self.response = response
+        # --reasoning-parser: the reply's reasoning goes to a `reasoning` item ahead of the message.
+        self._reasoning = reasoning
+        self._thought: dict[str, Any] | None = None  # the reasoning item being written
+        # usage's reasoning_tokens: those whose text went to the reasoning (with the tokens held
+        # before them, e.g. `<think>`); exact when fed step by step (RequestOutputKind.DELTA).
+        self.reasoning_tokens = 0
+        self._held_tokens = 0
         self.events: list[dict[str, Any]] = []
         self._changed = asyncio.Event()  # set by every event; replaced once a reader has seen it
         # Without tools all of the text is the message, with its logprobs; with tools the reply
@@ -137,6 +147,19 @@ class ResponseRun:
         self._emit("response.output_text.delta", item_id=message["id"], output_index=self._index(message),
                    content_index=0, delta=text, logprobs=logprobs)
 
+    def _reason(self, text: str) -> None:
+        if self._thought is None:
+            self._thought = {"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                             "status": "in_progress"}
+            index = self._add_item(self._thought)
+            part = {"type": "reasoning_text", "text": ""}
+            self._thought["content"].append(part)
+            self._emit("response.content_part.added", item_id=self._thought["id"], output_index=index,
+                       content_index=0, part=copy.deepcopy(part))
+        self._thought["content"][0]["text"] += text
+        self._emit("response.reasoning_text.delta", item_id=self._thought["id"],
+                   output_index=self._index(self._thought), content_index=0, delta=text)
+
     def _call_delta(self, delta: dict[str, Any]) -> None:
         fn = delta.get("function") or {}
         item = self._calls.get(delta["index"])
@@ -157,10 +180,14 @@ class ResponseRun:
         self._open.remove(item)
         index = self._index(item)
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            self._emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                       text=part["text"], logprobs=part["logprobs"])
+            if item["type"] == "message":
+                self._emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=part["text"], logprobs=part["logprobs"])
+            else:
+                self._emit("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                           content_index=0, text=part["text"])
             self._emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                        part=copy.deepcopy(part))
         else:
@@ -171,12 +198,24 @@ class ResponseRun:
     def feed(self, c: CompletionOutput) -> None:
         """An output of the request (new text, or the final one)."""
         self.begin()
+        text = c.text
+        if self._reasoning is not None:
+            thought, text = self._reasoning.feed(c.text, c.finish_reason is not None)
+            if thought:
+                self._reason(thought)
+            if thought and not text:
+                self.reasoning_tokens += self._held_tokens + len(c.token_ids)
+            self._held_tokens = 0 if thought or text else self._held_tokens + len(c.token_ids)
+            if text:
+                self._close(self._thought)  # the answer follows the reasoning
+            elif c.token_ids and c.finish_reason is None:
+                return  # reasoning, or text held back until its role is known
         if self._tools is None:
             logprobs = self._logprobs_of(c) if self._logprobs_of is not None and c.token_ids else []
-            if c.text or logprobs:  # tokens that add no text yet (half a character) keep their logprobs
-                self._text(c.text, logprobs)
+            if text or logprobs:  # tokens that add no text yet (half a character) keep their logprobs
+                self._text(text, logprobs)
             return
-        delta, _ = self._tools.feed(c.text, c.finish_reason)
+        delta, _ = self._tools.feed(text, c.finish_reason)
         if delta.get("content"):
             self._text(delta["content"], [])
         for call in delta.get("tool_calls", ()):

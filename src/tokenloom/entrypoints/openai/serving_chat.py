@@ -1,11 +1,9 @@
 """POST /v1/chat/completions: the model's chat template, then the same engine path."""
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -18,7 +16,7 @@ from tokenloom.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
 from tokenloom.entrypoints.openai.structured import structured_outputs_of
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import (
@@ -44,13 +42,10 @@ from tokenloom.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser, response_role: str = "assistant",
-                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_parser: ToolParser, response_role: str = "assistant", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser  # reads `tool_choice="auto"` replies (--tool-call-parser)
         self.response_role = response_role  # --response-role, as vLLM's (OpenAI: "assistant")
-        # --reasoning-parser: the <think> part of a reply is its reasoning (reasoning_parsers.py).
-        self.reasoning_parser = reasoning_parser
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
         choice, extra = resolve_tools(req.tools or [], req.tool_choice, req.parallel_tool_calls)
@@ -87,12 +82,9 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e), param="messages") from None
         prompt = await self.render_conversation(req, conversation)
         # With a reasoning parser, whether the reply starts inside <think> (the prompt opened it).
-        reasoning = None if self.reasoning_parser is None else opens_reasoning(prompt)
-        think = None if reasoning is None else self._think_token_ids
-        if think is not None and not req.use_beam_search and params.structured_outputs:
-            # The grammar waits for the reasoning to end (see StructuredOutputsParams._reasoning).
-            params.structured_outputs = msgspec.structs.replace(params.structured_outputs,
-                                                                _reasoning=(*think, reasoning))
+        reasoning = self.reasoning_opened(prompt)
+        if not req.use_beam_search:
+            self.grammar_after_reasoning(params, reasoning)
         # vLLM's echo: the reply repeats the last message first when it is the assistant's own.
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""
@@ -148,16 +140,6 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": usage(len(out.prompt_token_ids or ()), completion_tokens, self.cached_tokens(out.num_cached_tokens)),
             }
         )
-
-    @functools.cached_property
-    def _think_token_ids(self) -> tuple[int, int] | None:
-        """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Qwen3's,
-        DeepSeek-R1's); None otherwise, and then a grammar constrains the whole reply."""
-        tokenizer = self.engine.tokenizer
-        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
-        ok = all(isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t
-                 for i, t in zip(ids, ("<think>", "</think>")))
-        return (ids[0], ids[1]) if ok else None
 
     def _message(self, text: str, finish: str | None, choice: ToolChoice) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished choice's text (its content, the reasoning taken

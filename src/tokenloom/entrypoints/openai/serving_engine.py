@@ -18,6 +18,7 @@ from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
+from tokenloom.entrypoints.openai.reasoning_parsers import opens_reasoning
 from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -103,6 +104,31 @@ class OpenAIServing:
         # LoRA adapters served under their own model names (--lora-modules, /v1/load_lora_adapter):
         # one dict shared by every endpoint's handler.
         self.lora_modules: dict[str, LoRARequest] = {}
+        # --reasoning-parser (chat and responses; reasoning_parsers.py): None, all of a reply is content.
+        self.reasoning_parser: str | None = None
+
+    def reasoning_opened(self, prompt: str) -> bool | None:
+        """Under a reasoning parser, whether the rendered prompt leaves the reply inside `<think>`;
+        None without one."""
+        return None if self.reasoning_parser is None else opens_reasoning(prompt)
+
+    def grammar_after_reasoning(self, params: SamplingParams, opened: bool | None) -> None:
+        """Under a reasoning parser, a request's grammar constrains its answer, not its reasoning
+        (StructuredOutputsParams._reasoning), where `<think>` and `</think>` are tokens of their
+        own; elsewhere it constrains the whole reply."""
+        think = self._think_token_ids
+        if opened is not None and think is not None and params.structured_outputs is not None:
+            params.structured_outputs = msgspec.structs.replace(params.structured_outputs, _reasoning=(*think, opened))
+
+    @functools.cached_property
+    def _think_token_ids(self) -> tuple[int, int] | None:
+        """The ids of `<think>` and `</think>` when each is one token of the vocabulary (Qwen3's,
+        DeepSeek-R1's); None otherwise."""
+        tokenizer = self.engine.tokenizer
+        tags = ("<think>", "</think>")
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in tags]
+        ok = all(isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t for i, t in zip(ids, tags))
+        return (ids[0], ids[1]) if ok else None
 
     def resolve_max_tokens(self, requested: int | None) -> int | None:
         """The request's max_tokens, else the server's default (a generation config's

@@ -31,6 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, ResponsesRequest, bad_request
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream
 from tokenloom.entrypoints.openai.response_events import FINAL_STATUSES, ResponseRun, item_id, response_usage
 from tokenloom.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
@@ -296,13 +297,18 @@ class OpenAIServingResponses(OpenAIServing):
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         self.check_capacity(1)
         prompt, conversation = await self._render(req, conversation, tools)
+        opened = self.reasoning_opened(prompt)
+        self.grammar_after_reasoning(params, opened)
+        if opened is not None:  # step by step, so that usage can count the reasoning's tokens
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
         self.check_capacity(1)  # again: other requests were admitted while it was rendered
         response_id = req.request_id or item_id("resp")
         streams = await self.add_requests(response_id, [prompt], params, req.priority, "input",
                                           {"max_tokens": "max_output_tokens"}, lora_request=self.lora_of(model))
         response = self._response_object(req, response_id, model, params.temperature, params.top_p)
         logprobs_of = None if num_top is None else (lambda c: self.token_logprobs(c, num_top, self.tokens_as_ids(req)))
-        run = ResponseRun(response, choice, self.tool_parser, logprobs_of)
+        run = ResponseRun(response, choice, self.tool_parser, logprobs_of,
+                          None if opened is None else ReasoningStream(opened))
         entry = StoredResponse(response, conversation, input_items)
         if req.background:
             run.start(background=True)
@@ -389,7 +395,8 @@ class OpenAIServingResponses(OpenAIServing):
         c = last.outputs[0] if last is not None and last.outputs else None
         prompt_tokens = len(last.prompt_token_ids or ()) if last is not None else 0
         run.finish(c.finish_reason if c is not None else None,
-                   response_usage(prompt_tokens, output_tokens, last.num_cached_tokens if last is not None else 0))
+                   response_usage(prompt_tokens, output_tokens, last.num_cached_tokens if last is not None else 0,
+                                  run.reasoning_tokens))
         yield
 
     async def _drive_to_end(self, run: ResponseRun, stream: RequestStream, entry: StoredResponse,
