@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -49,12 +50,14 @@ def child_pids(pid: int) -> list[int]:
 
 class ServerProcess:
     def __init__(self, extra_args: list[str], api_key: str | None, num_cores: int | None = 1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, tls_ca: str | None = None) -> None:
         """`num_cores`: the engine-core children to expect (data parallelism starts several); None:
-        do not check (with Ray the cores are Ray's workers, and Ray's daemons are our children)."""
+        do not check (with Ray the cores are Ray's workers, and Ray's daemons are our children).
+        `tls_ca`: the server serves HTTPS (--ssl-* in `extra_args`) with a certificate of this CA."""
         self.port = free_port()
         self.api_key = api_key
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = True if tls_ca is None else ssl.create_default_context(cafile=tls_ca)
+        self.base_url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         args = [str(TOKENLOOM), "serve", "--port", str(self.port), *extra_args]
         if api_key is not None:
             args += ["--api-key", api_key]
@@ -73,7 +76,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tokenloom serve exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                if httpx.get(self.url("/health"), timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -95,6 +98,8 @@ class ServerProcess:
         import openai
 
         kwargs.setdefault("api_key", self.api_key or "unused")
+        if self.verify is not True:
+            kwargs.setdefault("http_client", httpx.Client(verify=self.verify))
         return openai.OpenAI(base_url=self.url("/v1"), max_retries=0, timeout=120, **kwargs)
 
     def async_client(self, **kwargs):

@@ -116,6 +116,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="CORS: allowed headers (default: *)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default: no)")
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under (ASGI root_path)")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM), with --ssl-certfile")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (chain) file (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="whether a client certificate is required: 0 no (default), 1 optional, 2 required "
+                        "(Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as vLLM's)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, action=_Flatten, default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served as models of their own name: name=path or vLLM's JSON "
                    "'{\"name\": ..., \"path\": ...}' (needs --enable-lora)")

@@ -70,6 +70,33 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def _ssl_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from vLLM's --ssl-* flags (empty: plain HTTP), checked by loading
+    them here, before the model: a wrong path or a key that does not match is one line naming
+    the flag, not a server that fails after start-up."""
+    import ssl
+
+    keyfile, certfile = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
+    if keyfile is None and certfile is None:
+        if ca_certs is not None or cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS: give --ssl-keyfile and --ssl-certfile.")
+        return {}
+    if keyfile is None or certfile is None:
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile.")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r} cannot be loaded: {e}") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs {ca_certs!r} cannot be loaded: {e}") from None
+    return {"ssl_keyfile": keyfile, "ssl_certfile": certfile, "ssl_ca_certs": ca_certs, "ssl_cert_reqs": cert_reqs}
+
+
 def _listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the engine starts (as vLLM binds it): a port in use fails
     at once, not after the model has loaded."""
@@ -131,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
     chat_template = read_chat_template(getattr(args, "chat_template", None))
+    ssl_options = _ssl_options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
     config = engine_config_from_args(args)
@@ -171,7 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
                        access_log=not getattr(args, "disable_uvicorn_access_log", False),
                        # Past the drain, which ends what still runs with a 503: room to send those ends.
-                       timeout_graceful_shutdown=DRAIN_S + 5)
+                       timeout_graceful_shutdown=DRAIN_S + 5, **ssl_options)
     )
 
     engine_died = asyncio.Event()
@@ -179,7 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def say_what_runs() -> None:
         host, port = sock.getsockname()[:2]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        url = f"{'https' if ssl_options else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
         print("\n".join(_startup_lines(engine, url, sampling_defaults)), flush=True)
 
     server.on_started = say_what_runs
