@@ -151,9 +151,9 @@ def test_what_cannot_be_overridden(models, smollm2_path):
 
 
 def test_served_reranker_with_vllms_launch_flags(models, tmp_path):
-    """`tokenloom serve DIR --hf_overrides JSON` (vLLM's underscore spelling): /rerank and /score
-    give transformers' probabilities; with --chat-template the pairs are rendered by it, as
-    vLLM's score template."""
+    """`tokenloom serve DIR --hf_overrides JSON --chat-template FILE` (vLLM's launch of
+    Qwen3-Reranker, its underscore spelling too): /rerank and /score render each pair with the
+    score template and give transformers' probabilities; the converted model does not generate."""
     directory, model = models["untied"]
     tokenizer = models["tokenizer"]
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
@@ -161,36 +161,27 @@ def test_served_reranker_with_vllms_launch_flags(models, tmp_path):
     def p_yes(ids: list[int]) -> float:
         return torch.softmax(last_logits(model, ids)[[no, yes]], -1)[1].item()
 
-    want = [p_yes(tokenizer(QUERY + d)["input_ids"]) for d in DOCS]
-    srv = ServerProcess(["--model", directory, "--hf_overrides", json.dumps(QWEN3_RERANKER), "--dtype", "float32",
-                         "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "reranker"], None)
     template = tmp_path / "reranker.jinja"
     template.write_text(SCORE_TEMPLATE)
-    templated = None
+    query, docs = "capital of France?", ["Paris.", "Bananas.", "Lyon is in France."]
+    want = [p_yes(rendered_pair_ids(tokenizer, query, d)) for d in docs]
+    srv = ServerProcess(["--model", directory, "--hf_overrides", json.dumps(QWEN3_RERANKER), "--chat-template",
+                         str(template), "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
+                         "--served-model-name", "reranker"], None)
     try:
-        r = httpx.post(srv.url("/rerank"), json={"model": "reranker", "query": QUERY, "documents": DOCS}, timeout=60)
+        r = httpx.post(srv.url("/v1/rerank"), json={"model": "reranker", "query": query, "documents": docs}, timeout=60)
         assert r.status_code == 200, r.text
         results = r.json()["results"]
-        assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+        assert [x["index"] for x in results] == sorted(range(len(docs)), key=lambda i: -want[i])
         assert [x["relevance_score"] for x in results] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
-        r = httpx.post(srv.url("/score"), json={"text_1": QUERY, "text_2": DOCS}, timeout=60)
+        r = httpx.post(srv.url("/score"), json={"text_1": query, "text_2": docs}, timeout=60)
         assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-5)
+        assert r.json()["usage"]["prompt_tokens"] == sum(len(rendered_pair_ids(tokenizer, query, d)) for d in docs)
         r = httpx.post(srv.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]
-        templated = ServerProcess(["--model", directory, "--hf-overrides", json.dumps(QWEN3_RERANKER), "--chat-template",
-                                   str(template), "--dtype", "float32", "--max-model-len", "256",
-                                   "--num-kv-blocks", "64"], None)
-        r = httpx.post(templated.url("/v1/rerank"), json={"query": "capital of France?", "documents": ["Paris.", "Bananas."]},
-                       timeout=60)
-        assert r.status_code == 200, r.text
-        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
-        assert [got[0], got[1]] == pytest.approx([p_yes(rendered_pair_ids(tokenizer, "capital of France?", d))
-                                                  for d in ("Paris.", "Bananas.")], abs=1e-5)
     finally:
-        for s in (srv, templated):
-            if s is not None:
-                s.stop()
-                os.unlink(s.log.name)
+        srv.stop()
+        os.unlink(srv.log.name)
 
 
 def test_score_template_offline(models):

@@ -4,14 +4,21 @@ chunking of a stream), then the real server with the official client, the embedd
 to write a thinking reply by a regex grammar."""
 from __future__ import annotations
 
+import os
 import re
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
+from conftest import ServerProcess
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from model_helpers import save_hf_dir, tiny_hf_model  # noqa: E402
+
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning  # noqa: E402
 
 SERVER_ARGS = ["--reasoning-parser", "qwen3", "--num-kv-blocks", "256"]
 
@@ -137,15 +144,6 @@ def test_a_prompt_that_opens_think_and_a_tool_call_after_reasoning(server):
 def thinking_server(tmp_path_factory, smollm2_path):
     """A tiny random model whose vocabulary has `<think>` and `</think>` as tokens of their own
     (as Qwen3's has: added, not special, so they stay in the text), served with the qwen3 parser."""
-    import os
-    import sys
-    from pathlib import Path
-
-    from conftest import ServerProcess
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-    from model_helpers import save_hf_dir, tiny_hf_model
-
     from tokenloom.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)

@@ -149,7 +149,7 @@ def test_sliding_window_model_same_tokens_with_drafts(gemma3_path):
     to attention as decode queries of their own keep each one's window, past the window's end
     too (a 948-token prompt), on its default quantized path."""
     block = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(60))
-    prompts = [block + "def f0(x):\n", block + "def f30(x):\n"]
+    prompts = [block + "def f30(x):\n"]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     tokens = []
     for spec in (None, SPEC):
@@ -162,4 +162,4 @@ def test_sliding_window_model_same_tokens_with_drafts(gemma3_path):
         finally:
             llm.shutdown()
     assert tokens[1] == tokens[0]
-    assert accepted > 40  # the continuation repeats the prompt's pattern: mostly drafted
+    assert accepted > 20  # the continuation repeats the prompt's pattern: mostly drafted
