@@ -35,6 +35,11 @@ def test_models_health_version(server, client):
     assert models[0].model_extra["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert httpx.get(server.url("/health")).status_code == 200  # open without the key
     assert httpx.get(server.url("/version")).json()["version"]
+    # vLLM's API documentation, open like /health: the OpenAPI document and its two viewers.
+    assert "/v1/chat/completions" in httpx.get(server.url("/openapi.json")).json()["paths"]
+    for path in ("/docs", "/redoc"):
+        r = httpx.get(server.url(path))
+        assert r.status_code == 200 and "openapi.json" in r.text
 
 
 def test_embeddings_need_a_pooling_server(client):

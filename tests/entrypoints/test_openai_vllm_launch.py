@@ -26,7 +26,8 @@ def vllm_style_server():
             "--chat-template", f.name, "--response-role", "helper", "--allowed-origins", f'["{ORIGIN}"]',
             "--disable-log-requests", "--disable-log-stats", "--trust-remote-code", "--served-model-name", MODEL,
             "--kv-cache-memory-bytes", str(64 * 1024**2), "--enable-prompt-tokens-details",
-            "--return-tokens-as-token-ids"]
+            "--return-tokens-as-token-ids", "--disable-fastapi-docs", "--enable-force-include-usage",
+            "--enable-log-requests", "--max-log-len", "16"]
     srv = ServerProcess(args, api_key=None, env={"VLLM_API_KEY": VLLM_KEY})
     srv.api_key = VLLM_KEY  # what the clients below send
     try:
@@ -47,6 +48,24 @@ def test_vllm_flags_start_the_server_and_say_what_runs(vllm_style_server):
     assert "--trust-remote-code is vLLM's and has no effect" in log
     # The start-up lines name the model, its path and the cache, without --log-level info.
     assert "tokenloom serve: model" in log and "max_model_len 256" in log and "quantization gguf Q4_1" in log
+
+
+def test_docs_off_usage_forced_and_logged_prompts_cut(vllm_style_server):
+    """--disable-fastapi-docs, --enable-force-include-usage (a stream that did not ask ends with
+    usage), --enable-log-requests with --max-log-len."""
+    srv = vllm_style_server
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(srv.url(path), headers=srv.headers, timeout=30).status_code == 404
+    question = "Tell me something about the river Seine, please."
+    chunks = list(srv.client().chat.completions.create(model=MODEL, max_tokens=3, stream=True,
+                                                       messages=[{"role": "user", "content": question}]))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    chunks = list(srv.client().completions.create(model=MODEL, prompt=question, max_tokens=2, stream=True))
+    assert chunks[-1].choices == [] and 1 <= chunks[-1].usage.completion_tokens <= 2
+    logged = [line for line in srv.log_text().splitlines() if "Received request" in line and "Seine" not in line
+              and "prompt: " in line]
+    shown = logged[-1].split("prompt: ", 1)[1].split(", params: ")[0]
+    assert len(shown) == 16 and repr(question).startswith(shown)
 
 
 def test_vllm_api_key_variable_guards_the_api(vllm_style_server):

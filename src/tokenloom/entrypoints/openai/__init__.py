@@ -129,6 +129,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="/v1/responses keeps this many responses created with store=true (OpenAI's default) in "
                    "memory, for previous_response_id, GET /v1/responses/{id} and background responses; the oldest "
                    "go first (default: 1000; 0: none are kept)")
+    p.add_argument("--max-log-len", type=int, default=200,
+                   help="with --enable-log-requests, the most characters of a prompt each log line shows (default 200)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed completion ends with a usage chunk, as if its stream_options asked for it")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json (served by default, without the API key, as vLLM does)")
     p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                    help="log one INFO line per accepted request (its id, prompt and sampling parameters)")
     p.add_argument("--disable-log-requests", action="store_false", dest="log_requests",

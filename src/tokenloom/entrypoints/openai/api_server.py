@@ -53,6 +53,7 @@ from tokenloom.entrypoints.openai.serving_lora import (
     UnloadLoRAAdapterRequest,
 )
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, OpenAIServingResponses
+from tokenloom.entrypoints.openai import serving_engine as serving_engine_module
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.request_body import body_schema, error_response, parse_body, validation_error
@@ -65,7 +66,8 @@ from tokenloom.model.generation_config import max_tokens_cap
 logger = logging.getLogger("tokenloom.serve")
 
 # Paths that stay open when --api-key is set: probes and scrapers carry no key.
-_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
+                         "/openapi.json"})
 # Shutting down: how long requests in flight may still run before they are ended with a 503.
 DRAIN_S = 5.0
 # --max-request-body-bytes: far above any real prompt (a 128k-token prompt is about 1 MiB of
@@ -156,6 +158,9 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     responses_store_size: int = DEFAULT_STORE_SIZE,
     lora_modules: dict[str, str] | None = None,
+    max_log_len: int = 200,
+    force_include_usage: bool = False,
+    enable_docs: bool = True,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
@@ -165,8 +170,9 @@ def build_app(
         if shutdown_engine_on_exit:
             engine.shutdown()
 
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__, docs_url=None, redoc_url=None, lifespan=lifespan,
-                  root_path=root_path)
+    # /docs, /redoc and /openapi.json as vLLM serves them (open, like /health; --disable-fastapi-docs).
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, lifespan=lifespan, root_path=root_path,
+                  **({} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
@@ -182,7 +188,14 @@ def build_app(
     tokens = OpenAIServingTokenization(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     embeddings = OpenAIServingEmbedding(engine, served_model_names, max_waiting_requests, chat_template=chat_template)
     completions.log_requests = chat.log_requests = responses.log_requests = embeddings.log_requests = log_requests
+    if log_requests:  # asked for: shown under the default --log-level warning too
+        request_logger = logging.getLogger(serving_engine_module.__name__)
+        if request_logger.getEffectiveLevel() > logging.INFO:
+            request_logger.setLevel(logging.INFO)
     chat.reasoning_parser = responses.reasoning_parser = reasoning_parser
+    for serving in (completions, chat, responses, embeddings):
+        serving.max_log_len = max_log_len
+        serving.force_include_usage = force_include_usage
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.
     adapters = LoRAModules(engine, served_model_names, lora_modules or {})

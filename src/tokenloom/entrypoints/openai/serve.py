@@ -153,6 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
     if getattr(args, "responses_store_size", 0) < 0:
         raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}.")
+    if getattr(args, "max_log_len", 0) < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if not getattr(args, "multiprocess", True):
@@ -194,6 +196,9 @@ def run_serve(args: argparse.Namespace) -> int:
         log_requests=getattr(args, "log_requests", False),
         responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
         lora_modules=dict(getattr(args, "lora_modules", None) or []),
+        max_log_len=getattr(args, "max_log_len", 200),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
+        enable_docs=not getattr(args, "disable_fastapi_docs", False),
     )
     server = _server_class()(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,

@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
         created = unix_time()
         if req.stream:
             options = req.stream_options
-            include_usage = bool(options and options.include_usage)
+            include_usage = bool(options and options.include_usage) or self.force_include_usage
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
             body = self._stream(request_id, model, created, streams[0], num_top, include_usage, choice, echo,
                                 continuous_usage, as_ids, reasoning, req.include_reasoning)

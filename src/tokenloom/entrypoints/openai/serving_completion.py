@@ -114,7 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = unix_time()
         if req.stream:
             options = req.stream_options
-            include_usage = bool(options and options.include_usage)
+            include_usage = bool(options and options.include_usage) or self.force_include_usage
             continuous_usage = bool(include_usage and options and options.continuous_usage_stats)
             body = self._stream(req, request_id, model, created, streams, n, include_usage, continuous_usage)
             return EngineStreamingResponse(body, on_close=lambda: self.abort_streams(streams))

@@ -26,7 +26,6 @@ from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()  # encodes -inf logprobs as null instead of emitting invalid JSON
-_LOGGED_PROMPT_CHARS = 200  # --enable-log-requests shows this much of a prompt (vLLM: --max-log-len)
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z_0-9]*) (?:must|has|is)\b")
 
 
@@ -94,6 +93,8 @@ class OpenAIServing:
         # --chat-template: the server's template where a request names none (None: the tokenizer's).
         self.chat_template = chat_template
         self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
+        self.max_log_len = 200  # --max-log-len: the most of a prompt that line shows
+        self.force_include_usage = False  # --enable-force-include-usage: streams end with usage
         # --generation-config: what a request that leaves a sampling field unset gets (the
         # model's generation_config.json, as vLLM), and the most max_tokens any may ask for.
         self.default_sampling_params: dict[str, Any] = {}
@@ -358,7 +359,7 @@ class OpenAIServing:
             self.engine.abort_nowait(*[s.request_id for s in streams])
             raise
         if self.log_requests:
-            shown = repr(prompts[0])[:_LOGGED_PROMPT_CHARS] if len(prompts) == 1 else f"{len(prompts)} prompts"
+            shown = repr(prompts[0])[:self.max_log_len] if len(prompts) == 1 else f"{len(prompts)} prompts"
             logger.info("Received request %s: prompt: %s, params: %s", base_id, shown, params)
         return streams
 
