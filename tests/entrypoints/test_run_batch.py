@@ -6,6 +6,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -26,10 +28,43 @@ def run_batch(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_batch_file_runs_through_the_servers_routes(tmp_path):
-    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(json.dumps(x) for x in LINES[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in LINES[2:]))
-    r = run_batch("-i", str(src), "-o", str(dst), "--max-model-len", "512", "--disable-progress-bar")
+@pytest.fixture
+def file_server():
+    """A local HTTP file store (GET what it holds, PUT to store), as an object store's presigned
+    URLs behave: {path: bytes}, and the base URL."""
+    files: dict[str, bytes] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def do_PUT(self):  # noqa: N802
+            files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(201)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield files, f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_batch_file_runs_through_the_servers_routes(tmp_path, file_server):
+    """The input read from a URL (vLLM's GET), the output written to a local file."""
+    files, base = file_server
+    dst = tmp_path / "out.jsonl"
+    files["/in.jsonl"] = ("\n".join(json.dumps(x) for x in LINES[:2]) + "\n\n"
+                          + "\n".join(json.dumps(x) for x in LINES[2:])).encode()
+    r = run_batch("-i", f"{base}/in.jsonl", "-o", str(dst), "--max-model-len", "512", "--disable-progress-bar")
     assert r.returncode == 0, r.stderr
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == ["chat", "completion", "bad", "embed"]  # input order
@@ -62,3 +97,17 @@ def test_a_malformed_file_stops_before_the_engine_starts(tmp_path, line, message
     assert r.stderr.startswith("tokenloom: error:")
     assert re.search(message, r.stderr), r.stderr
     assert not dst.exists()
+
+
+def test_batch_urls_put_the_output_and_name_a_missing_input(file_server):
+    """vLLM's run-batch takes URLs: the output is one PUT of the whole file; an input URL that
+    answers 404 stops the run before the engine starts, naming it."""
+    from tokenloom.entrypoints.openai.run_batch import _write_jsonl
+
+    files, base = file_server
+    rows = [{"custom_id": "a", "response": {"status_code": 200}}, {"custom_id": "b", "response": {"status_code": 400}}]
+    _write_jsonl(f"{base}/results/out.jsonl", rows)
+    assert [json.loads(line) for line in files["/results/out.jsonl"].decode().splitlines()] == rows
+    r = run_batch("-i", f"{base}/missing.jsonl", "-o", f"{base}/out.jsonl")
+    assert r.returncode != 0 and f"GET {base}/missing.jsonl: HTTP 404" in r.stderr
+    assert "/out.jsonl" not in files

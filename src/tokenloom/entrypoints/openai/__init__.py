@@ -172,9 +172,10 @@ def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run-batch", help="run a file of OpenAI Batch API requests offline (vLLM's run-batch)")
     p.add_argument("-i", "--input-file", required=True,
                    help="JSONL, one request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} "
-                   "(- for standard input)")
+                   "(- for standard input; an http(s) URL is read with GET, as vLLM's)")
     p.add_argument("-o", "--output-file", required=True,
-                   help="JSONL, one response per request in input order (- for standard output)")
+                   help="JSONL, one response per request in input order (- for standard output; an http(s) "
+                   "URL gets the whole file with one PUT, as vLLM's)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the requests' `model` may give (default: the model path)")
     p.add_argument("--max-concurrency", type=int, default=1024,

@@ -43,6 +43,8 @@ def read_batch(path: str) -> list[BatchLine]:
         import sys
 
         text = sys.stdin.read()
+    elif is_url(path):
+        text = _http("GET", path).text
     else:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -108,8 +110,30 @@ async def _run(app: Any, lines: list[BatchLine], max_concurrency: int, show_prog
             bar.close()
 
 
+def is_url(path: str) -> bool:
+    """vLLM's batch files may be URLs (e.g. presigned object-store links): read with GET,
+    written with PUT."""
+    return path.startswith(("http://", "https://"))
+
+
+def _http(method: str, url: str, content: bytes | None = None) -> Any:
+    import httpx
+
+    try:
+        r = httpx.request(method, url, content=content, timeout=300, follow_redirects=True)
+    except httpx.HTTPError as e:
+        raise ValueError(f"{method} {url}: {e}") from None
+    if r.status_code >= 400:
+        raise ValueError(f"{method} {url}: HTTP {r.status_code} {r.reason_phrase}")
+    return r
+
+
 def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    """Written whole or not at all: a temporary file beside `path`, renamed over it."""
+    """Written whole or not at all: a temporary file beside `path`, renamed over it (a URL: one
+    PUT of the whole file)."""
+    if is_url(path):
+        _http("PUT", path, "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8"))
+        return
     if path == "-":
         import sys
 
@@ -141,7 +165,7 @@ def run_batch(args: argparse.Namespace) -> int:
     lines = read_batch(args.input_file)  # before the engine: a bad file costs no model load
     chat_template = read_chat_template(args.chat_template)
     out_dir = os.path.dirname(os.path.abspath(args.output_file))
-    if args.output_file != "-" and not os.path.isdir(out_dir):
+    if args.output_file != "-" and not is_url(args.output_file) and not os.path.isdir(out_dir):
         raise ValueError(f"--output-file {args.output_file!r}: the folder {out_dir!r} does not exist")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
