@@ -90,10 +90,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tool-call-parser",
         default="hermes",
-        choices=["hermes", "json", "llama3_json"],
+        choices=["hermes", "json", "llama3_json", "pythonic"],
         help="how replies to tool_choice='auto' are read as tool calls: 'hermes' (<tool_call>{...}</tool_call>, "
-        "ChatML tool templates) or 'json' (alias 'llama3_json': the whole reply is a call object or a list of "
-        "them); default: hermes",
+        "ChatML tool templates), 'json' (alias 'llama3_json': the whole reply is a call object or a list of "
+        "them) or 'pythonic' (Llama 3.2/4: [get_weather(city=\"Paris\")]); default: hermes",
     )
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="a thinking model's <think>...</think> part of a chat reply becomes the message's "

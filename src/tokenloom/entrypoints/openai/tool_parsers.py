@@ -4,7 +4,10 @@
 - `hermes` (Hermes, Qwen2/2.5/3, SmolLM3 and other ChatML tool templates): each call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, possibly after some text;
 - `json` (alias `llama3_json`): the whole reply is one call object, or a list of them, with
-  `arguments` or `parameters`.
+  `arguments` or `parameters`;
+- `pythonic` (Llama 3.2 and 4, and templates written for it): the whole reply is a Python list
+  of calls with keyword arguments, `[get_weather(city="Paris", days=2)]`, read with `ast`
+  (literal values only: nothing in the reply is ever evaluated).
 
 A reply that does not parse as calls is plain content: a model that chose to answer in text, or
 wrote a broken call, is answered as text, never with a made-up call.
@@ -103,6 +106,51 @@ class JsonToolParser(ToolParser):
         return 0 if not stripped or stripped[0] in "{[" else len(text)
 
 
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        calls = _pythonic_calls(text.strip())
+        return (text, []) if calls is None else (None, calls)
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        return 0 if not stripped or stripped[0] == "[" else len(text)
+
+
+def _pythonic_calls(text: str) -> list[ParsedToolCall] | None:
+    """`[f(a=1), g(b="x")]` as calls; None when the text is not a non-empty list of calls of
+    plain names with literal keyword arguments."""
+    import ast
+
+    if not text.startswith("["):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return None
+        try:
+            arguments = json.dumps(args, ensure_ascii=False)
+        except (TypeError, ValueError):  # a set, bytes or complex literal: not JSON
+            return None
+        calls.append(ParsedToolCall(node.func.id, arguments))
+    return calls
+
+
 def _loads(text: str) -> object:
     try:
         return json.loads(text)
@@ -111,4 +159,4 @@ def _loads(text: str) -> object:
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "json": JsonToolParser,
-                                             "llama3_json": JsonToolParser}
+                                             "llama3_json": JsonToolParser, "pythonic": PythonicToolParser}
