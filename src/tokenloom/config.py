@@ -286,3 +286,14 @@ def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_le
     request can finish)."""
     need = bytes_per_token * max_num_seqs * max_model_len
     return max(min(need, cap, bytes_per_token * max_tokens), bytes_per_token * max_model_len)
+
+
+def torch_profiler_dir() -> str:
+    """Where `start_profile()` / `stop_profile()` write torch profiler traces (LLM, AsyncLLM, the
+    server's /start_profile): $TOKENLOOM_TORCH_PROFILER_DIR, or vLLM's $VLLM_TORCH_PROFILER_DIR.
+    Read by the caller at each call, so that setting it after the engine started counts."""
+    directory = os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+    if not directory:
+        raise RuntimeError("profiling needs a folder for its traces: set TOKENLOOM_TORCH_PROFILER_DIR "
+                           "(or vLLM's VLLM_TORCH_PROFILER_DIR).")
+    return os.path.abspath(os.path.expanduser(directory))

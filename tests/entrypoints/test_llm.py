@@ -2,6 +2,8 @@
 outputs that do not depend on how the engine batched, chunked, cached or preempted them."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -178,6 +180,31 @@ def test_reset_prefix_cache_forgets_cached_blocks(default_llm):
     assert state["num_cached_free_blocks"] == 0
     default_llm.generate(prompt, params, use_tqdm=False)
     assert core.call_utility("get_state")["prefix_cache_hits"] == state["prefix_cache_hits"]
+
+
+def test_torch_profiler_traces_the_engine_cores_steps(default_llm, tmp_path, monkeypatch):
+    """vLLM's LLM.start_profile / stop_profile with its VLLM_TORCH_PROFILER_DIR: a Chrome trace of
+    what the engine core ran between the two (its process, not this one)."""
+    import gzip
+    import json
+
+    monkeypatch.delenv("TOKENLOOM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="set TOKENLOOM_TORCH_PROFILER_DIR .or vLLM's VLLM_TORCH_PROFILER_DIR"):
+        default_llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    default_llm.start_profile()
+    with pytest.raises(RuntimeError, match="already running"):
+        default_llm.start_profile()
+    default_llm.generate(["The profiler sees this prompt"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    (path,) = default_llm.stop_profile()
+    assert path.startswith(str(tmp_path / "traces")) and path.endswith(".pt.trace.json.gz")
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert {e.get("pid") for e in events if e.get("ph") == "X"} - {os.getpid()}  # the core's process
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)  # the steps' torch ops
+    with pytest.raises(RuntimeError, match="not running"):
+        default_llm.stop_profile()
 
 
 # Four more chat prompts for the bfloat16 parity count (16 in all).

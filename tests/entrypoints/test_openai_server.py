@@ -35,6 +35,8 @@ def test_models_health_version(server, client):
     assert models[0].model_extra["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert httpx.get(server.url("/health")).status_code == 200  # open without the key
     assert httpx.get(server.url("/version")).json()["version"]
+    # vLLM's profiling routes exist only with a trace folder set (none here).
+    assert httpx.post(server.url("/start_profile"), headers=server.headers).status_code == 404
     # vLLM's API documentation, open like /health: the OpenAPI document and its two viewers.
     assert "/v1/chat/completions" in httpx.get(server.url("/openapi.json")).json()["paths"]
     for path in ("/docs", "/redoc"):

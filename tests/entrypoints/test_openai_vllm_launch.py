@@ -4,6 +4,7 @@ server and the official `openai` client."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import httpx
@@ -28,7 +29,8 @@ def vllm_style_server():
             "--kv-cache-memory-bytes", str(64 * 1024**2), "--enable-prompt-tokens-details",
             "--return-tokens-as-token-ids", "--disable-fastapi-docs", "--enable-force-include-usage",
             "--enable-log-requests", "--max-log-len", "16"]
-    srv = ServerProcess(args, api_key=None, env={"VLLM_API_KEY": VLLM_KEY})
+    traces = tempfile.mkdtemp(prefix="tokenloom-traces-")
+    srv = ServerProcess(args, api_key=None, env={"VLLM_API_KEY": VLLM_KEY, "VLLM_TORCH_PROFILER_DIR": traces})
     srv.api_key = VLLM_KEY  # what the clients below send
     try:
         yield srv
@@ -38,6 +40,7 @@ def vllm_style_server():
             os.kill(srv.core_pid, 9)
         os.unlink(srv.log.name)
         os.unlink(f.name)
+        shutil.rmtree(traces, ignore_errors=True)
 
 
 def test_vllm_flags_start_the_server_and_say_what_runs(vllm_style_server):
@@ -66,6 +69,21 @@ def test_docs_off_usage_forced_and_logged_prompts_cut(vllm_style_server):
               and "prompt: " in line]
     shown = logged[-1].split("prompt: ", 1)[1].split(", params: ")[0]
     assert len(shown) == 16 and repr(question).startswith(shown)
+
+
+def test_profiling_routes_with_vllms_profiler_dir(vllm_style_server):
+    """With VLLM_TORCH_PROFILER_DIR set, vLLM's POST /start_profile and /stop_profile (behind the
+    key) trace the engine core's steps; a second stop is a 400."""
+    srv = vllm_style_server
+    assert httpx.post(srv.url("/start_profile"), timeout=60).status_code == 401
+    assert httpx.post(srv.url("/start_profile"), headers=srv.headers, timeout=60).status_code == 200
+    srv.client().completions.create(model=MODEL, prompt="Profile me", max_tokens=2)
+    r = httpx.post(srv.url("/stop_profile"), headers=srv.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    (trace,) = r.json()["traces"]
+    assert os.path.getsize(trace) > 0 and trace.endswith(".pt.trace.json.gz")
+    r = httpx.post(srv.url("/stop_profile"), headers=srv.headers, timeout=60)
+    assert r.status_code == 400 and "not running" in r.json()["error"]["message"]
 
 
 def test_vllm_api_key_variable_guards_the_api(vllm_style_server):

@@ -189,6 +189,11 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def profile(self, is_start: bool, directory: str) -> list[str]:
+        """Starts or stops the torch profiler on every rank (Worker.profile); stopping returns
+        the traces written."""
+        return [path for paths in self.executor.collective_rpc("profile", is_start, directory) for path in paths]
+
     def get_ledger_state(self) -> list[dict]:
         """The ledger's live view of the requests in the core (CoreLedger.snapshot); [] when the
         ledger is off."""

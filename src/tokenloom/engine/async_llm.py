@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, torch_profiler_dir
 from tokenloom.engine.async_client import AsyncMPClient
 from tokenloom.engine.core_client import ENGINE_SHUT_DOWN, EngineDeadError, EngineShutDownError
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
@@ -492,6 +492,14 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async(method, *args, timeout=timeout)
+
+    async def start_profile(self) -> None:
+        """vLLM's: the torch profiler runs in the engine core's ranks until stop_profile()."""
+        await self.call_utility("profile", True, torch_profiler_dir())
+
+    async def stop_profile(self) -> list[str]:
+        """Stops the profiler; returns the trace files written (see LLMEngine.stop_profile)."""
+        return await self.call_utility("profile", False, torch_profiler_dir())
 
     async def get_state(self, timeout: float | None = None) -> dict:
         """The core's `get_state()`: num_running, num_waiting, num_requests, num_free_blocks,

@@ -10,7 +10,7 @@ import itertools
 from typing import Any
 
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, torch_profiler_dir
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor
@@ -167,6 +167,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached KV block (as vLLM's); False while requests still hold blocks."""
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    def start_profile(self) -> None:
+        """vLLM's: the torch profiler runs in the engine core's ranks until stop_profile()."""
+        self.engine_core.call_utility("profile", True, torch_profiler_dir())
+
+    def stop_profile(self) -> list[str]:
+        """Stops the profiler; returns the trace files written (one per rank and replica) under
+        $TOKENLOOM_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
+        return self.engine_core.call_utility("profile", False, torch_profiler_dir())
 
     def get_metrics(self) -> list[Metric]:
         """Every `tokenloom:` metric, as plain objects (vLLM's `LLM.get_metrics()`)."""

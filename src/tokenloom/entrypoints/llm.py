@@ -188,6 +188,17 @@ class LLM:
         benchmarks, as vLLM's `LLM.reset_prefix_cache`); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's `LLM.start_profile`: the torch profiler records the engine's ranks (every op of
+        every step, CPU and CUDA) until `stop_profile()`. Needs $TOKENLOOM_TORCH_PROFILER_DIR (or
+        vLLM's $VLLM_TORCH_PROFILER_DIR) for the traces."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stops the profiler and writes its Chrome traces (`*.pt.trace.json.gz`: Perfetto,
+        chrome://tracing, TensorBoard), one per rank; returns their paths (vLLM returns None)."""
+        return self.llm_engine.stop_profile()
+
     def flush_trace(self) -> str | None:
         """Writes the trace file now (`trace_path`); returns its path, None when not tracing."""
         return self.llm_engine.flush_trace()

@@ -103,6 +103,7 @@ class Worker:
                  local_world_size: int | None = None) -> None:
         t0 = time.perf_counter()
         self.config, self.rank = config, rank
+        self._profiler = None  # torch.profiler.profile while start_profile() runs (see `profile`)
         tp = config.tensor_parallel_size
         on_cpu = torch.device(config.device).type == "cpu"
         if tp > 1 and on_cpu:
@@ -154,6 +155,31 @@ class Worker:
 
     def get_info(self) -> WorkerInfo:
         return self.info
+
+    def profile(self, is_start: bool, directory: str) -> list[str]:
+        """vLLM's start_profile / stop_profile on this rank: the torch profiler (CPU, and CUDA on
+        a GPU) over every step between the two; stopping writes its Chrome trace (Perfetto,
+        chrome://tracing, TensorBoard) into `directory` and returns its path."""
+        import torch.profiler as tp
+
+        if is_start:
+            if self._profiler is not None:
+                raise RuntimeError("the profiler is already running: stop_profile() first.")
+            activities = [tp.ProfilerActivity.CPU]
+            if torch.device(self.config.device).type == "cuda":
+                activities.append(tp.ProfilerActivity.CUDA)
+            self._profiler = tp.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+            return []
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running: start_profile() first.")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"tokenloom-rank{self.rank}-pid{os.getpid()}-{time.time_ns()}.pt.trace.json.gz")
+        profiler.export_chrome_trace(path)
+        logger.info("torch profiler trace of rank %d written to %s", self.rank, path)
+        return [path]
 
     def shutdown(self) -> None:
         destroy_tensor_parallel()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -133,6 +134,14 @@ class EngineDeadMiddleware:
         if scope["type"] == "http" and self.engine.is_dead:
             return await error_response(engine_dead_error(self.engine.dead_error))(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def _profile(call: Any) -> Any:
+    """A profiler call's result; its refusal (started twice, stopped unstarted) is a 400."""
+    try:
+        return await call
+    except RuntimeError as e:
+        raise bad_request(str(e)) from None
 
 
 def build_app(
@@ -369,6 +378,17 @@ def build_app(
     @app.get("/version")
     async def version() -> Response:
         return json_response({"version": tokenloom.__version__})
+
+    if os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR"):
+        # vLLM's profiling routes, there only when a trace folder is set (as in vLLM).
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await _profile(engine.start_profile())
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            return json_response({"traces": await _profile(engine.stop_profile())})
 
     @app.get("/metrics")
     async def metrics() -> Response:
