@@ -191,6 +191,9 @@ def test_classify_route(servers, models):
         assert d["label"] == LABELS[int(want.argmax())]
     tokens = sum(len(tokenizer.encode(p)) for p in PROMPTS[:3])
     assert body["usage"]["prompt_tokens"] == tokens == body["usage"]["total_tokens"]
+    invoked = post(srv, "/invocations", {"input": PROMPTS[:3]}).json()  # SageMaker's route: a classification
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in invoked["data"]]),
+                               torch.tensor([d["probs"] for d in body["data"]]), atol=1e-6, rtol=1e-5)
     # Token ids, vLLM's /v1 alias, the logits with use_activation false.
     ids = tokenizer.encode(PROMPTS[1])
     raw = post(srv, "/v1/classify", {"input": ids, "use_activation": False}).json()["data"][0]["probs"]
@@ -234,6 +237,9 @@ def test_cross_encoder_routes(servers, models):
     assert body["usage"]["prompt_tokens"] == sum(len(pair_ids(tokenizer, QUERY, d)) for d in DOCS)
     r = post(srv, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2})
     assert r.status_code == 200, r.text
+    invoked = post(srv, "/invocations", {"query": QUERY, "documents": DOCS, "top_n": 2}).json()["results"]
+    assert [(x["index"], x["document"]) for x in invoked] == [(x["index"], x["document"]) for x in r.json()["results"]]
+    assert [x["relevance_score"] for x in invoked] == pytest.approx([x["relevance_score"] for x in r.json()["results"]])
     results = r.json()["results"]
     best = sorted(range(3), key=lambda i: -want[i])[:2]
     assert [x["index"] for x in results] == best

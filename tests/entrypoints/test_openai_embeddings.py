@@ -65,6 +65,11 @@ def test_official_client_embeddings(server, tiny):
     for text, d in zip(TEXTS, r.data):
         assert d.object == "embedding"
         torch.testing.assert_close(torch.tensor(d.embedding), reference(tiny, text_ids(tiny, text)), atol=2e-5, rtol=1e-4)
+    # SageMaker's /invocations (vLLM's too): an `input` body on an embedding server embeds.
+    invoked = httpx.post(server.url("/invocations"), json={"input": TEXTS[0]}, headers=server.headers, timeout=60).json()
+    assert invoked["data"][0]["object"] == "embedding"
+    torch.testing.assert_close(torch.tensor(invoked["data"][0]["embedding"]), torch.tensor(r.data[0].embedding),
+                               atol=1e-6, rtol=1e-5)
     assert r.usage.prompt_tokens == sum(len(text_ids(tiny, t)) for t in TEXTS) == r.usage.total_tokens
     floats = client.embeddings.create(model="embedder", input=TEXTS[1], encoding_format="float")
     assert floats.data[0].embedding == r.data[1].embedding

@@ -35,6 +35,19 @@ def test_models_health_version(server, client):
     assert models[0].model_extra["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert httpx.get(server.url("/health")).status_code == 200  # open without the key
     assert httpx.get(server.url("/version")).json()["version"]
+    # SageMaker's /invocations (vLLM's too): the body says which API it is for.
+    chat = httpx.post(server.url("/invocations"), headers=server.headers, timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 2
+    text = httpx.post(server.url("/invocations"), headers=server.headers, timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 2}).json()
+    assert text["object"] == "text_completion"
+    for body, param in [({"what": 1}, None), ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens")]:
+        r = httpx.post(server.url("/invocations"), headers=server.headers, timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url("/invocations"), headers=server.headers, content=b'{"prompt": ', timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.post(server.url("/invocations"), json={"prompt": PROMPT}).status_code == 401  # behind the key
     # vLLM's profiling routes exist only with a trace folder set (none here).
     assert httpx.post(server.url("/start_profile"), headers=server.headers).status_code == 404
     # vLLM's API documentation, open like /health: the OpenAPI document and its two viewers.

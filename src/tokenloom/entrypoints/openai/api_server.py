@@ -22,6 +22,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -57,7 +58,14 @@ from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, O
 from tokenloom.entrypoints.openai import serving_engine as serving_engine_module
 from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
-from tokenloom.entrypoints.openai.request_body import body_schema, error_response, parse_body, validation_error
+from tokenloom.entrypoints.openai.request_body import (
+    body_schema,
+    error_response,
+    parse_body,
+    parse_raw,
+    read_body,
+    validation_error,
+)
 from tokenloom.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tokenloom.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenloom.metrics.prometheus import CONTENT_TYPE
@@ -316,6 +324,36 @@ def build_app(
     async def create_rerank(request: Request) -> Response:
         req = await parse_body(request, RerankRequest, max_request_body_bytes, engine)
         return await embeddings.create_rerank(req, request)
+
+    @app.post("/invocations", operation_id="invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route (vLLM serves it too): the body's own fields say which API it is
+        for: `messages` chat (embeddings or classification on a pooling server), `prompt`
+        completions, `input` embeddings or classification, `text_1`/`text_2` score, `query` with
+        `documents` rerank."""
+        raw = await read_body(request, max_request_body_bytes)
+        try:
+            keys = msgspec.json.decode(raw, type=dict[str, Any]).keys()
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            await parse_raw(raw, ChatCompletionRequest, engine)  # says what is wrong with it (JSON, an object)
+            keys = set()
+        pooling = engine.config.is_pooling
+        classifier = engine.model_config.classifier_labels is not None and pooling
+        if "messages" in keys and not pooling:
+            return await chat.create_chat_completion(await parse_raw(raw, ChatCompletionRequest, engine), request)
+        if "prompt" in keys and not pooling:
+            return await completions.create_completion(await parse_raw(raw, CompletionRequest, engine), request)
+        if ("input" in keys or "messages" in keys) and classifier:
+            return await embeddings.create_classify(await parse_raw(raw, ClassificationRequest, engine), request)
+        if "input" in keys or "messages" in keys:
+            return await embeddings.create_embedding(await parse_raw(raw, EmbeddingRequest, engine), request)
+        if "text_1" in keys:
+            return await embeddings.create_score(await parse_raw(raw, ScoreRequest, engine), request)
+        if "query" in keys:
+            return await embeddings.create_rerank(await parse_raw(raw, RerankRequest, engine), request)
+        raise bad_request("The body is none of the requests /invocations takes: a chat (messages), completion "
+                          "(prompt), embedding or classification (input), score (text_1, text_2) or rerank "
+                          "(query, documents) request.")
 
     @app.post("/tokenize", operation_id="tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> Response:

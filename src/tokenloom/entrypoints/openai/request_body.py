@@ -76,7 +76,11 @@ _PARSE_OFF_LOOP_BYTES = 1 << 20
 async def parse_body(
     request: Request, model: type[pydantic.BaseModel], max_body_bytes: int, engine: AsyncLLM
 ) -> Any:
-    raw = await read_body(request, max_body_bytes)
+    return await parse_raw(await read_body(request, max_body_bytes), model, engine)
+
+
+async def parse_raw(raw: bytes, model: type[pydantic.BaseModel], engine: AsyncLLM) -> Any:
+    """A body already read, as `model` (a big one parsed off the event loop)."""
     if len(raw) >= _PARSE_OFF_LOOP_BYTES:
         return await engine.run_off_loop(decode_body, raw, model)
     return decode_body(raw, model)
