@@ -95,27 +95,30 @@ class HermesToolParser(ToolParser):
 
 
 class JsonToolParser(ToolParser):
+    """The whole reply is calls (or it is content): held back while it starts like them."""
     name = "json"
+    starts = "{["  # what a reply of calls begins with
+
+    @staticmethod
+    def calls_of(text: str) -> list[ParsedToolCall] | None:
+        return calls_of_json(text)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        calls = calls_of_json(text.strip())
+        calls = self.calls_of(text.strip())
         return (text, []) if calls is None else (None, calls)
 
     def content_end(self, text: str) -> int:
         stripped = text.lstrip()
-        return 0 if not stripped or stripped[0] in "{[" else len(text)
+        return 0 if not stripped or stripped[0] in self.starts else len(text)
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(JsonToolParser):
     name = "pythonic"
+    starts = "["
 
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        calls = _pythonic_calls(text.strip())
-        return (text, []) if calls is None else (None, calls)
-
-    def content_end(self, text: str) -> int:
-        stripped = text.lstrip()
-        return 0 if not stripped or stripped[0] == "[" else len(text)
+    @staticmethod
+    def calls_of(text: str) -> list[ParsedToolCall] | None:
+        return _pythonic_calls(text)
 
 
 def _pythonic_calls(text: str) -> list[ParsedToolCall] | None:
