@@ -288,11 +288,16 @@ def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_le
     return max(min(need, cap, bytes_per_token * max_tokens), bytes_per_token * max_model_len)
 
 
+def configured_torch_profiler_dir() -> str | None:
+    """$TOKENLOOM_TORCH_PROFILER_DIR, or vLLM's $VLLM_TORCH_PROFILER_DIR; None when neither is set."""
+    return os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+
+
 def torch_profiler_dir() -> str:
     """Where `start_profile()` / `stop_profile()` write torch profiler traces (LLM, AsyncLLM, the
-    server's /start_profile): $TOKENLOOM_TORCH_PROFILER_DIR, or vLLM's $VLLM_TORCH_PROFILER_DIR.
-    Read by the caller at each call, so that setting it after the engine started counts."""
-    directory = os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+    server's /start_profile): configured_torch_profiler_dir(), read by the caller at each call,
+    so that setting it after the engine started counts."""
+    directory = configured_torch_profiler_dir()
     if not directory:
         raise RuntimeError("profiling needs a folder for its traces: set TOKENLOOM_TORCH_PROFILER_DIR "
                            "(or vLLM's VLLM_TORCH_PROFILER_DIR).")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import tokenloom
+from tokenloom.config import configured_torch_profiler_dir
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -142,6 +142,16 @@ class EngineDeadMiddleware:
         if scope["type"] == "http" and self.engine.is_dead:
             return await error_response(engine_dead_error(self.engine.dead_error))(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class _InvocationFields(msgspec.Struct):
+    """The fields /invocations dispatches on, kept as raw JSON (other fields are skipped)."""
+
+    messages: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    text_1: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    query: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 async def _profile(call: Any) -> Any:
@@ -332,11 +342,12 @@ def build_app(
         completions, `input` embeddings or classification, `text_1`/`text_2` score, `query` with
         `documents` rerank."""
         raw = await read_body(request, max_request_body_bytes)
-        try:
-            keys = msgspec.json.decode(raw, type=dict[str, Any]).keys()
+        try:  # which fields are there, their values left unparsed (the route's model parses them once)
+            fields = msgspec.json.decode(raw, type=_InvocationFields)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             await parse_raw(raw, ChatCompletionRequest, engine)  # says what is wrong with it (JSON, an object)
-            keys = set()
+            fields = _InvocationFields()
+        keys = {f for f in _InvocationFields.__struct_fields__ if getattr(fields, f) is not msgspec.UNSET}
         pooling = engine.config.is_pooling
         classifier = engine.model_config.classifier_labels is not None and pooling
         if "messages" in keys and not pooling:
@@ -417,7 +428,7 @@ def build_app(
     async def version() -> Response:
         return json_response({"version": tokenloom.__version__})
 
-    if os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR"):
+    if configured_torch_profiler_dir() is not None:
         # vLLM's profiling routes, there only when a trace folder is set (as in vLLM).
         @app.post("/start_profile")
         async def start_profile() -> Response:

@@ -32,8 +32,6 @@ def _partial_tail(text: str, tag: str) -> int:
 class Split:
     reasoning: str
     content: str
-    # Characters at the end of the text so far whose role is not known yet (a tag's beginning).
-    held: int = 0
 
 
 def split_reasoning(text: str, opened: bool, final: bool = True) -> Split:
@@ -45,14 +43,14 @@ def split_reasoning(text: str, opened: bool, final: bool = True) -> Split:
         if stripped.startswith(START):
             text = stripped[len(START):]
         elif not final and START.startswith(stripped):  # "", "<", "<th", ...: may still open
-            return Split("", "", len(text))
+            return Split("", "")
         else:
             return Split("", text)
     end = text.find(END)
     if end >= 0:
         return Split(text[:end], text[end + len(END):])
     held = 0 if final else _partial_tail(text, END)
-    return Split(text[:len(text) - held], "", held)
+    return Split(text[:len(text) - held], "")
 
 
 def opens_reasoning(prompt: str) -> bool:
