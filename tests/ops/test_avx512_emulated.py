@@ -2,8 +2,9 @@
 Rapids model, the kernels built as on a Zen 4), so that a test run on an AVX2-only machine also
 checks the code that AVX-512 machines run: the quantized matmuls' VNNI kernel against the same
 float64 reference and bounds as tests/ops/test_quant.py, and the element-wise kernels' AVX-512
-(and AVX512-BF16) loops against the PyTorch ops as in tests/ops/test_elementwise.py, and the
-decode attention kernel (csrc/paged_decode.c) against float64 attention over its paged cache."""
+(and AVX512-BF16) loops against the PyTorch ops as in tests/ops/test_elementwise.py, the decode
+attention kernel (csrc/paged_decode.c) against float64 attention over its paged cache, and the
+AVX512-BF16 dot-product matmul (csrc/bf16_dp_gemm.c) bit for bit against its definition."""
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,7 @@ from gguf import quants
 
 from tokenloom.disk_cache import cache_dir
 from tokenloom.model.rope import cos_sin_cache
-from tokenloom.ops import elementwise, quant
+from tokenloom.ops import amx, cpu_kernels, elementwise, quant
 from tokenloom.ops.elementwise import apply_rope
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +27,7 @@ sys.path.insert(0, str(HERE / "avx512_emu"))
 sys.path.insert(0, str(HERE.parent / "model"))
 import emulator  # noqa: E402
 import kquants  # noqa: E402
+from test_amx import _dot_products_reference  # noqa: E402
 from test_elementwise import _close_bf16, _rms_norm  # noqa: E402
 from test_quant import BLOCK_SHAPES, FORMATS, K_SHAPES, _random_blocks, check_bounds  # noqa: E402
 
@@ -271,3 +273,31 @@ def test_paged_decode_avx512(decode_run, kind, bs, hq, hkv, D):
         assert err < 2 ** -7 * ref.abs().max().item() + 1e-3, err
     else:  # float32 sums (of bf16-exact values for the bf16 cache)
         assert err < 2e-5, err
+
+
+# ---- the AVX512-BF16 matmul on AMX-packed weights (csrc/bf16_dp_gemm.c)
+DP = [(1, 40, 64, 0), (13, 45, 37, 0), (25, 70, 576, 512), (3, 33, 1536, 1024)]
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the weights are packed by the native kernels")
+def test_bf16_dot_products_avx512(image):
+    """Row counts past one 12-row block, an odd K, partial 32-column blocks, a bias, K chunks:
+    every output the definition's bits (test_amx's reference)."""
+    buffers, calls, cases = {}, [], []
+    Buf = emulator.Buf
+    for M, N, K, kchunk in DP:
+        g = torch.Generator().manual_seed(M + N + K)
+        x = torch.randn(M, K, generator=g).bfloat16()
+        w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+        b = torch.randn(N, generator=g)
+        key = f"dp.{M}.{N}.{K}"
+        buffers |= {key + ".x": _raw(x), key + ".w": _raw(amx.pack(w).data), key + ".b": _raw(b),
+                    key + ".y": bytes(M * N * 2)}
+        calls.append(("tl_bf16dp_linear", [Buf(key + ".x"), K, M, Buf(key + ".w"), N, K, Buf(key + ".b"),
+                                           Buf(key + ".y"), N, kchunk]))
+        cases.append((key, x, w, b, kchunk))
+    returns, out = image.run(calls, buffers)
+    assert returns == [0] * len(DP)
+    for key, x, w, b, kchunk in cases:
+        got = _tensor(out[key + ".y"], torch.bfloat16, (x.shape[0], w.shape[0]))
+        assert torch.equal(got, _dot_products_reference(x, w, b, kchunk)), key

@@ -37,13 +37,19 @@ def _step_beside_busy_process(gov: ThreadGovernor, prefix: list[str], seconds: f
         os.sched_setaffinity(busy.pid, {usable_cores()[-1]})
         deadline = time.monotonic() + seconds
         while not until() and time.monotonic() < deadline:
-            # Our own threads spin too, as in a decode step: the other process still shows.
-            torch.mm(torch.randn(256, 256), torch.randn(256, 256))
-            gov.step()
-            time.sleep(0.05)
+            _engine_step(gov)
     finally:
         busy.kill()
         busy.wait()
+
+
+def _engine_step(gov: ThreadGovernor, seconds: float = 0.05) -> None:
+    """What a running engine does between the governor's looks: a step's worth of matmuls on
+    our threads (which use a core or more, so the window counts; the other process still shows)."""
+    gov.step()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        torch.mm(torch.randn(256, 256), torch.randn(256, 256))
 
 
 @pytest.mark.serial
@@ -65,6 +71,27 @@ def test_keeps_its_threads_beside_a_niced_process(two_threads):
     assert not gov.count_nice
     _step_beside_busy_process(gov, ["nice", "-n", "19"], seconds=2.5)
     assert gov.threads == 2 and torch.get_num_threads() == 2
+
+
+@pytest.mark.serial
+def test_a_pause_of_ours_does_not_count_what_others_did_meanwhile(two_threads):
+    """Between two of our runs another process had both cores (a benchmark's other engine): the
+    window over that pause must not cost us a thread once we run again on an idle machine."""
+    gov = ThreadGovernor(interval_s=0.3)
+    _engine_step(gov, 0.4)
+    _engine_step(gov, 0.1)  # a first full window: we ran, nobody else did
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(1.5)  # we are idle: no steps, no looks
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    seen = []
+    for _ in range(15):  # ~0.75 s of steps: two more windows
+        _engine_step(gov)
+        seen.append(gov.threads)
+    assert seen == [2] * len(seen) and torch.get_num_threads() == 2
 
 
 def test_fixed_count_switches_it_off(two_threads, monkeypatch):

@@ -6,10 +6,10 @@ no sliding window, no tensor parallelism (a `RowParallel` o_proj or down_proj is
 linear below), optional q/k/v bias, and either
 - quantized: every linear one tiled quantized weight (q|k|v and gate|up fused), float32 norms;
   the step returns the eager layers' results bit for bit; or
-- bfloat16: every linear a bf16 `Linear` whose weight the model runner packed for AMX
-  (model/packed_linear, ops/amx), or a tiled quantized weight in a bfloat16 model (ops/quant's
-  bf16 tiles), on a CPU with AMX: the step multiplies the same weights the eager layers use.
-  Elsewhere (AVX-512 BF16 without AMX) the eager path stays; or
+- bfloat16: every linear a bf16 `Linear` whose weight the model runner packed in AMX tile
+  order (model/packed_linear, ops/amx: AMX tiles, or AVX512-BF16 dot products on CPUs without
+  AMX), or, with AMX, a tiled quantized weight in a bfloat16 model (ops/quant's bf16 tiles): the
+  step multiplies the same weights with the same kernel as the eager layers; or
 - float32: every linear a float32 `Linear` packed in panels (AVX2 CPUs, csrc/f32_panel.c) or a
   tiled quantized one: the step calls the kernels the eager layers call, at any step size, so it
   returns their results bit for bit; or with its plain row-major weight (panels turned off), where
@@ -99,9 +99,10 @@ class FusedDecode:
             def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | F32Weight | F32Panels | None:
                 return _tiled(m, bias_ok) or _f32(m, bias_ok)
         elif dtype == torch.bfloat16 and amx.available():
-            # bf16 weights packed for AMX, or quantized ones in a bf16 model (ops/quant's tiles)
+            # bf16 weights packed in tile order (AMX tiles or AVX512-BF16 dot products), or
+            # quantized ones in a bf16 model (ops/quant's bf16 tiles: AMX only)
             def kind(m: nn.Module, bias_ok: bool = False) -> TiledQuantWeight | AmxPackedWeight | None:
-                return _bf16(m, bias_ok) or _tiled(m, bias_ok)
+                return _bf16(m, bias_ok) or (_tiled(m, bias_ok) if amx.tiles() else None)
         else:
             return None
         layers = []

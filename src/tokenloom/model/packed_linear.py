@@ -18,6 +18,9 @@ ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and b
 (model/fused_decode.py, which cannot call oneDNN from C) both read. It is faster than oneDNN's
 up to a few hundred rows and slower on prefill-sized ones (benchmarks/README.md, "Fused decode
 step and the AMX bf16 matmul"); one copy instead of two keeps the engine's memory where it was.
+Where the CPU has AVX512-BF16 but no AMX (Zen 4), the same packed copy is multiplied with
+AVX512-BF16 dot products (ops/amx.py too), as fast as oneDNN's or faster at every row count
+there (benchmarks/README.md, "Zen 4").
 Each dtype's row threshold and whether the plain copy is worth keeping are in
 `_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
 
@@ -132,8 +135,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight through the C GEMV; else through the packed copy when there is one of `x`'s dtype and
     `x` has fewer than `_PLAIN_FROM_ROWS` rows for that dtype (or the plain weight was released).
     oneDNN takes 2-D input; the model's activations are already [tokens, features].
-    `one_row_order`: on the AMX matmul, sum every row as a one-row matmul does whatever the row
-    count (ops/amx: from 33 rows it otherwise sums K in oneDNN's chunks)."""
+    `one_row_order`: on the packed bf16 matmul (ops/amx), sum every row as a one-row bf16
+    `F.linear` does whatever the row count (on AMX oneDNN sums K in chunks from 33 rows)."""
     if isinstance(packed, F32Panels):
         if x.dtype == torch.float32 and x.device.type == "cpu" and (lib := cpu_kernels.load()) is not None:
             return cpu_kernels.f32_panel_linear(lib, x, packed.data, packed.out_features,
@@ -147,7 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # after packing reads its (plain) weight.
     if isinstance(packed, AmxPackedWeight):
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return amx.linear(x, packed, bias, 0 if one_row_order else None)
+            return amx.linear(x, packed, bias, one_row=one_row_order)
         packed = None
     if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
         limit = _PLAIN_FROM_ROWS.get(x.dtype)

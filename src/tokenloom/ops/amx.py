@@ -1,10 +1,12 @@
-"""bfloat16 matmuls on AMX tiles (csrc/amx_gemm.c), the weight packed once at load.
+"""bfloat16 matmuls on weights packed once at load in AMX tile order: on AMX tiles
+(csrc/amx_gemm.c), or with AVX512-BF16 dot products where the CPU has no AMX
+(csrc/bf16_dp_gemm.c, e.g. AMD Zen 4).
 
-On CPUs with AMX-BF16 (Sapphire Rapids and later) this replaces oneDNN's packed bf16 matmul on
-the float path: the same one packed copy per weight, no PyTorch op per call, so the fused
-decode step (csrc/decode_step.c) can call it from C as well. Elsewhere `available()` is False
-and the float path keeps oneDNN. Figures in benchmarks/README.md ("Fused decode step and the
-AMX bf16 matmul").
+On CPUs with either this replaces oneDNN's packed bf16 matmul on the float path: the same one
+packed copy per weight, no PyTorch op per call, so the fused decode step (csrc/decode_step.c)
+can call it from C as well. Elsewhere `available()` is False and the float path keeps oneDNN
+(or F.linear). Figures in benchmarks/README.md ("Fused decode step and the AMX bf16 matmul";
+"Zen 4" for the dot products).
 """
 from __future__ import annotations
 
@@ -38,17 +40,66 @@ def _lib() -> ctypes.CDLL | None:
         lib.tl_amx_bf16_set_stores.argtypes = [_c_i64, _c_i32]
         lib.tl_amx_bf16_set_weight_prefetch.restype = None
         lib.tl_amx_bf16_set_weight_prefetch.argtypes = [_c_i32]
+        lib.tl_bf16dp_available.restype = _c_i32
+        lib.tl_bf16dp_available.argtypes = []
+        lib.tl_bf16_set_kernel.restype = None
+        lib.tl_bf16_set_kernel.argtypes = [_c_i32]
+        lib.tl_bf16_kernel.restype = _c_i32
+        lib.tl_bf16_kernel.argtypes = []
+        lib.tl_bf16_one_row_kchunk.restype = _c_i64
+        lib.tl_bf16_one_row_kchunk.argtypes = [_c_i64]
+        lib.tl_bf16_packed_linear.restype = _c_i32
+        lib.tl_bf16_packed_linear.argtypes = lib.tl_amx_bf16_linear.argtypes
         _bound.add(id(lib))
+        lib.tl_bf16_set_kernel(_kernel_wanted(lib))
     return lib
 
 
-def available() -> bool:
-    """True where the kernels were built with AMX-BF16 and the OS granted this process AMX, unless
-    `TOKENLOOM_AMX_BF16=0` (then bf16 weights go to oneDNN, as on CPUs without AMX)."""
-    if os.environ.get("TOKENLOOM_AMX_BF16", "1") == "0":
-        return False
+_TILES, _DOT_PRODUCTS = 1, 2  # csrc/bf16_dp_gemm.c's tl_bf16_kernel
+
+
+def _kernel_wanted(lib: ctypes.CDLL) -> int:
+    """The kernel this process runs (0: none): AMX tiles where built and granted, unless
+    `TOKENLOOM_AMX_BF16=0`; else AVX512-BF16 dot products where built (the library is built for
+    this CPU's flags), unless `TOKENLOOM_BF16_DP=0`. Turned off, bf16 weights go to oneDNN."""
+    if os.environ.get("TOKENLOOM_AMX_BF16", "1") != "0" and lib.tl_amx_bf16_available():
+        return _TILES
+    if os.environ.get("TOKENLOOM_BF16_DP", "1") != "0" and lib.tl_bf16dp_available():
+        return _DOT_PRODUCTS
+    return 0
+
+
+def set_kernel(kind: str | None) -> None:
+    """Pins the kernel, for tests and benchmarks: "tiles", "dot_products", or None for the
+    default choice (`_kernel_wanted`). A kernel this build or CPU lacks leaves none in use."""
     lib = _lib()
-    return lib is not None and bool(lib.tl_amx_bf16_available())
+    lib.tl_bf16_set_kernel({"tiles": _TILES, "dot_products": _DOT_PRODUCTS}[kind] if kind
+                           else _kernel_wanted(lib))
+
+
+def dot_products_built() -> bool:
+    """True where the library has the AVX512-BF16 kernel (an AVX-512 build on such a CPU)."""
+    lib = _lib()
+    return lib is not None and bool(lib.tl_bf16dp_available())
+
+
+def available() -> bool:
+    """True where bf16 weights are packed in tile order for one of the two kernels (above)."""
+    lib = _lib()
+    return lib is not None and lib.tl_bf16_kernel() != 0
+
+
+def tiles() -> bool:
+    """True where the packed matmul runs on AMX tiles (not the dot products)."""
+    lib = _lib()
+    return lib is not None and lib.tl_bf16_kernel() == _TILES
+
+
+def kernel_name() -> str | None:
+    """What the packed bf16 matmul runs on here, for the start-up line (None: not in use)."""
+    lib = _lib()
+    kind = 0 if lib is None else lib.tl_bf16_kernel()
+    return {_TILES: "AMX tiles", _DOT_PRODUCTS: "AVX512-BF16 dot products"}.get(kind)
 
 
 STREAM_MIN_BYTES = 4 << 20  # the kernel's default (csrc/amx_gemm.c, g_stream_min)
@@ -88,30 +139,38 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
     return AmxPackedWeight(data, N, K)
 
 
-# oneDNN's bf16 matmul (what a bf16 `F.linear` runs, transformers' bf16 path included) sums
-# these K in chunks of this many, each from zero, added in order, from 33 rows on; up to 32 rows
-# it sums K in one go, as we do. The N does not matter (192 to 3072 tried), so our fused q|k|v
-# and gate|up round as transformers' separate projections. Measured with torch 2.13's oneDNN on
-# the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256 rows it
-# splits K between its threads instead, from ~400 it sums in one go again, and K = 1024 or 2048
-# follow other splits (not modelled: one sum). Our matmul follows it for calls of more than 32
-# rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do), so a
-# prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
-# bit-identical").
+# oneDNN's bf16 matmul on AMX (what a bf16 `F.linear` runs, transformers' bf16 path included)
+# sums these K in chunks of this many, each from zero, added in order, from 33 rows on; up to 32
+# rows it sums K in one go, as we do. The N does not matter (192 to 3072 tried), so our fused
+# q|k|v and gate|up round as transformers' separate projections. Measured with torch 2.13's
+# oneDNN on the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256
+# rows it splits K between its threads instead, from ~400 it sums in one go again, and K = 1024
+# or 2048 follow other splits (not modelled: one sum). Our matmul follows it for calls of more
+# than 32 rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do),
+# so a prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
+# bit-identical"). With AVX512-BF16 and no AMX oneDNN sums K in the same chunks at every row
+# count, which csrc/bf16_dp_gemm.c's tl_bf16_one_row_kchunk knows.
 _ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
 _ONEDNN_CHUNK_FROM_ROWS = 33
 
 
 def onednn_k_chunk(M: int, K: int) -> int:
     """The K chunk (0: none) our matmul sums in for M rows of K, following oneDNN's (above)."""
+    if not tiles():
+        return one_row_k_chunk(K)
     return _ONEDNN_K_CHUNK.get(K, 0) if M >= _ONEDNN_CHUNK_FROM_ROWS else 0
 
 
+def one_row_k_chunk(K: int) -> int:
+    """The K chunk (0: none) a one-row bf16 `F.linear` sums K in on this CPU's kernel."""
+    return int(_lib().tl_bf16_one_row_kchunk(K))
+
+
 def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None,
-           kchunk: int | None = None) -> torch.Tensor:
+           kchunk: int | None = None, one_row: bool = False) -> torch.Tensor:
     """x [..., K] bfloat16 -> x W^T (+ bias), bfloat16 [..., N], rounded once per element.
     `kchunk`: sum K in chunks of this many, added in order (csrc/amx_gemm.c); None: as oneDNN
-    would for this many rows (`onednn_k_chunk`)."""
+    would for this many rows (`onednn_k_chunk`), or with `one_row` as it would for one row."""
     lib = _lib()
     K, N = w.in_features, w.out_features
     lead = x.shape[:-1]
@@ -120,13 +179,13 @@ def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None
         x2 = x2.contiguous()
     M = x2.shape[0]
     if kchunk is None:
-        kchunk = onednn_k_chunk(M, K)
+        kchunk = one_row_k_chunk(K) if one_row else onednn_k_chunk(M, K)
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K), dtype=torch.uint8)
+    scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K) if tiles() else 0, dtype=torch.uint8)
     b = None if bias is None else bias.float().contiguous()
-    rc = lib.tl_amx_bf16_linear(x2.data_ptr(), x2.stride(0), M, w.data.data_ptr(), N, K,
-                                None if b is None else b.data_ptr(), y.data_ptr(), N,
-                                scratch.data_ptr(), kchunk)
+    rc = lib.tl_bf16_packed_linear(x2.data_ptr(), x2.stride(0), M, w.data.data_ptr(), N, K,
+                                   None if b is None else b.data_ptr(), y.data_ptr(), N,
+                                   scratch.data_ptr(), kchunk)
     if rc != 0:
-        raise RuntimeError("AMX bf16 matmul unavailable in this process")
+        raise RuntimeError("packed bf16 matmul unavailable in this process")
     return y.reshape(*lead, N)

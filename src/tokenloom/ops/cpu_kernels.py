@@ -54,8 +54,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
-                                              "decode_step.c", "lora_decode.c", "amx_gemm.c", "f32_gemv.c",
-                                              "f32_panel.c")]
+                                              "decode_step.c", "lora_decode.c", "amx_gemm.c", "bf16_dp_gemm.c",
+                                              "f32_gemv.c", "f32_panel.c")]
 # Every header is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 # gets about 2/3 of a core while our threads spin on both cores of a 2-core machine.
 _GIVE_UP_FROM = 0.4
 _INTERVAL_S = 0.5
+# Our own use of the cores (in cores) below which a window counts as an idle pause of ours.
+_IDLE_BELOW = 0.5
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -148,6 +150,13 @@ class ThreadGovernor:
             return
         wall = now - last[0]
         if wall <= 0:
+            return
+        ours = (sample[2] - last[2]) / wall
+        # A window in which we computed less than half a core's worth spans an idle pause of ours
+        # (no steps, so no checks): what others did meanwhile (a benchmark's other engine, run
+        # between ours) says nothing of what they do now that we run, so it only starts the next
+        # window. Running, our threads use a core or more, spinning even while they wait.
+        if ours < _IDLE_BELOW:
             return
         others = ((busy - last[1]) / _TICKS - (sample[2] - last[2])) / wall
         self.others_cores = max(0.0, others)

@@ -6,8 +6,8 @@ Why: at batch 1 the quantized kernels stream a step's weights in a few milliseco
 eager decoder spent about as long again issuing its ~400 per-layer calls while the second OpenMP
 thread waited (benchmarks/README.md, "Quantized weights"). `DecodeStep` strings the same C
 kernels together in C, in the eager order: on quantized weights it returns the eager path's
-hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles (ops/amx) instead of
-oneDNN's, each output rounded to bfloat16 once as in the eager path. On float32 weights it
+hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles or AVX512-BF16 dot
+products (ops/amx), as the eager layers' do, each output rounded to bfloat16 once. On float32 weights it
 calls the C matmul the eager layers use (csrc/f32_panel.c on panel-packed weights, any step
 size; csrc/f32_gemv.c on plain ones, at decode sizes), bit for bit theirs again. It knows
 nothing of modules or plans: model/fused_decode.py builds it from a loaded model and decides
@@ -153,7 +153,7 @@ class DecodeStep:
         self.dtype = final_norm.dtype
         bf16 = self.dtype == torch.bfloat16
         if bf16 and not amx.available():
-            raise RuntimeError("the bfloat16 decode step needs AMX (ops/amx)")
+            raise RuntimeError("the bfloat16 decode step needs AMX or AVX512-BF16 (ops/amx)")
         self.num_kv_heads = num_kv_heads
         # Kept referenced: the C structs hold raw pointers into these tensors.
         self._keep: list[torch.Tensor] = [final_norm, cos_sin]

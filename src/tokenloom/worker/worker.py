@@ -22,7 +22,7 @@ from tokenloom.model import packed_linear
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
-from tokenloom.ops import cpu_features, cpu_kernels, elementwise
+from tokenloom.ops import amx, cpu_features, cpu_kernels, elementwise
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_threads import ThreadGovernor, fixed_num_threads, usable_cores
 from tokenloom.ops.distributed import destroy_tensor_parallel, init_tensor_parallel
@@ -82,7 +82,7 @@ def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
     if loaded.quantization not in ("", "none"):
         matmul = loaded.quantization
     elif isinstance(getattr(loaded.model, "packed_lm_head", None), AmxPackedWeight):
-        matmul = f"AMX tiles {dtype} (ops/amx)"
+        matmul = f"{amx.kernel_name()} {dtype} (ops/amx)"
     elif isinstance(getattr(loaded.model, "packed_lm_head", None), cpu_kernels.F32Panels):
         matmul = f"C panels {dtype}, every row count (one copy)"
     elif getattr(loaded.model, "packed_lm_head", None) is not None:

@@ -12,9 +12,9 @@
  * gone.
  *
  * The bfloat16 variant multiplies on AMX tiles (amx_gemm.c, the weights packed in tile order at
- * load); each output is rounded to bfloat16 once, as a bf16 `F.linear` rounds, so results differ
- * from the eager (oneDNN) path only where the two GEMMs' reduction orders round to neighbouring
- * bf16 values. The float32-weight variant calls the kernel the eager layers call for the same
+ * load), or with AVX512-BF16 dot products on the same packed weights where the CPU has no AMX
+ * (bf16_dp_gemm.c); each output is rounded to bfloat16 once, as a bf16 `F.linear` rounds, and
+ * summed over K as a one-row bf16 `F.linear` sums it on that CPU (transformers' decode). The float32-weight variant calls the kernel the eager layers call for the same
  * few rows (model/packed_linear.py), so its results are theirs bit for bit too.
  *
  * What it covers (the caller, model/fused_decode.py, checks it once per step and otherwise
@@ -67,9 +67,9 @@ int32_t tl_f32_linear(const float *w, int64_t N, int64_t K, const float *x, int6
                       int64_t M, float *y, int64_t ldy, const float *bias);
 int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *x, int64_t ldx,
                             int64_t M, float *y, int64_t ldy, const float *bias);
-int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
-                           int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
-                           void *scratch, int64_t ksplit);
+int32_t tl_bf16_packed_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
+                              int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
+                              void *scratch, int64_t kchunk);
 /* LoRA adapters (lora_decode.c): opaque here, NULL for a step without one. */
 typedef struct tl_lora tl_lora;
 int32_t tl_lora_touches(const tl_lora *lo, int32_t layer, int32_t which, int32_t T);
@@ -77,10 +77,10 @@ void tl_lora_add(const tl_lora *lo, int32_t layer, int32_t which, const float *x
                  int32_t T, float *y, int64_t N);
 enum { TL_QKV, TL_O, TL_GATE_UP, TL_DOWN };
 
-/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py), a bfloat16 one packed
- * for AMX (fmt = TL_BF16, amx_gemm.c), a plain row-major float32 one (fmt = TL_F32,
- * f32_gemv.c) or a panel-packed float32 one (fmt = TL_F32_PANEL, f32_panel.c), and an optional
- * float32 bias. */
+/* A linear layer: a tiled quantized weight (fmt >= 0, ops/quant.py), a bfloat16 one packed in
+ * AMX tile order (fmt = TL_BF16, amx_gemm.c / bf16_dp_gemm.c), a plain row-major float32 one
+ * (fmt = TL_F32, f32_gemv.c) or a panel-packed float32 one (fmt = TL_F32_PANEL, f32_panel.c),
+ * and an optional float32 bias. */
 #define TL_BF16 (-1)
 #define TL_F32 (-2)
 #define TL_F32_PANEL (-3)
@@ -139,8 +139,8 @@ static int32_t linear(const tl_model *m, const tl_mat *w, const void *x, int64_t
         return tl_f32_panel_linear((const float *)w->w, w->n, K, (const float *)x, K, T,
                                    (float *)y, w->n, w->bias);
     if (w->fmt == TL_BF16)
-        return tl_amx_bf16_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
-                                  w->bias, (uint16_t *)y, w->n, tmp, 0);
+        return tl_bf16_packed_linear((const uint16_t *)x, K, T, (const uint16_t *)w->w, w->n, K,
+                                     w->bias, (uint16_t *)y, w->n, tmp, -1);
     if (m->act_bf16) /* a quantized weight in a bfloat16 model: one sum over K, as above */
         return tl_q_linear_bf16(w->fmt, (const uint8_t *)w->w, w->n, K, (const uint16_t *)x, K, T,
                                 (uint16_t *)y, w->n, w->bias, tmp, m->act_levels, 0);
