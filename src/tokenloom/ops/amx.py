@@ -148,8 +148,10 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
 # or 2048 follow other splits (not modelled: one sum). Our matmul follows it for calls of more
 # than 32 rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do),
 # so a prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
-# bit-identical"). With AVX512-BF16 and no AMX oneDNN sums K in the same chunks at every row
-# count, which csrc/bf16_dp_gemm.c's tl_bf16_one_row_kchunk knows.
+# bit-identical"). With AVX512-BF16 and no AMX (the dot products' CPUs) oneDNN sums K > 512 in
+# chunks of 512 for one row, and from two rows in chunks of 512 up to K = 1024 and of 1024 above
+# (read off on a Zen 4 with torch 2.13's oneDNN, K 576 to 3072, 1 to 1024 rows, 2 threads;
+# csrc/bf16_dp_gemm.c's tl_bf16_one_row_kchunk has the one-row rule).
 _ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
 _ONEDNN_CHUNK_FROM_ROWS = 33
 
@@ -157,7 +159,9 @@ _ONEDNN_CHUNK_FROM_ROWS = 33
 def onednn_k_chunk(M: int, K: int) -> int:
     """The K chunk (0: none) our matmul sums in for M rows of K, following oneDNN's (above)."""
     if not tiles():
-        return one_row_k_chunk(K)
+        if M == 1 or K <= 1024:
+            return one_row_k_chunk(K)
+        return 1024
     return _ONEDNN_K_CHUNK.get(K, 0) if M >= _ONEDNN_CHUNK_FROM_ROWS else 0
 
 

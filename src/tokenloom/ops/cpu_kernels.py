@@ -169,6 +169,45 @@ def _set_silu_table(lib: ctypes.CDLL) -> None:
     lib.tl_set_silu_bf16_table(table.data_ptr())
 
 
+_mkl_avx2_order: bool | None = None
+
+
+def mkl_bf16_avx2_order() -> bool:
+    """Whether MKL's bf16 gemm (cblas_gemm_bf16bf16f32, which torch's CPU flash attention calls
+    for a bf16 decode query) sums a dot product in its AVX2 order on this CPU. MKL picks its
+    kernel by the CPU, not only by its flags: on an AMD Zen 4 (AVX512-BF16) it runs the AVX2 one,
+    on Intel's AVX512-BF16 CPUs another. Probed once: in a row of 2^24 at element 0 and ones at
+    1 and 5, the AVX2 order (four running sums of the elements i mod 4, paged_decode_chunk.h)
+    adds the two ones to each other first, 2^24 + 2; the AVX-512 one adds the first one to 2^24
+    (rounding it away), 2^24."""
+    global _mkl_avx2_order
+    if _mkl_avx2_order is None:
+        _mkl_avx2_order = False
+        try:
+            gemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).cblas_gemm_bf16bf16f32
+        except (OSError, AttributeError):
+            return False
+        gemm.restype = None
+        gemm.argtypes = [ctypes.c_int] * 6 + [_c_f, _c_p, ctypes.c_int, _c_p, ctypes.c_int, _c_f, _c_p,
+                                              ctypes.c_int]
+        row = torch.zeros(64)
+        row[0], row[1], row[5] = 2.0 ** 24, 1.0, 1.0
+        keys, q, out = row[None].bfloat16(), torch.ones(64).bfloat16(), torch.zeros(1)
+        # column-major, keys transposed: out[1] = K^T q, as torch's kernel calls it
+        gemm(102, 112, 111, 1, 1, 64, 1.0, keys.data_ptr(), 64, q.data_ptr(), 64, 0.0, out.data_ptr(), 1)
+        _mkl_avx2_order = float(out[0]) == 2.0 ** 24 + 2
+    return _mkl_avx2_order
+
+
+def _follow_mkl_order(lib: ctypes.CDLL) -> None:
+    """Points the AVX-512 build's bf16 decode at MKL's AVX2 order where MKL runs it beside
+    torch's AVX-512 vectors (csrc/paged_decode.c, g_mkl_avx2_order)."""
+    lib.tl_paged_decode_set_mkl_avx2_order.restype = None
+    lib.tl_paged_decode_set_mkl_avx2_order.argtypes = [_c_i32]
+    torch_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    lib.tl_paged_decode_set_mkl_avx2_order(int(torch_avx512 and mkl_bf16_avx2_order()))
+
+
 def load_isa(level: str) -> ctypes.CDLL:
     """The kernels built for ISA `level` (one of cpu_features.ISA_LEVELS, at most what this CPU
     has), whatever `load()` chose: for benchmarks comparing the levels in one process."""
@@ -177,6 +216,7 @@ def load_isa(level: str) -> ctypes.CDLL:
         raise RuntimeError("no C compiler ($CC or cc)")
     lib = _bind(ctypes.CDLL(str(_build(cc, level))))
     _set_silu_table(lib)
+    _follow_mkl_order(lib)
     return lib
 
 
@@ -206,6 +246,7 @@ def load() -> ctypes.CDLL | None:
             return None
         _bind(lib)
         _set_silu_table(lib)
+        _follow_mkl_order(lib)
         _lib, _isa = lib, level
         return _lib
 
@@ -255,8 +296,10 @@ def bf16_decode_follows_torch() -> bool:
     """Whether a bfloat16 model's decode attention here is, bit for bit, torch's SDPA (what
     transformers in bfloat16 computes): where the loaded build's width and the CPU make MKL run
     the kernel whose summation order csrc/paged_decode_chunk.h follows, read on AVX512-BF16 CPUs
-    (the AVX-512 build, torch at AVX512) and on AVX2-only ones (the AVX2 build, torch at AVX2).
-    Elsewhere (an AVX-512 CPU without BF16, a build pinned narrower) the two agree to rounding."""
+    (the AVX-512 build, torch at AVX512; on those where MKL runs its AVX2 order, such as a Zen 4,
+    the build follows that, `mkl_bf16_avx2_order`) and on AVX2-only ones (the AVX2 build, torch
+    at AVX2). Elsewhere (an AVX-512 CPU without BF16, a build pinned narrower) the two agree to
+    rounding."""
     feats = cpu_features.detect()
     torch_isa = torch.backends.cpu.get_cpu_capability()
     if isa() == "avx512":

@@ -12,8 +12,8 @@
  *
  * Each output is summed over k pairs in order, one VDPBF16PS per pair, as oneDNN's AVX512-BF16
  * matmul sums (a bf16 F.linear on such a CPU), in one go or in K chunks added in order (kchunk,
- * as tl_amx_bf16_linear), then the bias is added and the sum rounded to bfloat16 once, nearest
- * even.
+ * as tl_amx_bf16_linear; ops/amx.py says which oneDNN takes), then the bias is added and the sum
+ * rounded to bfloat16 once, nearest even.
  */
 #include <stdint.h>
 #include <string.h>
@@ -183,12 +183,11 @@ int32_t tl_bf16_kernel(void) {
 
 /* The K chunks (0: one sum) a one-row bf16 F.linear sums K in on this kernel's CPUs, which the
  * kernel follows where asked for the one-row order (kchunk -1): one sum where the CPU has AMX
- * (ops/amx.py); in chunks of 512, or 1024 from K = 1025, with AVX512-BF16 only -- oneDNN's
- * order there at every row count, found bit for bit on a Zen 4 with torch 2.13's oneDNN for K =
- * 576 to 2048 and 1 to 512 rows (benchmarks/README.md, "Zen 4"). */
+ * (ops/amx.py); in chunks of 512 with AVX512-BF16 only -- oneDNN's order there for one row (from
+ * two rows it sums K > 1024 in chunks of 1024, ops/amx.py), found bit for bit on a Zen 4 with
+ * torch 2.13's oneDNN for K = 576 to 3072 (benchmarks/README.md, "Zen 4"). */
 int64_t tl_bf16_one_row_kchunk(int64_t K) {
-    if (tl_bf16_kernel() != 2 || K <= 512) return 0;
-    return K <= 1024 ? 512 : 1024;
+    return tl_bf16_kernel() != 2 || K <= 512 ? 0 : 512;
 }
 
 /* The packed bf16 matmul on the kernel tl_bf16_kernel names. scratch: tl_amx_bf16_scratch_bytes

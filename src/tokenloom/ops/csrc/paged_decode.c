@@ -195,7 +195,17 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
                             int D, const void *nxt, int nxtn);
 
 /* Each vector width's kv_block_fn and kv_chunk_fn. */
+/* Whether MKL's bf16 gemm sums in its AVX2 order on this AVX-512 CPU (it picks its kernel by the
+ * CPU: on an AMD Zen 4 it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
+ * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode takes the 8-lane chunk
+ * path, which follows MKL's AVX2 order, with the 16-lane softmax, which follows torch's
+ * (paged_decode_chunk.h), so that it stays torch's SDPA bit for bit. */
+static int g_mkl_avx2_order = 0;
+
+void tl_paged_decode_set_mkl_avx2_order(int32_t on) { g_mkl_avx2_order = on; }
+
 #include "paged_decode_kernels.h"
+
 
 typedef struct {
     const char *q; int64_t q_stride;
@@ -419,7 +429,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     }
 #endif
 #if TL_HAVE_AVX512
-    if (head_dim % 16 == 0) {
+    if (head_dim % 16 == 0 && !(io_bf16 && g_mkl_avx2_order)) { /* (see g_mkl_avx2_order) */
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
         a.qk_rows = 8;

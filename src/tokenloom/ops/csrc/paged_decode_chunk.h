@@ -30,7 +30,9 @@
  *     keys. The bfloat16 rounding of the output hides that: against torch's SDPA, 0 of 20,160
  *     outputs differed (head sizes 32-128, 1-1,100 keys, on a Zen 3).
  * The AVX2 build (VW 8) follows these; its query and accumulators stay in column order
- * (pair_w 0). */
+ * (pair_w 0). So does the AVX-512 build where MKL runs this AVX2 kernel on an AVX512-BF16 CPU
+ * (an AMD Zen 4; paged_decode.c's g_mkl_avx2_order), with the 16-lane softmax of torch's AVX-512
+ * build (whose exp_u20 covers the multiples of 16 and expf the rest). */
 
 /* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + QK_ROWS - 1 in MKL's order (above). With
  * 16 lanes a 32-element step holds block 2k in lanes 0-7 (the first accumulator) and block
@@ -304,7 +306,12 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
     const int nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
     float alpha[TL_GC], one[TL_GC];
     for (int g = 0; g < nh; g++) {
+#if TL_HAVE_AVX512 && VW == 8 /* torch's 16-lane softmax beside MKL's AVX2 order (a Zen 4) */
+        alpha[g] = g_mkl_avx2_order ? chunk_softmax_avx512_bf16kv(st, g, off)
+                                    : TL_NAME(chunk_softmax)(st, g, off);
+#else
         alpha[g] = TL_NAME(chunk_softmax)(st, g, off);
+#endif
         one[g] = 1.0f;
     }
     off = 0;

@@ -14,6 +14,13 @@ static inline void prefetch_rows(const void *p, int r0, int r1, int64_t row_byte
         for (int64_t i = 0; i < len; i += 64) __builtin_prefetch((const char *)p + r * row_bytes + i);
 }
 
+#if TL_HAVE_AVX512
+/* The 16-lane softmax, which the 8-lane chunk path takes where torch's vectors are AVX-512's
+ * and MKL's order is its AVX2 one (g_mkl_avx2_order); defined with the 16-lane loops below. */
+static inline __attribute__((always_inline)) float chunk_softmax_avx512_bf16kv(item_state *st,
+                                                                             int g, int n);
+#endif
+
 /* ---- 8 lanes (AVX2) */
 #if TL_HAVE_AVX2
 #define VEC __m256
