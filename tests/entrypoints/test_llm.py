@@ -239,8 +239,13 @@ def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
     followed MKL's AVX2 order and the weights stayed row-major); elsewhere the decode attention
     agrees to rounding only, so there the bound stays the one before (12). On a Zen 4, where MKL
     runs its AVX2 order beside torch's AVX-512 softmax and oneDNN sums K in chunks of 512/1024
-    (ops/amx), 13 of 16 (14 with each prompt generated alone; 11 before the decode attention and
-    the matmuls followed those): the target of 14 is not met there (benchmarks/README.md)."""
+    (ops/amx): 14 of 16 (11 before the decode attention and the matmuls followed those, 13 while
+    a padded prefill batch gave a prompt's attention its neighbours' padding).
+
+    Prefix caching is off here: a prompt whose first blocks another prompt of the step already
+    holds (the chat template's system prompt) attends its remaining tokens over cached keys with
+    an explicit mask, another SDPA path than transformers' one causal prefill (13 of 16 with it
+    on, the same prompt differing)."""
     import copy
 
     from tokenloom.model.loader import resolve_dtype
@@ -269,15 +274,32 @@ def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
     # starts stepping as soon as the first request arrives, and under load (a test beside it on
     # the other xdist worker) a first step with fewer prompts sums the bf16 prefill matmuls over
     # other row counts (12 of 16 once, in a fresh clone's suite).
-    with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2, quantization=None, multiprocess=False) as llm:
+    with LLM(dtype="bfloat16", kv_cache_memory_bytes=128 * 1024**2, quantization=None, multiprocess=False,
+             enable_prefix_caching=False) as llm:
         info = llm.llm_engine.engine_core.info
         ours = _greedy(llm, prompts)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
     same = [i for i, (a, b) in enumerate(zip(ours, ref)) if a == b]
     need = 14 if cpu_kernels.bf16_decode_follows_torch() else 12
-    if cpu_kernels.isa() == "avx512" and cpu_kernels.mkl_bf16_avx2_order():
-        need = 13  # a Zen 4 (MKL's AVX2 order beside torch's AVX-512): 13, 14 each prompt alone
     assert len(same) >= need, [(i, a, b) for i, (a, b) in enumerate(zip(ours, ref)) if i not in same]
+
+
+def test_bfloat16_prompt_logprobs_do_not_depend_on_its_batch(llm_tokenizer):
+    """A bfloat16 model's prefill gives a prompt the same next-token log probabilities alone and
+    beside a prompt of another length in the same step: SDPA's bf16 kernel would sum a padded
+    batch's rows in chunks that depend on the padding (so a greedy reply flipped with its
+    neighbours), so such prompts' attention runs per request."""
+    texts = [llm_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False) for q in (QUESTIONS[6], QUESTIONS[0])]
+    a, b = (llm_tokenizer.encode(t, add_special_tokens=False) for t in texts)
+    assert len(a) != len(b)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    with LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, quantization=None, multiprocess=False,
+             enable_prefix_caching=False) as llm:
+        alone = llm.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        pair = llm.generate([{"prompt_token_ids": a}, {"prompt_token_ids": b}], params,
+                            use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert {t: v.logprob for t, v in pair.items()} == {t: v.logprob for t, v in alone.items()}
 
 
 def test_beam_search_is_transformers_beam_search(default_llm, hf_smollm2, prompt_ids):

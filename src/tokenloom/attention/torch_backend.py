@@ -167,6 +167,10 @@ class TorchAttentionBackend(AttentionBackend):
         # float32 one at a 128-token prompt's shapes (benchmarks/README.md). Decodes always read
         # the cache with float32 queries (the C kernel widens K/V as it loads them).
         self.prefill_in_cache_dtype = False
+        # Whether the model computes in a 16-bit dtype (set by the model runner): its prefill
+        # attention runs SDPA's 16-bit kernel, as that of prefill_in_cache_dtype does, so a
+        # request's prefill is batched only with prompts it pads nothing for (see prepare).
+        self.prefill_16bit_model = False
 
     # ------------------------------------------------------------------ plan (once per step)
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionPlan:
@@ -246,7 +250,7 @@ class TorchAttentionBackend(AttentionBackend):
                 padded = P > 1
             elif self.prefill_mode == "per_request":
                 padded = False
-            elif self.prefill_in_cache_dtype:
+            elif self.prefill_in_cache_dtype or self.prefill_16bit_model:
                 # SDPA's bfloat16 kernel sums a padded batch's rows in chunks that depend on the
                 # padding, so one request's result would depend on its neighbours (a greedy
                 # reply flipped between DP=1 and DP=2): one batched call only for prompts it

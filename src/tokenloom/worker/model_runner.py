@@ -146,6 +146,11 @@ class ModelRunner:
             # A bfloat16 cache under float32 activations: prefill attends in bfloat16 too where
             # the CPU multiplies it natively (see TorchAttentionBackend.prefill_in_cache_dtype).
             setattr(self.attn_backend, "prefill_in_cache_dtype", True)
+        if (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                and hasattr(self.attn_backend, "prefill_16bit_model")):
+            # A 16-bit model: each prompt's prefill attention as it would be alone (transformers'
+            # bf16 greedy replies depended on the neighbours a padded batch gave a prompt).
+            setattr(self.attn_backend, "prefill_16bit_model", True)
         # KV cache groups (kv_cache_spec.py): one block table, slot mapping and attention plan
         # per group each step. A model with full attention only has one group of every layer.
         self.kv_cache_groups: list[KVCacheGroupSpec] = kv_cache_groups(loaded.config)
