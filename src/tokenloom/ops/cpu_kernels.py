@@ -193,7 +193,7 @@ def mkl_bf16_avx2_order() -> bool:
         row = torch.zeros(64)
         row[0], row[1], row[5] = 2.0 ** 24, 1.0, 1.0
         keys, q, out = row[None].bfloat16(), torch.ones(64).bfloat16(), torch.zeros(1)
-        # column-major, keys transposed: out[1] = K^T q, as torch's kernel calls it
+        # column-major, keys transposed: out[0] = K^T q, as torch's kernel calls it
         gemm(102, 112, 111, 1, 1, 64, 1.0, keys.data_ptr(), 64, q.data_ptr(), 64, 0.0, out.data_ptr(), 1)
         _mkl_avx2_order = float(out[0]) == 2.0 ** 24 + 2
     return _mkl_avx2_order

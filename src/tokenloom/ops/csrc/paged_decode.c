@@ -194,7 +194,6 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
                             const void *const *vbs, const int *ns, int nb, int64_t tok_stride,
                             int D, const void *nxt, int nxtn);
 
-/* Each vector width's kv_block_fn and kv_chunk_fn. */
 /* Whether MKL's bf16 gemm sums in its AVX2 order on this AVX-512 CPU (it picks its kernel by the
  * CPU: on an AMD Zen 4 it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
  * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode takes the 8-lane chunk
@@ -204,8 +203,8 @@ static int g_mkl_avx2_order = 0;
 
 void tl_paged_decode_set_mkl_avx2_order(int32_t on) { g_mkl_avx2_order = on; }
 
+/* Each vector width's kv_block_fn and kv_chunk_fn. */
 #include "paged_decode_kernels.h"
-
 
 typedef struct {
     const char *q; int64_t q_stride;
