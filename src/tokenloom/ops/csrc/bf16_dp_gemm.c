@@ -3,8 +3,8 @@
  * Why: CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later) multiply bf16 pairs natively, and
  * there the float path's matmuls were oneDNN's packed bf16 ones, reached only through a PyTorch
  * op per matmul: the fused decode step (decode_step.c) could not call them, so every decode step
- * of a bf16 model ran ~400 Python-level calls per step, during which the second thread waited
- * (perf on a Zen 4 at batch 64: ~20 ms of a 94 ms step; benchmarks/README.md, "Zen 4"). This
+ * of a bf16 model ran ~400 Python-level calls, during which the second thread waited (perf's
+ * figures in benchmarks/README.md, "Zen 4"). This
  * kernel reads the AMX kernel's packed layout (amx_gemm.c): row kk of a 16-column tile holds
  * (w[n][2kk], w[n][2kk + 1]) for 16 columns n, which is exactly VDPBF16PS's second operand; so
  * one packed copy serves both kernels, and tl_bf16_packed_linear picks the tiles where the CPU
