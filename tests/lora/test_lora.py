@@ -1,6 +1,8 @@
 """LoRA adapters (enable_lora) against PEFT itself: a tiny random Llama with PEFT adapters saved as
 PEFT saves them, run by transformers + peft as the reference, and by tokenloom on the float path
-and the int8 path, alone and mixed in one batch with the base model and another adapter."""
+and the int8 path, alone and mixed in one batch with the base model and another adapter. The
+engines run in float32, the reference's dtype ("auto" is bfloat16 on CPUs that multiply it
+natively, where the tiny model's nearly flat logits flip greedy tokens)."""
 from __future__ import annotations
 
 import json
@@ -32,7 +34,7 @@ def tokens(outputs) -> list[list[int]]:
 def test_adapters_alone_and_mixed_match_peft(tiny, references, quantization):
     base_dir, adapters, _ = tiny
     loras = requests(adapters)
-    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization,
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization,
               num_kv_blocks=128, max_model_len=256)
     try:
         for name, lora in loras.items():
@@ -69,13 +71,13 @@ def test_decode_steps_with_adapters_run_fused_as_the_eager_layers(tiny, quantiza
         pytest.skip("no C compiler for the CPU kernels")
     base_dir, adapters, _ = tiny
     loras = list(requests(adapters).values())
-    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization,
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization,
               num_kv_blocks=128, max_model_len=256, multiprocess=False, enable_prefix_caching=False)
     try:
         model = llm.llm_engine.engine_core.engine_core.executor.driver_worker.model_runner.model
         step = model.fused_decode
         if step is None or step.step.dtype != torch.float32:
-            pytest.skip("no float32 fused decode step on this CPU (bfloat16 steps with adapters stay eager)")
+            pytest.skip("no float32 fused decode step on this CPU (its float32 weights are oneDNN's packed copies)")
         order = [loras[i % 3] for i in (1, 0, 2, 2, 1, 0, 1, 2, 0)]
         params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=1)
                   for i in range(len(order))]
@@ -100,7 +102,7 @@ def test_prefix_cache_is_kept_apart_per_adapter(tiny, references):
     base_dir, adapters, _ = tiny
     loras = requests(adapters)
     long_prompt = PROMPTS[0] + " and " * 20  # two full blocks of 16
-    llm = LLM(base_dir, enable_lora=True, max_loras=1, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_loras=1, num_kv_blocks=128, max_model_len=256)
     try:
         runs = []
         for name in ("all", "qv", "base", "all"):
@@ -117,7 +119,7 @@ def test_prefix_cache_is_kept_apart_per_adapter(tiny, references):
 def test_loaded_adapters_are_bounded_by_max_cpu_loras(tiny, references):
     base_dir, adapters, _ = tiny
     loras = requests(adapters)
-    llm = LLM(base_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, num_kv_blocks=128, max_model_len=256)
     try:
         for name in ("all", "qv", "all", "qv"):  # each load drops the other
             assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[name])) == \
@@ -136,7 +138,7 @@ def test_an_adapter_that_cannot_load_fails_its_request_alone(tiny, tmp_path, ref
     broken.mkdir()
     (broken / "adapter_config.json").write_text(Path(adapters["all"], "adapter_config.json").read_text())
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
-    llm = LLM(base_dir, enable_lora=True, num_kv_blocks=128, max_model_len=256)
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, num_kv_blocks=128, max_model_len=256)
     try:
         outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[LoRARequest("broken", 7, str(broken)), None])
         assert outs[0].outputs[0].finish_reason == "error" and "LoRA adapter" in outs[0].error
@@ -159,7 +161,7 @@ def test_bad_adapters_and_settings_are_refused_by_name(tiny, tmp_path):
     dora.mkdir()
     cfg = json.loads(Path(adapters["all"], "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    llm = LLM(base_dir, enable_lora=True, max_lora_rank=4, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(base_dir, dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=64, max_model_len=256)
     try:
         with pytest.raises(ValueError, match="rank is 8, above max_lora_rank=4"):
             llm.generate("Hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("all", 1, adapters["all"]))
