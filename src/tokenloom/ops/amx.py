@@ -156,9 +156,10 @@ _ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
 _ONEDNN_CHUNK_FROM_ROWS = 33
 
 
-def onednn_k_chunk(M: int, K: int) -> int:
-    """The K chunk (0: none) our matmul sums in for M rows of K, following oneDNN's (above)."""
-    if not tiles():
+def onednn_k_chunk(M: int, K: int, on_tiles: bool | None = None) -> int:
+    """The K chunk (0: none) our matmul sums in for M rows of K, following oneDNN's (above);
+    `on_tiles`: the kernel in use, when the caller has already asked (`tiles()`)."""
+    if not (tiles() if on_tiles is None else on_tiles):
         if M == 1 or K <= 1024:
             return one_row_k_chunk(K)
         return 1024
@@ -182,10 +183,11 @@ def linear(x: torch.Tensor, w: AmxPackedWeight, bias: torch.Tensor | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    on_tiles = lib.tl_bf16_kernel() == _TILES  # asked once per call (a ctypes call each)
     if kchunk is None:
-        kchunk = one_row_k_chunk(K) if one_row else onednn_k_chunk(M, K)
+        kchunk = one_row_k_chunk(K) if one_row else onednn_k_chunk(M, K, on_tiles)
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K) if tiles() else 0, dtype=torch.uint8)
+    scratch = torch.empty(lib.tl_amx_bf16_scratch_bytes(M, K) if on_tiles else 0, dtype=torch.uint8)
     b = None if bias is None else bias.float().contiguous()
     rc = lib.tl_bf16_packed_linear(x2.data_ptr(), x2.stride(0), M, w.data.data_ptr(), N, K,
                                    None if b is None else b.data_ptr(), y.data_ptr(), N,

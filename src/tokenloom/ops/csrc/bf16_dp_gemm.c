@@ -16,7 +16,6 @@
  * rounded to bfloat16 once, nearest even.
  */
 #include <stdint.h>
-#include <string.h>
 
 #include "vec_math.h"
 
