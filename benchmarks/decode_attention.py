@@ -98,6 +98,9 @@ def main() -> None:
     if args.rev:
         with tempfile.TemporaryDirectory() as tmp:
             libs[args.rev] = _build(_sources_at(args.rev, Path(tmp)), f.isa)
+    for lib in libs.values():  # the summation order the engine's load picks (MKL's, probed)
+        if hasattr(lib, "tl_paged_decode_set_mkl_avx2_order"):
+            cpu_kernels._follow_mkl_order(lib)
     lo, hi = args.context
     ctx = [lo + (hi - lo) * i // max(args.batch - 1, 1) for i in range(args.batch)]
     for case in args.cases:

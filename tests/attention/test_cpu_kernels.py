@@ -166,6 +166,48 @@ def test_bf16_decode_is_transformers_sdpa_bit_for_bit():
             assert torch.equal(out[i].view(torch.int16), ref.view(torch.int16)), (lens[i], i)
 
 
+def _dp_built(lib) -> bool:
+    return bool(getattr(lib, "tl_paged_decode_dp_built", lambda: 0)())
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,bs", [(9, 3, 64, 16), (8, 4, 128, 16), (4, 4, 48, 8),
+                                                (12, 2, 64, 32)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_bf16_decode_dot_products_are_the_8_lane_sums(hq, hkv, head_dim, bs, window):
+    """MKL's AVX2 order (a Zen 4's MKL) has two implementations in the AVX-512 build: AVX512-BF16
+    dot products, two terms of a sum each, which the engine runs, and the 8-lane FMA loops, one
+    term each. They add the same terms in the same order, so their outputs are the same bits:
+    on contexts of every residue mod 4 and 8 (a last group of 1-3 rows), across the 512-key
+    splits, for one, two and three query heads per KV head (9/3, 8/4, 4/4, 12/2 in groups of
+    3), a head size with a 16-column tail (48), and a sliding window, whose first block starts
+    mid-block. Runs on any CPU whose build has AVX512-BF16, whatever order MKL takes there."""
+    lib = cpu_kernels.load()
+    if not _dp_built(lib):
+        pytest.skip("no AVX512-BF16 in this build")
+    g = torch.Generator().manual_seed(hq * 100 + head_dim + window)
+    lens = [1, 2, 3, 5, 8, 13, 30, 64, 127, 300, 513, 1100]
+    nblk = [(n + bs - 1) // bs for n in lens]
+    cache = (torch.randn(2, sum(nblk) + 2, bs, hkv, head_dim, generator=g) * 2).bfloat16()
+    perm = torch.randperm(sum(nblk) + 2, generator=g).int()
+    table = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(nblk):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    q = (torch.randn(len(lens), hq, head_dim, generator=g) * 4).bfloat16()
+    sl = torch.tensor(lens, dtype=torch.int32)
+    outs = []
+    try:
+        for mode in (1, 2):
+            lib.tl_paged_decode_set_mkl_avx2_order(mode)
+            out = torch.empty_like(q)
+            cpu_kernels.paged_decode(lib, q, cache, table, sl, out, head_dim ** -0.5, window or None)
+            outs.append(out)
+    finally:
+        cpu_kernels._follow_mkl_order(lib)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 36])
 def test_bfloat16_cache_under_float32_queries(head_dim, monkeypatch):
     """kv_cache_dtype=bfloat16 with a float32 model: the kernel widens the cached K/V as it reads

@@ -27,7 +27,7 @@ def kernel(request):
     amx.set_kernel(None)
 
 
-@pytest.mark.parametrize("M", [1, 12, 13, 15, 16, 17, 33, 64, 300])
+@pytest.mark.parametrize("M", [1, 12, 13, 15, 16, 17, 26, 27, 33, 64, 300])
 @pytest.mark.parametrize("N,K", [(960, 576), (100, 70), (49, 1536), (32, 32), (45, 37)])
 def test_matches_float64(kernel, M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -115,7 +115,8 @@ def _dot_products_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 
 @pytest.mark.skipif(not amx.dot_products_built(), reason="no AVX512-BF16 kernel in this build")
 @pytest.mark.parametrize("M,N,K,kchunk", [(1, 40, 64, 0), (13, 45, 37, 0), (25, 100, 576, 512),
-                                          (7, 33, 1536, 1024), (12, 64, 96, 32)])
+                                          (7, 33, 1536, 1024), (12, 64, 96, 32),
+                                          (64, 100, 576, 512), (40, 200, 96, 0)])
 def test_dot_products_sum_in_their_defined_order(M, N, K, kchunk):
     """Bit for bit the definition, on random inputs and on a probe that tells the orders apart:
     with x = (1, 2^12, -2^12, 1) and w = (1, 2^12, 2^12, 1) the odd-first order gives

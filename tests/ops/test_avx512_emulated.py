@@ -252,14 +252,24 @@ def decode_run(image):
             for name, t in (("q", query), ("kv", kv), ("bt", table), ("sl", seq_lens), ("out", out)):
                 buffers[f"{key}.{name}"] = _raw(t)
             scale = D ** -0.5
-            calls.append((f"tl_paged_decode_{kind}", [
-                Buf(key + ".q"), hq * D, Buf(key + ".kv"), Buf(key + ".kv", kv[0].numel() * kv.element_size()),
-                Buf(key + ".bt"), table.shape[1], Buf(key + ".sl"), Buf(key + ".out"), hq * D,
-                len(SEQ_LENS), hq, hkv, D, bs, emulator.F32(scale), 0]))
-            cases[(kind, bs, hq, hkv, D)] = (key, query, kv, table, scale, len(calls) - 1)
+
+            def args(out_name: str) -> list:
+                return [Buf(key + ".q"), hq * D, Buf(key + ".kv"), Buf(key + ".kv", kv[0].numel() * kv.element_size()),
+                        Buf(key + ".bt"), table.shape[1], Buf(key + ".sl"), Buf(out_name), hq * D,
+                        len(SEQ_LENS), hq, hkv, D, bs, emulator.F32(scale), 0]
+            calls.append((f"tl_paged_decode_{kind}", args(key + ".out")))
+            cases[(kind, bs, hq, hkv, D)] = (key + ".out", query, kv, table, scale, len(calls) - 1)
+            if kind == "bf16" and D % 16 == 0:  # MKL's AVX2 order: dot products, 8-lane loops
+                for mode in (1, 2):
+                    buffers[f"{key}.out{mode}"] = _raw(torch.zeros(query.shape, dtype=query.dtype))
+                    calls.append(("tl_paged_decode_set_mkl_avx2_order", [mode]))
+                    calls.append((f"tl_paged_decode_{kind}", args(f"{key}.out{mode}")))
+                    cases[("mkl_avx2", mode, bs, hq, hkv, D)] = (f"{key}.out{mode}", query, kv, table, scale,
+                                                                 len(calls) - 1)
+                calls.append(("tl_paged_decode_set_mkl_avx2_order", [0]))
     returns, out = image.run(calls, buffers)
-    return {c: (_tensor(out[key + ".out"], q.dtype, q.shape), returns[i], q, kv, t, scale)
-            for c, (key, q, kv, t, scale, i) in cases.items()}
+    return {c: (_tensor(out[name], q.dtype, q.shape), returns[i], q, kv, t, scale)
+            for c, (name, q, kv, t, scale, i) in cases.items()}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -273,6 +283,19 @@ def test_paged_decode_avx512(decode_run, kind, bs, hq, hkv, D):
         assert err < 2 ** -7 * ref.abs().max().item() + 1e-3, err
     else:  # float32 sums (of bf16-exact values for the bf16 cache)
         assert err < 2e-5, err
+
+
+@pytest.mark.parametrize("bs,hq,hkv,D", [c for c in DECODE if c[3] % 16 == 0])
+def test_paged_decode_mkl_avx2_order_dot_products(decode_run, bs, hq, hkv, D):
+    """A bfloat16 model's decode in MKL's AVX2 order (a Zen 4's MKL): the AVX512-BF16
+    dot-product loops give the 8-lane loops' bits (tests/attention/test_cpu_kernels.py checks
+    the same on such a CPU), within bfloat16 rounding of the reference."""
+    got, rc, query, kv, table, scale = decode_run[("mkl_avx2", 1, bs, hq, hkv, D)]
+    lanes8, rc8, *_ = decode_run[("mkl_avx2", 2, bs, hq, hkv, D)]
+    assert rc == 0 and rc8 == 0
+    assert torch.equal(got.view(torch.int16), lanes8.view(torch.int16))
+    ref = _decode_reference(query, kv, table, scale)
+    assert (got.double() - ref).abs().max().item() < 2 ** -7 * ref.abs().max().item() + 1e-3
 
 
 # ---- the AVX512-BF16 matmul on AMX-packed weights (csrc/bf16_dp_gemm.c)

@@ -31,19 +31,24 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
 
 #include "work_steal.h"
 
-#define TL_DP_MR 12 /* rows per item: 12 x 2 accumulators, 2 weight vectors, 1 broadcast */
+/* Rows per item at most: 13 x 2 accumulators, 2 weight vectors, 1 broadcast of 32 registers.
+ * M rows are split into ceil(M / 13) blocks of near-equal size (64 rows: 13, 13, 13, 13, 12),
+ * so that no block is a small remainder that reads a column pair's weights for a few rows. */
+#define TL_DP_MR 13
 
 static int64_t dp_up32(int64_t n) { return (n + 31) & ~(int64_t)31; }
 
 /* Rows [m0, m0 + mr) x columns [n0, n0 + 32) of y: mr is a constant in every call (the switch
- * below), so acc lives in registers. b0, b1: the two 16-column blocks' k-pair streams. */
+ * below), so acc lives in registers. b0, b1: the two 16-column blocks' k-pair streams. pf,
+ * pf + pf_gap: two streams to prefetch into L2 alongside, a line each per k pair (the next
+ * column pair's, or b0 and b1 again when there is nothing to fetch). */
 static inline __attribute__((always_inline)) void
 dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *b0,
-         const uint16_t *b1, int64_t kpchunk, const float *bias, int cols, uint16_t *y,
-         int64_t ldy) {
+         const uint16_t *b1, const uint16_t *pf, int64_t pf_gap, int64_t kpchunk,
+         const float *bias, int cols, uint16_t *y, int64_t ldy) {
     __m512 acc[TL_DP_MR][2], sum[TL_DP_MR][2];
     const int32_t *xr[TL_DP_MR];
-#pragma GCC unroll 12
+#pragma GCC unroll 13
     for (int r = 0; r < mr; r++) {
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         xr[r] = (const int32_t *)(x + r * ldx);
@@ -53,7 +58,7 @@ dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t
     for (int64_t kp0 = 0; kp0 < kp_full; kp0 += kpchunk) {
         const int64_t kp1 = kp0 + kpchunk < kp_full ? kp0 + kpchunk : kp_full;
         if (kp0) { /* the chunk just summed: into sum, in order, and start the next from zero */
-#pragma GCC unroll 12
+#pragma GCC unroll 13
             for (int r = 0; r < mr; r++)
                 for (int j = 0; j < 2; j++) {
                     sum[r][j] = chunks ? _mm512_add_ps(sum[r][j], acc[r][j]) : acc[r][j];
@@ -64,7 +69,9 @@ dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t
         for (int64_t kp = kp0; kp < kp1; kp++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
-#pragma GCC unroll 12
+            _mm_prefetch((const char *)(pf + kp * 32), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf + pf_gap + kp * 32), _MM_HINT_T1);
+#pragma GCC unroll 13
             for (int r = 0; r < mr; r++) {
                 const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kp]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
@@ -75,7 +82,7 @@ dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t
     if (K & 1) { /* the odd k: (x[K - 1], 0) against (w[K - 1], 0 padding) */
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp_full * 32);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp_full * 32);
-#pragma GCC unroll 12
+#pragma GCC unroll 13
         for (int r = 0; r < mr; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ldx + K - 1]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
@@ -86,7 +93,7 @@ dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t
     const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
     const __m512 bb0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 bb1 = bias && m1 ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-#pragma GCC unroll 12
+#pragma GCC unroll 13
     for (int r = 0; r < mr; r++) {
         __m512 s0 = acc[r][0], s1 = acc[r][1];
         if (chunks) {
@@ -107,14 +114,14 @@ dp_block(const int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t
 }
 
 #define TL_DP_CASE(n) \
-    case n: dp_block(n, x, ldx, K, b0, b1, kpchunk, bias, cols, y, ldy); break;
+    case n: dp_block(n, x, ldx, K, b0, b1, pf, pf_gap, kpchunk, bias, cols, y, ldy); break;
 
 static void dp_block_any(int mr, const uint16_t *x, int64_t ldx, int64_t K, const uint16_t *b0,
-                         const uint16_t *b1, int64_t kpchunk, const float *bias, int cols,
-                         uint16_t *y, int64_t ldy) {
+                         const uint16_t *b1, const uint16_t *pf, int64_t pf_gap, int64_t kpchunk,
+                         const float *bias, int cols, uint16_t *y, int64_t ldy) {
     switch (mr) {
         TL_DP_CASE(1) TL_DP_CASE(2) TL_DP_CASE(3) TL_DP_CASE(4) TL_DP_CASE(5) TL_DP_CASE(6)
-        TL_DP_CASE(7) TL_DP_CASE(8) TL_DP_CASE(9) TL_DP_CASE(10) TL_DP_CASE(11) TL_DP_CASE(12)
+        TL_DP_CASE(7) TL_DP_CASE(8) TL_DP_CASE(9) TL_DP_CASE(10) TL_DP_CASE(11) TL_DP_CASE(12) TL_DP_CASE(13)
         default: break;
     }
 }
@@ -143,7 +150,9 @@ int32_t tl_bf16dp_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16
     const int64_t mblocks = (M + TL_DP_MR - 1) / TL_DP_MR;
     /* Items: (column pair, row block), the column pairs outermost, so a thread's contiguous run
      * streams its share of the weight once and a pair's weight (K x 32 bf16, in L2) serves all
-     * its row blocks in a row. */
+     * its row blocks in a row. A thread's first block of a pair, in the direction it walks (a
+     * thief walks back), prefetches the pair it will take next: the hardware prefetcher alone
+     * left that first block waiting on memory (benchmarks/README.md, "Zen 4"). */
     const int64_t items = npairs * mblocks;
     tl_run runs[TL_STEAL_MAX_THREADS];
 #pragma omp parallel if (items > 1)
@@ -151,12 +160,15 @@ int32_t tl_bf16dp_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16
         tl_items walk = tl_items_start(runs, items);
         for (int64_t it, nx; (it = tl_items_next(&walk, &nx)) >= 0;) {
             const int64_t np = it / mblocks, mb = it - np * mblocks;
-            const int64_t m0 = mb * TL_DP_MR, n0 = np * 32;
-            const int mr = (int)(M - m0 < TL_DP_MR ? M - m0 : TL_DP_MR);
+            const int64_t m0 = M * mb / mblocks, n0 = np * 32;
+            const int mr = (int)(M * (mb + 1) / mblocks - m0);
             const int cols = (int)(N - n0 < 32 ? N - n0 : 32);
             const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
-            dp_block_any(mr, x + m0 * ldx, ldx, K, b0, b1, kpchunk, bias ? bias + n0 : NULL, cols,
-                         y + m0 * ldy + n0, ldy);
+            const int64_t dir = nx >= 0 && nx < it ? -1 : 1, pn = np + dir;
+            const int entry = dir > 0 ? mb == 0 : mb == mblocks - 1;
+            const uint16_t *pf = entry && pn >= 0 && pn < npairs ? packed + (2 * pn) * nkb * 512 : b0;
+            dp_block_any(mr, x + m0 * ldx, ldx, K, b0, b1, pf, nkb * 512, kpchunk,
+                         bias ? bias + n0 : NULL, cols, y + m0 * ldy + n0, ldy);
         }
     }
     return 0;

@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 #define TL_MAX_BLOCK_SIZE 128
 /* Most query heads in one work item (a run of whole KV-head groups where they fit). */
@@ -171,6 +172,14 @@ static inline __attribute__((always_inline)) void pf_run(pf_stream *s) {
     for (; s->p < e; s->p += 64) __builtin_prefetch(s->p);
 }
 
+/* The rows at p (bytes) on their way to L2, all at once: blocks further ahead than pf_stream's
+ * (kv_chunk_dp), which the L2's miss queue takes without stalling the core as a block's worth
+ * of L1 prefetches did. */
+#define TL_PF_FAR 3
+static inline __attribute__((unused)) void pf_far(const void *p, int64_t bytes) {
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)p + x, 0, 2);
+}
+
 /* Heads g0 .. g0 + gn - 1 of an item (one KV head's) over n rows of a block: kb, vb point at
  * the first row's K and V of that KV head, rows tok_stride elements apart. pk, pv (NULL: none):
  * the prefetch streams of the rows read next, advanced as Q.K and P.V go. */
@@ -196,12 +205,22 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
 
 /* Whether MKL's bf16 gemm sums in its AVX2 order on this AVX-512 CPU (it picks its kernel by the
  * CPU: on an AMD Zen 4 it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
- * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode takes the 8-lane chunk
- * path, which follows MKL's AVX2 order, with the 16-lane softmax, which follows torch's
- * (paged_decode_chunk.h), so that it stays torch's SDPA bit for bit. */
+ * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode follows MKL's AVX2 order
+ * with the 16-lane softmax, which follows torch's (paged_decode_chunk.h), so that it stays
+ * torch's SDPA bit for bit: with AVX512-BF16 dot products where the build has them (1), else
+ * (or when set to 2, which tests use to compare the two) with the 8-lane loops. */
 static int g_mkl_avx2_order = 0;
 
 void tl_paged_decode_set_mkl_avx2_order(int32_t on) { g_mkl_avx2_order = on; }
+
+/* 1 where this build has the dot-product loops of MKL's AVX2 order (kv_chunk_dp). */
+int32_t tl_paged_decode_dp_built(void) {
+#if TL_HAVE_AVX512 && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Each vector width's kv_block_fn and kv_chunk_fn. */
 #include "paged_decode_kernels.h"
@@ -428,11 +447,19 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     }
 #endif
 #if TL_HAVE_AVX512
-    if (head_dim % 16 == 0 && !(io_bf16 && g_mkl_avx2_order)) { /* (see g_mkl_avx2_order) */
+    /* (MKL's AVX2 order: see g_mkl_avx2_order) */
+    const int mkl_avx2 = io_bf16 && g_mkl_avx2_order, dp = mkl_avx2 && g_mkl_avx2_order != 2;
+    if (head_dim % 16 == 0 && (!mkl_avx2 || (dp && tl_paged_decode_dp_built()))) {
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
         a.qk_rows = 8;
         if (io_bf16) a.chunk_fn = kv_chunk_avx512_bf16kv;
+#ifdef __AVX512BF16__
+        if (mkl_avx2) {
+            a.chunk_fn = kv_chunk_dp_avx512_bf16kv;
+            a.pair_w = 0;
+        }
+#endif
     }
 #endif
     /* Items: (sequence, run of whole KV-head groups of up to TL_GC query heads). A batch with

@@ -32,7 +32,9 @@
  * The AVX2 build (VW 8) follows these; its query and accumulators stay in column order
  * (pair_w 0). So does the AVX-512 build where MKL runs this AVX2 kernel on an AVX512-BF16 CPU
  * (an AMD Zen 4; paged_decode.c's g_mkl_avx2_order), with the 16-lane softmax of torch's AVX-512
- * build (whose exp_u20 covers the multiples of 16 and expf the rest). */
+ * build (whose exp_u20 covers the multiples of 16 and expf the rest): with AVX512-BF16 dot
+ * products (kv_chunk_dp, at the end of this file), or the 8-lane loops where the build has no
+ * AVX512-BF16 or the head size is not a multiple of 16. */
 
 /* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + QK_ROWS - 1 in MKL's order (above). With
  * 16 lanes a 32-element step holds block 2k in lanes 0-7 (the first accumulator) and block
@@ -325,3 +327,277 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
         off += ns[b];
     }
 }
+
+
+#if VW == 16 && defined(__AVX512BF16__)
+/* ---- MKL's AVX2 order on 16 lanes with AVX512-BF16 dot products: the chunk path of an AVX-512
+ * CPU whose MKL runs its AVX2 bf16 kernel (an AMD Zen 4; paged_decode.c's g_mkl_avx2_order).
+ * Its sums are the 8-lane path's, term for term (the AVX2 order above); its softmax is this
+ * build's 16-lane one; the query and the accumulators stay in column order (pair_w 0).
+ *
+ * Why dot products: every term of those sums is a product of two bfloat16 values (a query or a
+ * probability rounded to bf16, a cached K or V element), exact in float32, and VDPBF16PS adds a
+ * lane's two products to it one after the other, each sum rounded to nearest (its odd pair's
+ * product first; tests/ops/test_amx.py checks that order on this CPU), so one instruction does
+ * the work of two FMAs in a row when a lane's pair holds two consecutive terms of one sum, the
+ * earlier in its upper half. The 8-lane loops spent a third of their instructions widening bf16
+ * to float32 and building vectors of two keys from 8-byte loads. The instruction treats
+ * subnormal inputs as zero: a term below 2^-126 that the FMAs would add is dropped, which no
+ * score or output of a real model notices. */
+
+/* a + b as written: GCC may reassociate a plain vector add under -ffast-math (_mm512_add_ps is
+ * one), not a builtin with its rounding given. */
+#define ADD_EXACT(a, b) _mm512_add_round_ps((a), (b), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* Head g's query as Q.K's pairs: for each 8 columns 8s .. 8s + 7, four 32-bit words, word j =
+ * (bf16 q[8s + 4 + j] in the lower half, q[8s + j] in the upper): the two terms of class j (the
+ * elements i = j mod 4) that step s adds, the earlier upper. The query holds bfloat16 values
+ * (a bfloat16 model's; not scaled on the chunk path), so taking the upper halves is exact. */
+TL_INLINE void TL_NAME(q_pairs)(uint32_t *dst, const float *q, int D) {
+    for (int c = 0; c < D; c += 8)
+        for (int j = 0; j < 4; j++) {
+            uint32_t hi, lo;
+            memcpy(&hi, q + c + j, 4);
+            memcpy(&lo, q + c + 4 + j, 4);
+            dst[c / 2 + j] = (hi & 0xFFFF0000u) | (lo >> 16);
+        }
+}
+
+/* Scores of heads g0 .. g0 + gs - 1 for rows t .. t + 7 in MKL's AVX2 order: each lane one
+ * key's sum of one class j (the elements j mod 4, in increasing order), four lanes a key. A
+ * step takes 16 elements of the eight keys (a 32-byte load each), transposed in 64-bit units
+ * so that vector u holds every key's elements 4u .. 4u + 3 (keys in the order 0, 1, 4, 5, 2, 3,
+ * 6, 7); interleaving the 16-bit elements of units 2s + 1 and 2s gives each lane the pair
+ * (element 8s + 4 + j, element 8s + j), which one dot product adds in order: keys 0, 4, 2, 6
+ * from the lower halves of the 128-bit lanes, 1, 5, 3, 7 from the upper. Then per key
+ * (s0 + s2) + (s1 + s3). qp: q_pairs' words of each head. */
+TL_INLINE void TL_NAME(qk_rows_dp)(const int gs, const uint32_t (*qp)[128], item_state *st,
+                                   int g0, const KV_T *kb, int64_t ts, int n, int t, int D,
+                                   int off) {
+    const KV_T *rows[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) rows[r] = kb + (t + r < n ? t + r : n - 1) * ts;
+    VEC acc_l[TL_GS], acc_h[TL_GS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) acc_l[g] = acc_h[g] = VZERO();
+    for (int c = 0; c < D; c += 16) {
+        __m512i z[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++)  /* [key r's 16 | key r + 4's 16] */
+            z[r] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rows[r] + c))),
+                _mm256_loadu_si256((const __m256i *)(rows[r + 4] + c)), 1);
+        const __m512i a0 = _mm512_unpacklo_epi64(z[0], z[1]), a1 = _mm512_unpackhi_epi64(z[0], z[1]);
+        const __m512i a2 = _mm512_unpacklo_epi64(z[2], z[3]), a3 = _mm512_unpackhi_epi64(z[2], z[3]);
+        __m512i x[4];  /* x[u]: units u of keys 0, 1, 4, 5, 2, 3, 6, 7 */
+        x[0] = _mm512_shuffle_i64x2(a0, a2, 0x88);
+        x[1] = _mm512_shuffle_i64x2(a1, a3, 0x88);
+        x[2] = _mm512_shuffle_i64x2(a0, a2, 0xDD);
+        x[3] = _mm512_shuffle_i64x2(a1, a3, 0xDD);
+#pragma GCC unroll 2
+        for (int s2 = 0; s2 < 2; s2++) {
+            const __m512bh kl = (__m512bh)_mm512_unpacklo_epi16(x[2 * s2 + 1], x[2 * s2]);
+            const __m512bh kh = (__m512bh)_mm512_unpackhi_epi16(x[2 * s2 + 1], x[2 * s2]);
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++) {
+                const __m512bh q = (__m512bh)_mm512_broadcast_i32x4(
+                    _mm_loadu_si128((const __m128i *)(qp[g0 + g] + c / 2 + 4 * s2)));
+                acc_l[g] = _mm512_dpbf16_ps(acc_l[g], kl, q);
+                acc_h[g] = _mm512_dpbf16_ps(acc_h[g], kh, q);
+            }
+        }
+    }
+    /* lane 0 of each 128-bit lane: (s0 + s2) + (s1 + s3); keys 0 .. 7 from acc_l's lanes 0, 8,
+     * 4, 12 (keys 0, 2, 4, 6) and acc_h's (1, 3, 5, 7) */
+    const __m512i keys = _mm512_setr_epi32(0, 16, 8, 24, 4, 20, 12, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        const VEC l2 = ADD_EXACT(acc_l[g], _mm512_permute_ps(acc_l[g], 0x4E));
+        const VEC h2 = ADD_EXACT(acc_h[g], _mm512_permute_ps(acc_h[g], 0x4E));
+        const VEC l4 = ADD_EXACT(l2, _mm512_permute_ps(l2, 0xB1));
+        const VEC h4 = ADD_EXACT(h2, _mm512_permute_ps(h2, 0xB1));
+        _mm256_storeu_ps(st->s[g0 + g] + off + t,
+                         _mm512_castps512_ps256(_mm512_permutex2var_ps(l4, keys, h4)));
+    }
+}
+
+/* The column order of P.V's accumulators below, per 32 columns: the lower vector holds columns
+ * 0-3, 8-11, 16-19, 24-27, the upper one the others (VPUNPCK{L,H}WD's halves). */
+static inline __attribute__((always_inline)) void pv_dp_split(__m512 a, __m512 b, __m512 *lo,
+                                                              __m512 *hi) {
+    const __m512i il = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i ih = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    *lo = _mm512_permutex2var_ps(a, il, b);
+    *hi = _mm512_permutex2var_ps(a, ih, b);
+}
+static inline __attribute__((always_inline)) void pv_dp_join(__m512 lo, __m512 hi, __m512 *a,
+                                                             __m512 *b) {
+    const __m512i ia = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i ib = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    *a = _mm512_permutex2var_ps(lo, ia, hi);
+    *b = _mm512_permutex2var_ps(lo, ib, hi);
+}
+
+/* acc[:, c .. c + 32] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows 0 .. n - 1 in
+ * MKL's AVX2 order: groups of 4 rows from the split's start, each (row 0 + row 2) + (row 1 + row
+ * 3) added to the total; (row 0 + row 2) is one dot product per lane of the pairs (v2, v0) and
+ * (p2, p0), from zero. Rows past n (a last partial group) count as zero rows. pp: per head, the
+ * probabilities' pairs from the block's first row, word 2k = (p[4k + 2] in the lower half, p[4k]
+ * in the upper) and 2k + 1 = (p[4k + 3], p[4k + 1]), zero past n (kv_chunk_dp). */
+TL_INLINE void TL_NAME(pv_cols_dp)(const int gs, item_state *st, int g0, const uint32_t *const *pp,
+                                   const KV_T *vb, int64_t ts, int n, int c, const float *alpha,
+                                   pf_stream *pf) {
+    VEC lo[TL_GS], hi[TL_GS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        const VEC al = VSET1(alpha[g]);
+        pv_dp_split(VMUL(VLOAD(st->acc[g0 + g] + c), al), VMUL(VLOAD(st->acc[g0 + g] + c + 16), al),
+                    &lo[g], &hi[g]);
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    for (int u0 = 0; u0 < n; u0 += 4) {
+        __m512i v[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            if (pf) pf_run(pf);
+            v[k] = u0 + k < n ? _mm512_loadu_si512((const void *)(vb + (u0 + k) * ts + c)) : zero;
+        }
+        const __m512bh e02l = (__m512bh)_mm512_unpacklo_epi16(v[2], v[0]);
+        const __m512bh e02h = (__m512bh)_mm512_unpackhi_epi16(v[2], v[0]);
+        const __m512bh e13l = (__m512bh)_mm512_unpacklo_epi16(v[3], v[1]);
+        const __m512bh e13h = (__m512bh)_mm512_unpackhi_epi16(v[3], v[1]);
+        const int w = u0 / 2;  /* the group's two words */
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) {
+            const __m512bh p02 = (__m512bh)_mm512_set1_epi32((int)pp[g][w]);
+            const __m512bh p13 = (__m512bh)_mm512_set1_epi32((int)pp[g][w + 1]);
+            const VEC zl = _mm512_dpbf16_ps(VZERO(), e02l, p02);
+            const VEC zh = _mm512_dpbf16_ps(VZERO(), e02h, p02);
+            lo[g] = ADD_EXACT(lo[g], ADD_EXACT(zl, _mm512_dpbf16_ps(VZERO(), e13l, p13)));
+            hi[g] = ADD_EXACT(hi[g], ADD_EXACT(zh, _mm512_dpbf16_ps(VZERO(), e13h, p13)));
+        }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) {
+        VEC a, b;
+        pv_dp_join(lo[g], hi[g], &a, &b);
+        VSTORE(st->acc[g0 + g] + c, a);
+        VSTORE(st->acc[g0 + g] + c + 16, b);
+    }
+}
+
+/* P.V of 16 columns at c (a head size that is an odd multiple of 16: its last 16): the same
+ * sums, the rows widened to float32 (the pairs' order needs two vectors' columns). */
+TL_INLINE void TL_NAME(pv_cols16_dp)(const int gs, item_state *st, int g0, const KV_T *vb,
+                                     int64_t ts, int n, int c, const float *alpha, int off,
+                                     pf_stream *pf) {
+    VEC acc[TL_GS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) acc[g] = VMUL(VLOAD(st->acc[g0 + g] + c), VSET1(alpha[g]));
+    for (int u0 = 0; u0 < n; u0 += 4) {
+        VEC part[2][TL_GS];
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) part[0][g] = part[1][g] = VZERO();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int u = u0 + (k >> 1) + 2 * (k & 1);  /* 0, 2, 1, 3 */
+            if (u >= n) continue;
+            if (pf) pf_run(pf);
+            const VEC x = KV_ONE(vb + u * ts + c);
+#pragma GCC unroll 8
+            for (int g = 0; g < gs; g++)
+                part[k >> 1][g] = VFMA(VSET1(st->s[g0 + g][off + u]), x, part[k >> 1][g]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < gs; g++) acc[g] = ADD_EXACT(acc[g], ADD_EXACT(part[0][g], part[1][g]));
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < gs; g++) VSTORE(st->acc[g0 + g] + c, acc[g]);
+}
+
+TL_INLINE void TL_NAME(qk_dp_gs)(const int gs, const uint32_t (*qp)[128], item_state *st, int g0,
+                                 const KV_T *kb, int n, int64_t ts, int D, int off,
+                                 pf_stream *pf) {
+    for (int t = 0; t < n; t += 8) {
+        pf_run(pf);
+        TL_NAME(qk_rows_dp)(gs, qp, st, g0, kb, ts, n, t, D, off);
+    }
+}
+
+TL_INLINE void TL_NAME(pv_dp_gs)(const int gs, item_state *st, int g0, const uint32_t *const *pp,
+                                 const KV_T *vb, int n, int64_t ts, int D, const float *alpha,
+                                 int off, pf_stream *pf) {
+    int c = 0;
+    for (; c + 32 <= D; c += 32, pf = NULL)
+        TL_NAME(pv_cols_dp)(gs, st, g0, pp, vb, ts, n, c, alpha, pf);
+    if (c < D) TL_NAME(pv_cols16_dp)(gs, st, g0, vb, ts, n, c, alpha, off, pf);
+}
+
+/* The kv_chunk_fn in MKL's AVX2 order with dot products: kv_chunk's passes (below) over the
+ * loops above; between them, the softmax and the probabilities' pairs. */
+static void TL_NAME(kv_chunk_dp)(item_state *st, const item_groups *gr, const void *const *kbs,
+                                 const void *const *vbs, const int *ns, int nb, int64_t ts,
+                                 int D, const void *nxt, int nxtn) {
+    const int64_t rb = ts * (int64_t)sizeof(KV_T);
+    const int nh = gr->g0[gr->n - 1] + gr->gn[gr->n - 1];
+    uint32_t qp[TL_GC][128] __attribute__((aligned(64)));
+    for (int g = 0; g < nh; g++) TL_NAME(q_pairs)(qp[g], st->qs[g], D);
+    int off = 0;
+    pf_stream pf;
+    for (int b = 0; b < nb; b++) {
+        int steps = 0;
+        for (int i = 0; i < gr->n; i++) steps += (ns[b] + 7) / 8;
+        pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
+                steps);
+        for (int f = b ? b + TL_PF_FAR : 2; f <= b + TL_PF_FAR && f < 2 * nb; f++)
+            pf_far(f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb);
+        for (int i = 0; i < gr->n; i++) {
+            const KV_T *kb = (const KV_T *)((const char *)kbs[b] + gr->off[i]);
+            switch (gr->gn[i]) {
+            case 1: TL_NAME(qk_dp_gs)(1, qp, st, gr->g0[i], kb, ns[b], ts, D, off, &pf); break;
+            case 2: TL_NAME(qk_dp_gs)(2, qp, st, gr->g0[i], kb, ns[b], ts, D, off, &pf); break;
+            default: TL_NAME(qk_dp_gs)(3, qp, st, gr->g0[i], kb, ns[b], ts, D, off, &pf); break;
+            }
+        }
+        off += ns[b];
+    }
+    /* the probabilities (bf16 values after the softmax) as pv_cols_dp's pairs, each block's
+     * groups of 4 rows from its start (as the 8-lane loops group them), zero past its rows */
+    uint32_t pw[TL_GC][TL_CHUNK_ROWS / 2 + 2 * TL_CHUNK_ROWS / 4] __attribute__((aligned(64)));
+    float alpha[TL_GC], one[TL_GC];
+    for (int g = 0; g < nh; g++) {
+        alpha[g] = TL_NAME(chunk_softmax)(st, g, off);
+        one[g] = 1.0f;
+        uint32_t *w = pw[g];
+        const float *sg = st->s[g];
+        for (int b = 0, o = 0; b < nb; o += ns[b++])
+            for (int r = 0; r < ns[b]; r += 4) {
+                uint32_t x[4];
+                for (int i = 0; i < 4; i++) {
+                    const float p = r + i < ns[b] ? sg[o + r + i] : 0.0f;
+                    memcpy(&x[i], &p, 4);
+                }
+                *w++ = (x[0] & 0xFFFF0000u) | (x[2] >> 16);
+                *w++ = (x[1] & 0xFFFF0000u) | (x[3] >> 16);
+            }
+    }
+    off = 0;
+    for (int b = 0, wb = 0; b < nb; wb += (ns[b] + 3) / 4 * 2, off += ns[b++]) {
+        pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
+                gr->n * ns[b]);
+        if (b + TL_PF_FAR < nb) pf_far(vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb);
+        for (int i = 0; i < gr->n; i++) {
+            const KV_T *vb = (const KV_T *)((const char *)vbs[b] + gr->off[i]);
+            const float *al = (b ? one : alpha) + gr->g0[i];
+            const uint32_t *pg[TL_GS];
+            for (int g = 0; g < gr->gn[i]; g++) pg[g] = pw[gr->g0[i] + g] + wb;
+            switch (gr->gn[i]) {
+            case 1: TL_NAME(pv_dp_gs)(1, st, gr->g0[i], pg, vb, ns[b], ts, D, al, off, &pf); break;
+            case 2: TL_NAME(pv_dp_gs)(2, st, gr->g0[i], pg, vb, ns[b], ts, D, al, off, &pf); break;
+            default: TL_NAME(pv_dp_gs)(3, st, gr->g0[i], pg, vb, ns[b], ts, D, al, off, &pf); break;
+            }
+        }
+    }
+}
+#undef ADD_EXACT
+#endif
