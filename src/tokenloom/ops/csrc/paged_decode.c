@@ -172,9 +172,11 @@ static inline __attribute__((always_inline)) void pf_run(pf_stream *s) {
     for (; s->p < e; s->p += 64) __builtin_prefetch(s->p);
 }
 
-/* The rows at p (bytes) on their way to L2, all at once: blocks further ahead than pf_stream's
- * (kv_chunk_dp), which the L2's miss queue takes without stalling the core as a block's worth
- * of L1 prefetches did. */
+/* The rows at p (bytes) on their way to L2, all at once: a block TL_PF_FAR blocks ahead of the
+ * one being read (K blocks, then V blocks), besides pf_stream's paced L1 prefetches of the
+ * next. The L2's miss queue takes a block's lines at once without stalling the core, as a
+ * block's worth of L1 prefetches did; with the next block alone in flight the loops waited on
+ * memory at every block (benchmarks/README.md, "Zen 4"). */
 #define TL_PF_FAR 3
 static inline __attribute__((unused)) void pf_far(const void *p, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)p + x, 0, 2);
@@ -333,6 +335,11 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
         pf_stream pk, pv;
         pf_init(&pk, nx < 0 ? NULL : a->k_cache + nx, nbytes, gr.n * ((n + a->qk_rows - 1) / a->qk_rows));
         pf_init(&pv, nx < 0 ? NULL : a->v_cache + nx, nbytes, gr.n * n);
+        for (int f = blk == lo ? blk + 2 : blk + TL_PF_FAR; f <= blk + TL_PF_FAR && f < hi; f++) {
+            const int64_t fat = (int64_t)bt[f] * blk_bytes + range_r0(&r, f, bs) * row_bytes;
+            pf_far(a->k_cache + fat, range_rows(&r, f, bs) * row_bytes);
+            pf_far(a->v_cache + fat, range_rows(&r, f, bs) * row_bytes);
+        }
         for (int i = 0; i < gr.n; i++) {
             const int64_t off = gr.off[i];
             a->fn(&st, gr.g0[i], gr.gn[i], a->k_cache + at + off, a->v_cache + at + off, n,

@@ -299,6 +299,8 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
         for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
         pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
                 steps);
+        for (int f = b ? b + TL_PF_FAR : 2; f <= b + TL_PF_FAR && f < 2 * nb; f++)
+            pf_far(f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb);
         for (int i = 0; i < gr->n; i++)
             TL_NAME(qk_chunk_any)(gr->gn[i], st, gr->g0[i],
                                   (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts,
@@ -320,6 +322,7 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
     for (int b = 0; b < nb; b++) {
         pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
                 gr->n * ns[b]);
+        if (b + TL_PF_FAR < nb) pf_far(vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb);
         for (int i = 0; i < gr->n; i++)
             TL_NAME(pv_chunk_any)(gr->gn[i], st, gr->g0[i],
                                   (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts,
