@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.ops import cpu_kernels
+from tokenloom.ops import cpu_kernels, cpu_memory
 
 _c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _bound: set[int] = set()
@@ -134,7 +134,7 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
     lib = _lib()
     w = weight.detach().to(torch.bfloat16).contiguous()
     N, K = w.shape
-    data = torch.empty(lib.tl_amx_bf16_packed_elems(N, K), dtype=torch.bfloat16)
+    data = cpu_memory.empty_huge((lib.tl_amx_bf16_packed_elems(N, K),), torch.bfloat16)
     lib.tl_amx_bf16_pack(w.data_ptr(), N, K, data.data_ptr())
     return AmxPackedWeight(data, N, K)
 
