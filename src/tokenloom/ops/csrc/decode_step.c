@@ -195,6 +195,9 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
             tl_rope_bf16((uint16_t *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
         else
             tl_rope_f32((float *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
+        /* the tokens' K and V into their cache slots: scattered stores that miss, split
+         * between the threads (each token its own slot) */
+#pragma omp parallel for if (T >= 16) schedule(static)
         for (int32_t t = 0; t < T; t++) {
             const char *k = qkv + (t * nqkv + qd) * es, *v = k + kvd * es;
             if (m->kv_bf16 && !m->act_bf16) {
