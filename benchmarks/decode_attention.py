@@ -90,14 +90,19 @@ def main() -> None:
                          "one block per sequence in turn as decoding goes")
     ap.add_argument("--prompt-len", type=int, default=128, help="the engine layout's prompt")
     ap.add_argument("--cases", nargs="+", default=list(_CASES), choices=list(_CASES))
+    ap.add_argument("--isa", choices=cpu_features.ISA_LEVELS, default=None,
+                    help="build for this ISA level instead of this CPU's (e.g. avx2 on an AVX-512 "
+                         "machine: the AVX2 loops on this machine's memory)")
     args = ap.parse_args()
     f = cpu_features.detect()
-    print(f"{f.summary()}; batch {args.batch}, contexts {args.context[0]}..{args.context[1]}, "
-          f"{args.layers} layers, block size {args.block_size}, {args.layout} blocks", flush=True)
-    libs = {"new": _build(Path(cpu_kernels.__file__).with_name("csrc"), f.isa)}
+    isa = args.isa or f.isa
+    print(f"{f.summary()}; kernels built for {isa}; batch {args.batch}, contexts "
+          f"{args.context[0]}..{args.context[1]}, {args.layers} layers, block size {args.block_size}, "
+          f"{args.layout} blocks", flush=True)
+    libs = {"new": _build(Path(cpu_kernels.__file__).with_name("csrc"), isa)}
     if args.rev:
         with tempfile.TemporaryDirectory() as tmp:
-            libs[args.rev] = _build(_sources_at(args.rev, Path(tmp)), f.isa)
+            libs[args.rev] = _build(_sources_at(args.rev, Path(tmp)), isa)
     for lib in libs.values():  # the summation order the engine's load picks (MKL's, probed)
         if hasattr(lib, "tl_paged_decode_set_mkl_avx2_order"):
             cpu_kernels._follow_mkl_order(lib)

@@ -159,25 +159,42 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
  * until most of it had arrived, so that loading and computing took turns
  * (benchmarks/README.md, "Decode attention at batch 64"), and in the order of the range they
  * also train the hardware's streaming prefetcher. */
-typedef struct { const char *p, *end; int64_t per; } pf_stream;
+typedef struct {
+    const char *p, *end;
+    int64_t per;
+    const char *fp, *fend; /* the far range (pf_far_init), fper bytes a step, to L2 */
+    int64_t fper;
+} pf_stream;
 
 static inline void pf_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
     s->p = (const char *)p;
     s->end = p ? s->p + bytes : s->p;
     s->per = ((bytes + 63) / 64 + steps - 1) / (steps > 0 ? steps : 1) * 64;
+    s->fp = s->fend = NULL;
+    s->fper = 0;
+}
+
+/* Besides the next rows (to L1), the rows a few blocks further on, to L2 at the same pace: a
+ * block TL_PF_FAR blocks ahead of the one being read (K blocks, then V blocks). With the next
+ * block alone in flight the loops waited on memory at every block; sent at once, a block's
+ * worth of prefetches stalled the slower (8-lane) loops while the miss queue drained
+ * (benchmarks/README.md, "Zen 4"). */
+#define TL_PF_FAR 3
+static inline void pf_far_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
+    s->fp = (const char *)p;
+    s->fend = p ? s->fp + bytes : s->fp;
+    s->fper = ((bytes + 63) / 64 + steps - 1) / (steps > 0 ? steps : 1) * 64;
 }
 
 static inline __attribute__((always_inline)) void pf_run(pf_stream *s) {
     const char *e = s->p + s->per < s->end ? s->p + s->per : s->end;
     for (; s->p < e; s->p += 64) __builtin_prefetch(s->p);
+    const char *fe = s->fp + s->fper < s->fend ? s->fp + s->fper : s->fend;
+    for (; s->fp < fe; s->fp += 64) __builtin_prefetch(s->fp, 0, 2);
 }
 
-/* The rows at p (bytes) on their way to L2, all at once: a block TL_PF_FAR blocks ahead of the
- * one being read (K blocks, then V blocks), besides pf_stream's paced L1 prefetches of the
- * next. The L2's miss queue takes a block's lines at once without stalling the core, as a
- * block's worth of L1 prefetches did; with the next block alone in flight the loops waited on
- * memory at every block (benchmarks/README.md, "Zen 4"). */
-#define TL_PF_FAR 3
+/* The rows at p (bytes) to L2 at once (a chunk's first far block, before the paced stream
+ * starts). */
 static inline __attribute__((unused)) void pf_far(const void *p, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)p + x, 0, 2);
 }
@@ -333,12 +350,20 @@ static void run_item(const decode_args *a, int b, int hq0, int nh, int part, flo
         const int64_t nx = blk + 1 < hi ? (int64_t)bt[blk + 1] * blk_bytes : after;
         const int64_t nbytes = (blk + 1 < hi ? range_rows(&r, blk + 1, bs) : after_n) * row_bytes;
         pf_stream pk, pv;
-        pf_init(&pk, nx < 0 ? NULL : a->k_cache + nx, nbytes, gr.n * ((n + a->qk_rows - 1) / a->qk_rows));
+        const int qsteps = gr.n * ((n + a->qk_rows - 1) / a->qk_rows);
+        pf_init(&pk, nx < 0 ? NULL : a->k_cache + nx, nbytes, qsteps);
         pf_init(&pv, nx < 0 ? NULL : a->v_cache + nx, nbytes, gr.n * n);
-        for (int f = blk == lo ? blk + 2 : blk + TL_PF_FAR; f <= blk + TL_PF_FAR && f < hi; f++) {
+        if (blk == lo && lo + 2 < hi) {
+            const int64_t fat =
+                (int64_t)bt[lo + 2] * blk_bytes + range_r0(&r, lo + 2, bs) * row_bytes;
+            pf_far(a->k_cache + fat, range_rows(&r, lo + 2, bs) * row_bytes);
+            pf_far(a->v_cache + fat, range_rows(&r, lo + 2, bs) * row_bytes);
+        }
+        if (blk + TL_PF_FAR < hi) {
+            const int f = blk + TL_PF_FAR;
             const int64_t fat = (int64_t)bt[f] * blk_bytes + range_r0(&r, f, bs) * row_bytes;
-            pf_far(a->k_cache + fat, range_rows(&r, f, bs) * row_bytes);
-            pf_far(a->v_cache + fat, range_rows(&r, f, bs) * row_bytes);
+            pf_far_init(&pk, a->k_cache + fat, range_rows(&r, f, bs) * row_bytes, qsteps);
+            pf_far_init(&pv, a->v_cache + fat, range_rows(&r, f, bs) * row_bytes, gr.n * n);
         }
         for (int i = 0; i < gr.n; i++) {
             const int64_t off = gr.off[i];

@@ -288,6 +288,10 @@ TL_INLINE float TL_NAME(chunk_softmax)(item_state *st, int g, int n) {
  * block by block (the accumulator rescaled once, by the first). Both passes go block by block
  * and, within a block, through all the item's head groups, so that the cache is read in its
  * order, each block once per pass, while the next block's rows are prefetched. */
+/* The far prefetch (pf_far_init) on 16 lanes only: the 8-lane chunk loops (a bf16 model on an
+ * AVX2 CPU, or MKL's AVX2 order without AVX512-BF16) are bound by their arithmetic, and ran
+ * slower with it (benchmarks/README.md, "Zen 4"). */
+#define TL_FAR_ON (VW == 16)
 static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
                               const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
                               const void *nxt, int nxtn) {
@@ -299,8 +303,13 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
         for (int i = 0; i < gr->n; i++) steps += (ns[b] + QK_ROWS - 1) / QK_ROWS;
         pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
                 steps);
-        for (int f = b ? b + TL_PF_FAR : 2; f <= b + TL_PF_FAR && f < 2 * nb; f++)
-            pf_far(f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb);
+        if (TL_FAR_ON && b == 0 && 2 < 2 * nb)
+            pf_far(2 < nb ? kbs[2] : vbs[2 - nb], (2 < nb ? ns[2] : ns[2 - nb]) * rb);
+        if (TL_FAR_ON && b + TL_PF_FAR < 2 * nb) {
+            const int f = b + TL_PF_FAR;
+            pf_far_init(&pf, f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb,
+                        steps);
+        }
         for (int i = 0; i < gr->n; i++)
             TL_NAME(qk_chunk_any)(gr->gn[i], st, gr->g0[i],
                                   (const KV_T *)((const char *)kbs[b] + gr->off[i]), ns[b], ts,
@@ -322,7 +331,8 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
     for (int b = 0; b < nb; b++) {
         pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
                 gr->n * ns[b]);
-        if (b + TL_PF_FAR < nb) pf_far(vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb);
+        if (TL_FAR_ON && b + TL_PF_FAR < nb)
+            pf_far_init(&pf, vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb, gr->n * ns[b]);
         for (int i = 0; i < gr->n; i++)
             TL_NAME(pv_chunk_any)(gr->gn[i], st, gr->g0[i],
                                   (const KV_T *)((const char *)vbs[b] + gr->off[i]), ns[b], ts,
@@ -390,8 +400,10 @@ TL_INLINE void TL_NAME(qk_rows_dp)(const int gs, const uint32_t (*qp)[128], item
             z[r] = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rows[r] + c))),
                 _mm256_loadu_si256((const __m256i *)(rows[r + 4] + c)), 1);
-        const __m512i a0 = _mm512_unpacklo_epi64(z[0], z[1]), a1 = _mm512_unpackhi_epi64(z[0], z[1]);
-        const __m512i a2 = _mm512_unpacklo_epi64(z[2], z[3]), a3 = _mm512_unpackhi_epi64(z[2], z[3]);
+        const __m512i a0 = _mm512_unpacklo_epi64(z[0], z[1]);
+        const __m512i a1 = _mm512_unpackhi_epi64(z[0], z[1]);
+        const __m512i a2 = _mm512_unpacklo_epi64(z[2], z[3]);
+        const __m512i a3 = _mm512_unpackhi_epi64(z[2], z[3]);
         __m512i x[4];  /* x[u]: units u of keys 0, 1, 4, 5, 2, 3, 6, 7 */
         x[0] = _mm512_shuffle_i64x2(a0, a2, 0x88);
         x[1] = _mm512_shuffle_i64x2(a1, a3, 0x88);
@@ -429,14 +441,16 @@ TL_INLINE void TL_NAME(qk_rows_dp)(const int gs, const uint32_t (*qp)[128], item
 static inline __attribute__((always_inline)) void pv_dp_split(__m512 a, __m512 b, __m512 *lo,
                                                               __m512 *hi) {
     const __m512i il = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    const __m512i ih = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const __m512i ih =
+        _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     *lo = _mm512_permutex2var_ps(a, il, b);
     *hi = _mm512_permutex2var_ps(a, ih, b);
 }
 static inline __attribute__((always_inline)) void pv_dp_join(__m512 lo, __m512 hi, __m512 *a,
                                                              __m512 *b) {
     const __m512i ia = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i ib = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i ib =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     *a = _mm512_permutex2var_ps(lo, ia, hi);
     *b = _mm512_permutex2var_ps(lo, ib, hi);
 }
@@ -552,8 +566,13 @@ static void TL_NAME(kv_chunk_dp)(item_state *st, const item_groups *gr, const vo
         for (int i = 0; i < gr->n; i++) steps += (ns[b] + 7) / 8;
         pf_init(&pf, b + 1 < nb ? kbs[b + 1] : vbs[0], (b + 1 < nb ? ns[b + 1] : ns[0]) * rb,
                 steps);
-        for (int f = b ? b + TL_PF_FAR : 2; f <= b + TL_PF_FAR && f < 2 * nb; f++)
-            pf_far(f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb);
+        if (b == 0 && 2 < 2 * nb)
+            pf_far(2 < nb ? kbs[2] : vbs[2 - nb], (2 < nb ? ns[2] : ns[2 - nb]) * rb);
+        if (b + TL_PF_FAR < 2 * nb) {
+            const int f = b + TL_PF_FAR;
+            pf_far_init(&pf, f < nb ? kbs[f] : vbs[f - nb], (f < nb ? ns[f] : ns[f - nb]) * rb,
+                        steps);
+        }
         for (int i = 0; i < gr->n; i++) {
             const KV_T *kb = (const KV_T *)((const char *)kbs[b] + gr->off[i]);
             switch (gr->gn[i]) {
@@ -588,7 +607,8 @@ static void TL_NAME(kv_chunk_dp)(item_state *st, const item_groups *gr, const vo
     for (int b = 0, wb = 0; b < nb; wb += (ns[b] + 3) / 4 * 2, off += ns[b++]) {
         pf_init(&pf, b + 1 < nb ? vbs[b + 1] : nxt, (b + 1 < nb ? ns[b + 1] : nxtn) * rb,
                 gr->n * ns[b]);
-        if (b + TL_PF_FAR < nb) pf_far(vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb);
+        if (b + TL_PF_FAR < nb)
+            pf_far_init(&pf, vbs[b + TL_PF_FAR], ns[b + TL_PF_FAR] * rb, gr->n * ns[b]);
         for (int i = 0; i < gr->n; i++) {
             const KV_T *vb = (const KV_T *)((const char *)vbs[b] + gr->off[i]);
             const float *al = (b ? one : alpha) + gr->g0[i];
