@@ -176,9 +176,8 @@ static inline void pf_init(pf_stream *s, const void *p, int64_t bytes, int steps
 
 /* Besides the next rows (to L1), the rows a few blocks further on, to L2 at the same pace: a
  * block TL_PF_FAR blocks ahead of the one being read (K blocks, then V blocks). With the next
- * block alone in flight the loops waited on memory at every block; sent at once, a block's
- * worth of prefetches stalled the slower (8-lane) loops while the miss queue drained
- * (benchmarks/README.md, "Zen 4"). */
+ * block alone in flight the loops waited on memory at every block; a block's worth of L2
+ * prefetches sent at once gained less than paced ones (benchmarks/README.md, "Zen 4"). */
 #define TL_PF_FAR 3
 static inline void pf_far_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
     s->fp = (const char *)p;

@@ -287,10 +287,10 @@ TL_INLINE float TL_NAME(chunk_softmax)(item_state *st, int g, int n) {
 /* The kv_chunk_fn: the scores of all the chunk's blocks first, the chunk's softmax, then P.V
  * block by block (the accumulator rescaled once, by the first). Both passes go block by block
  * and, within a block, through all the item's head groups, so that the cache is read in its
- * order, each block once per pass, while the next block's rows are prefetched. */
-/* The far prefetch (pf_far_init) on 16 lanes only: the 8-lane chunk loops (a bf16 model on an
- * AVX2 CPU, or MKL's AVX2 order without AVX512-BF16) are bound by their arithmetic, and ran
- * slower with it (benchmarks/README.md, "Zen 4"). */
+ * order, each block once per pass, while the next block's rows are prefetched, and on 16 lanes
+ * the one TL_PF_FAR blocks on (pf_far_init). The 8-lane loops (a bf16 model on an AVX2 CPU, or
+ * MKL's AVX2 order without AVX512-BF16) are bound by their arithmetic and ran slower with that
+ * (benchmarks/README.md, "Zen 4"). */
 #define TL_FAR_ON (VW == 16)
 static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void *const *kbs,
                               const void *const *vbs, const int *ns, int nb, int64_t ts, int D,
@@ -340,7 +340,7 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
         off += ns[b];
     }
 }
-
+#undef TL_FAR_ON
 
 #if VW == 16 && defined(__AVX512BF16__)
 /* ---- MKL's AVX2 order on 16 lanes with AVX512-BF16 dot products: the chunk path of an AVX-512
