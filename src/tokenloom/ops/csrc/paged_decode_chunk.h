@@ -167,10 +167,22 @@ TL_INLINE void TL_NAME(pv_cols_mkl)(const int gs, const int nv, item_state *st, 
 #pragma GCC unroll 8
         for (int v = 0; v < nv; v++) VSTORE(st->acc[g0 + g] + c + v * VW, acc[g][v]);
 }
+#endif
+
+/* a + b as written: GCC may reassociate a plain vector add under -ffast-math (_mm512_add_ps is
+ * one), not a builtin with its rounding given (AVX2 has none; its loops are checked bit for bit
+ * as compiled). */
+#if VW == 16
+#define VADD_EXACT(a, b) _mm512_add_round_ps((a), (b), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #else
-/* acc[:, c .. c + VW] as above, in MKL's AVX2 order: groups of 4 rows from the split's start
- * (off is a multiple of 4 when the block size is), each as (row 0 + row 2) + (row 1 + row 3),
- * added to the rescaled accumulator. The columns are in their own order (pair_w 0). */
+#define VADD_EXACT(a, b) VADD(a, b)
+#endif
+
+/* acc[:, c .. c + VW] = acc * alpha + P . V for heads g0 .. g0 + gs - 1 over rows 0 .. n - 1, in
+ * MKL's AVX2 order: groups of 4 rows from the split's start (off is a multiple of 4 when the
+ * block size is), each as (row 0 + row 2) + (row 1 + row 3), added to the rescaled accumulator.
+ * The columns are in their own order (pair_w 0): the 8-lane loops' P.V, and on 16 lanes the
+ * last 16 columns of kv_chunk_dp's (below). */
 TL_INLINE void TL_NAME(pv_cols_avx2)(const int gs, item_state *st, int g0, const KV_T *vb,
                                      int64_t ts, int n, int c, const float *alpha, int off,
                                      pf_stream *pf) {
@@ -192,12 +204,11 @@ TL_INLINE void TL_NAME(pv_cols_avx2)(const int gs, item_state *st, int g0, const
                 part[k >> 1][g] = VFMA(VSET1(st->s[g0 + g][off + u]), x, part[k >> 1][g]);
         }
 #pragma GCC unroll 8
-        for (int g = 0; g < gs; g++) acc[g] = VADD(acc[g], VADD(part[0][g], part[1][g]));
+        for (int g = 0; g < gs; g++) acc[g] = VADD_EXACT(acc[g], VADD_EXACT(part[0][g], part[1][g]));
     }
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) VSTORE(st->acc[g0 + g] + c, acc[g]);
 }
-#endif
 
 TL_INLINE void TL_NAME(pv_chunk_gs)(const int gs, item_state *st, int g0, const KV_T *vb, int n,
                                     int64_t ts, int D, const float *alpha, int off,
@@ -358,10 +369,6 @@ static void TL_NAME(kv_chunk)(item_state *st, const item_groups *gr, const void 
  * subnormal inputs as zero: a term below 2^-126 that the FMAs would add is dropped, which no
  * score or output of a real model notices. */
 
-/* a + b as written: GCC may reassociate a plain vector add under -ffast-math (_mm512_add_ps is
- * one), not a builtin with its rounding given. */
-#define ADD_EXACT(a, b) _mm512_add_round_ps((a), (b), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
 /* Head g's query as Q.K's pairs: for each 8 columns 8s .. 8s + 7, four 32-bit words, word j =
  * (bf16 q[8s + 4 + j] in the lower half, q[8s + j] in the upper): the two terms of class j (the
  * elements i = j mod 4) that step s adds, the earlier upper. The query holds bfloat16 values
@@ -427,10 +434,10 @@ TL_INLINE void TL_NAME(qk_rows_dp)(const int gs, const uint32_t (*qp)[128], item
     const __m512i keys = _mm512_setr_epi32(0, 16, 8, 24, 4, 20, 12, 28, 0, 0, 0, 0, 0, 0, 0, 0);
 #pragma GCC unroll 8
     for (int g = 0; g < gs; g++) {
-        const VEC l2 = ADD_EXACT(acc_l[g], _mm512_permute_ps(acc_l[g], 0x4E));
-        const VEC h2 = ADD_EXACT(acc_h[g], _mm512_permute_ps(acc_h[g], 0x4E));
-        const VEC l4 = ADD_EXACT(l2, _mm512_permute_ps(l2, 0xB1));
-        const VEC h4 = ADD_EXACT(h2, _mm512_permute_ps(h2, 0xB1));
+        const VEC l2 = VADD_EXACT(acc_l[g], _mm512_permute_ps(acc_l[g], 0x4E));
+        const VEC h2 = VADD_EXACT(acc_h[g], _mm512_permute_ps(acc_h[g], 0x4E));
+        const VEC l4 = VADD_EXACT(l2, _mm512_permute_ps(l2, 0xB1));
+        const VEC h4 = VADD_EXACT(h2, _mm512_permute_ps(h2, 0xB1));
         _mm256_storeu_ps(st->s[g0 + g] + off + t,
                          _mm512_castps512_ps256(_mm512_permutex2var_ps(l4, keys, h4)));
     }
@@ -490,8 +497,8 @@ TL_INLINE void TL_NAME(pv_cols_dp)(const int gs, item_state *st, int g0, const u
             const __m512bh p13 = (__m512bh)_mm512_set1_epi32((int)pp[g][w + 1]);
             const VEC zl = _mm512_dpbf16_ps(VZERO(), e02l, p02);
             const VEC zh = _mm512_dpbf16_ps(VZERO(), e02h, p02);
-            lo[g] = ADD_EXACT(lo[g], ADD_EXACT(zl, _mm512_dpbf16_ps(VZERO(), e13l, p13)));
-            hi[g] = ADD_EXACT(hi[g], ADD_EXACT(zh, _mm512_dpbf16_ps(VZERO(), e13h, p13)));
+            lo[g] = VADD_EXACT(lo[g], VADD_EXACT(zl, _mm512_dpbf16_ps(VZERO(), e13l, p13)));
+            hi[g] = VADD_EXACT(hi[g], VADD_EXACT(zh, _mm512_dpbf16_ps(VZERO(), e13h, p13)));
         }
     }
 #pragma GCC unroll 8
@@ -501,35 +508,6 @@ TL_INLINE void TL_NAME(pv_cols_dp)(const int gs, item_state *st, int g0, const u
         VSTORE(st->acc[g0 + g] + c, a);
         VSTORE(st->acc[g0 + g] + c + 16, b);
     }
-}
-
-/* P.V of 16 columns at c (a head size that is an odd multiple of 16: its last 16): the same
- * sums, the rows widened to float32 (the pairs' order needs two vectors' columns). */
-TL_INLINE void TL_NAME(pv_cols16_dp)(const int gs, item_state *st, int g0, const KV_T *vb,
-                                     int64_t ts, int n, int c, const float *alpha, int off,
-                                     pf_stream *pf) {
-    VEC acc[TL_GS];
-#pragma GCC unroll 8
-    for (int g = 0; g < gs; g++) acc[g] = VMUL(VLOAD(st->acc[g0 + g] + c), VSET1(alpha[g]));
-    for (int u0 = 0; u0 < n; u0 += 4) {
-        VEC part[2][TL_GS];
-#pragma GCC unroll 8
-        for (int g = 0; g < gs; g++) part[0][g] = part[1][g] = VZERO();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const int u = u0 + (k >> 1) + 2 * (k & 1);  /* 0, 2, 1, 3 */
-            if (u >= n) continue;
-            if (pf) pf_run(pf);
-            const VEC x = KV_ONE(vb + u * ts + c);
-#pragma GCC unroll 8
-            for (int g = 0; g < gs; g++)
-                part[k >> 1][g] = VFMA(VSET1(st->s[g0 + g][off + u]), x, part[k >> 1][g]);
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < gs; g++) acc[g] = ADD_EXACT(acc[g], ADD_EXACT(part[0][g], part[1][g]));
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < gs; g++) VSTORE(st->acc[g0 + g] + c, acc[g]);
 }
 
 TL_INLINE void TL_NAME(qk_dp_gs)(const int gs, const uint32_t (*qp)[128], item_state *st, int g0,
@@ -547,7 +525,7 @@ TL_INLINE void TL_NAME(pv_dp_gs)(const int gs, item_state *st, int g0, const uin
     int c = 0;
     for (; c + 32 <= D; c += 32, pf = NULL)
         TL_NAME(pv_cols_dp)(gs, st, g0, pp, vb, ts, n, c, alpha, pf);
-    if (c < D) TL_NAME(pv_cols16_dp)(gs, st, g0, vb, ts, n, c, alpha, off, pf);
+    if (c < D) TL_NAME(pv_cols_avx2)(gs, st, g0, vb, ts, n, c, alpha, off, pf);  /* last 16 */
 }
 
 /* The kv_chunk_fn in MKL's AVX2 order with dot products: kv_chunk's passes (below) over the
@@ -622,5 +600,5 @@ static void TL_NAME(kv_chunk_dp)(item_state *st, const item_groups *gr, const vo
         }
     }
 }
-#undef ADD_EXACT
 #endif
+#undef VADD_EXACT
