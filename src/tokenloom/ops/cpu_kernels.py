@@ -34,6 +34,7 @@ C entry point); callers check dtype, device and layout once, not here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -169,9 +170,7 @@ def _set_silu_table(lib: ctypes.CDLL) -> None:
     lib.tl_set_silu_bf16_table(table.data_ptr())
 
 
-_mkl_avx2_order: bool | None = None
-
-
+@functools.cache
 def mkl_bf16_avx2_order() -> bool:
     """Whether MKL's bf16 gemm (cblas_gemm_bf16bf16f32, which torch's CPU flash attention calls
     for a bf16 decode query) sums a dot product in its AVX2 order on this CPU. MKL picks its
@@ -180,23 +179,19 @@ def mkl_bf16_avx2_order() -> bool:
     1 and 5, the AVX2 order (four running sums of the elements i mod 4, paged_decode_chunk.h)
     adds the two ones to each other first, 2^24 + 2; the AVX-512 one adds the first one to 2^24
     (rounding it away), 2^24."""
-    global _mkl_avx2_order
-    if _mkl_avx2_order is None:
-        _mkl_avx2_order = False
-        try:
-            gemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).cblas_gemm_bf16bf16f32
-        except (OSError, AttributeError):
-            return False
-        gemm.restype = None
-        gemm.argtypes = [ctypes.c_int] * 6 + [_c_f, _c_p, ctypes.c_int, _c_p, ctypes.c_int, _c_f, _c_p,
-                                              ctypes.c_int]
-        row = torch.zeros(64)
-        row[0], row[1], row[5] = 2.0 ** 24, 1.0, 1.0
-        keys, q, out = row[None].bfloat16(), torch.ones(64).bfloat16(), torch.zeros(1)
-        # column-major, keys transposed: out[0] = K^T q, as torch's kernel calls it
-        gemm(102, 112, 111, 1, 1, 64, 1.0, keys.data_ptr(), 64, q.data_ptr(), 64, 0.0, out.data_ptr(), 1)
-        _mkl_avx2_order = float(out[0]) == 2.0 ** 24 + 2
-    return _mkl_avx2_order
+    try:
+        gemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).cblas_gemm_bf16bf16f32
+    except (OSError, AttributeError):
+        return False
+    gemm.restype = None
+    gemm.argtypes = [ctypes.c_int] * 6 + [_c_f, _c_p, ctypes.c_int, _c_p, ctypes.c_int, _c_f, _c_p,
+                                          ctypes.c_int]
+    row = torch.zeros(64)
+    row[0], row[1], row[5] = 2.0 ** 24, 1.0, 1.0
+    keys, q, out = row[None].bfloat16(), torch.ones(64).bfloat16(), torch.zeros(1)
+    # column-major, keys transposed: out[0] = K^T q, as torch's kernel calls it
+    gemm(102, 112, 111, 1, 1, 64, 1.0, keys.data_ptr(), 64, q.data_ptr(), 64, 0.0, out.data_ptr(), 1)
+    return float(out[0]) == 2.0 ** 24 + 2
 
 
 def _follow_mkl_order(lib: ctypes.CDLL) -> None:

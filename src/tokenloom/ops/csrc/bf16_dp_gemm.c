@@ -121,7 +121,8 @@ static void dp_block_any(int mr, const uint16_t *x, int64_t ldx, int64_t K, cons
                          const float *bias, int cols, uint16_t *y, int64_t ldy) {
     switch (mr) {
         TL_DP_CASE(1) TL_DP_CASE(2) TL_DP_CASE(3) TL_DP_CASE(4) TL_DP_CASE(5) TL_DP_CASE(6)
-        TL_DP_CASE(7) TL_DP_CASE(8) TL_DP_CASE(9) TL_DP_CASE(10) TL_DP_CASE(11) TL_DP_CASE(12) TL_DP_CASE(13)
+        TL_DP_CASE(7) TL_DP_CASE(8) TL_DP_CASE(9) TL_DP_CASE(10) TL_DP_CASE(11) TL_DP_CASE(12)
+        TL_DP_CASE(13)
         default: break;
     }
 }
@@ -166,7 +167,8 @@ int32_t tl_bf16dp_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16
             const uint16_t *b0 = packed + (2 * np) * nkb * 512, *b1 = b0 + nkb * 512;
             const int64_t dir = nx >= 0 && nx < it ? -1 : 1, pn = np + dir;
             const int entry = dir > 0 ? mb == 0 : mb == mblocks - 1;
-            const uint16_t *pf = entry && pn >= 0 && pn < npairs ? packed + (2 * pn) * nkb * 512 : b0;
+            const uint16_t *pf =
+                entry && pn >= 0 && pn < npairs ? packed + (2 * pn) * nkb * 512 : b0;
             dp_block_any(mr, x + m0 * ldx, ldx, K, b0, b1, pf, nkb * 512, kpchunk,
                          bias ? bias + n0 : NULL, cols, y + m0 * ldy + n0, ldy);
         }

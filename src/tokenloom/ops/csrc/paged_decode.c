@@ -231,14 +231,13 @@ static int g_mkl_avx2_order = 0;
 
 void tl_paged_decode_set_mkl_avx2_order(int32_t on) { g_mkl_avx2_order = on; }
 
-/* 1 where this build has the dot-product loops of MKL's AVX2 order (kv_chunk_dp). */
-int32_t tl_paged_decode_dp_built(void) {
+/* Whether this build has the dot-product loops of MKL's AVX2 order (kv_chunk_dp). */
 #if TL_HAVE_AVX512 && defined(__AVX512BF16__)
-    return 1;
+#define TL_DECODE_DP 1
 #else
-    return 0;
+#define TL_DECODE_DP 0
 #endif
-}
+int32_t tl_paged_decode_dp_built(void) { return TL_DECODE_DP; }
 
 /* Each vector width's kv_block_fn and kv_chunk_fn. */
 #include "paged_decode_kernels.h"
@@ -478,15 +477,16 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
     }
 #endif
 #if TL_HAVE_AVX512
-    /* (MKL's AVX2 order: see g_mkl_avx2_order) */
-    const int mkl_avx2 = io_bf16 && g_mkl_avx2_order, dp = mkl_avx2 && g_mkl_avx2_order != 2;
-    if (head_dim % 16 == 0 && (!mkl_avx2 || (dp && tl_paged_decode_dp_built()))) {
+    /* MKL's AVX2 order (see g_mkl_avx2_order): the dot-product loops, else the 8-lane ones */
+    const int mkl_avx2 = io_bf16 && g_mkl_avx2_order;
+    const int dp = TL_DECODE_DP && mkl_avx2 && g_mkl_avx2_order != 2;
+    if (head_dim % 16 == 0 && (!mkl_avx2 || dp)) {
         a.fn = kv_bf16 ? kv_block_avx512_bf16kv : kv_block_avx512_f32;
         a.pair_w = kv_bf16 ? 16 : 0;
         a.qk_rows = 8;
         if (io_bf16) a.chunk_fn = kv_chunk_avx512_bf16kv;
-#ifdef __AVX512BF16__
-        if (mkl_avx2) {
+#if TL_DECODE_DP
+        if (dp) {
             a.chunk_fn = kv_chunk_dp_avx512_bf16kv;
             a.pair_w = 0;
         }
