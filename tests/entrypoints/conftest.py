@@ -48,6 +48,19 @@ def child_pids(pid: int) -> list[int]:
     return pids
 
 
+def is_render_worker(pid: int) -> bool:
+    """A chat-template render worker (entrypoints/openai/chat_render.py), not an engine core."""
+    try:
+        return b"render_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def core_pids(pid: int) -> list[int]:
+    """The children of a server that are not its render workers: its engine core(s)."""
+    return [p for p in child_pids(pid) if not is_render_worker(p)]
+
+
 class ServerProcess:
     def __init__(self, extra_args: list[str], api_key: str | None, num_cores: int | None = 1,
                  env: dict[str, str] | None = None, tls_ca: str | None = None) -> None:
@@ -65,7 +78,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("TOKENLOOM_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")} | (env or {})
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
-        cores = child_pids(self.proc.pid)
+        cores = core_pids(self.proc.pid)
         assert num_cores is None or len(cores) == num_cores, f"expected {num_cores} engine-core child(ren), found {cores}"
         self.core_pids = cores
         self.core_pid = cores[0] if cores else None

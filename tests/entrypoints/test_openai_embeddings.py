@@ -36,7 +36,7 @@ def tiny(tmp_path_factory, smollm2_path):
 def server(tiny):
     srv = ServerProcess(["--model", tiny[0], "--runner", "pooling", "--dtype", "float32", "--max-model-len", "256",
                          "--num-kv-blocks", "64", "--max-num-batched-tokens", "16",
-                         "--served-model-name", "embedder"], None)
+                         "--served-model-name", "embedder", "--trust-request-chat-template"], None)
     try:
         yield srv
     finally:

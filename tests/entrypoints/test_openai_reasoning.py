@@ -20,7 +20,8 @@ from model_helpers import save_hf_dir, tiny_hf_model  # noqa: E402
 
 from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, opens_reasoning, split_reasoning  # noqa: E402
 
-SERVER_ARGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "pythonic", "--num-kv-blocks", "256"]
+SERVER_ARGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "pythonic", "--num-kv-blocks", "256",
+               "--trust-request-chat-template"]
 
 
 @pytest.mark.parametrize("text, opened, reasoning, content", [
@@ -151,7 +152,8 @@ def thinking_server(tmp_path_factory, smollm2_path):
     model = tiny_hf_model("qwen3", vocab_size=len(tokenizer), seed=21)
     directory = save_hf_dir(model, tokenizer, str(tmp_path_factory.mktemp("thinking") / "model"))
     srv = ServerProcess(["--model", directory, "--reasoning-parser", "qwen3", "--dtype", "float32",
-                         "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "thinker"], None)
+                         "--max-model-len", "256", "--num-kv-blocks", "64", "--served-model-name", "thinker",
+                         "--trust-request-chat-template"], None)
     try:
         yield srv, tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     finally:

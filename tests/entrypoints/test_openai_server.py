@@ -15,7 +15,9 @@ import pytest
 TOKENLOOM = Path(sys.executable).with_name("tokenloom")
 
 SERVER_API_KEY = "test-key-123"
-SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2), "--served-model-name", "tiny", "alias"]
+# --trust-request-chat-template: one test renders a request's own template.
+SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 * 1024**2), "--served-model-name", "tiny", "alias",
+               "--trust-request-chat-template"]
 MODEL = "tiny"
 PROMPT = "The capital of France is"
 

@@ -22,6 +22,8 @@ _spec.loader.exec_module(server_helpers)
 
 ServerProcess = server_helpers.ServerProcess
 child_pids = server_helpers.child_pids
+core_pids = server_helpers.core_pids
+is_render_worker = server_helpers.is_render_worker
 pid_alive = server_helpers.pid_alive
 
 API_KEY = "reliability-key-0123456789"

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from reliability_helpers import MODEL, SMALL_SERVER_ARGS, child_pids, ipc_dir_of, pid_alive, running_server, wait_until
+from reliability_helpers import MODEL, SMALL_SERVER_ARGS, core_pids, ipc_dir_of, pid_alive, running_server, wait_until
 
 LONG = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
@@ -141,7 +141,7 @@ def test_embedding_requests_in_flight_fail_with_503_when_the_core_dies():
 def test_engine_core_exits_when_server_is_killed(fresh_server):
     srv = fresh_server
     core, ipc_dir = srv.core_pid, ipc_dir_of(srv.core_pid)
-    assert child_pids(srv.proc.pid) == [core]
+    assert core_pids(srv.proc.pid) == [core]
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait(timeout=30)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from reliability_helpers import MODEL, SMALL_SERVER_ARGS, child_pids, pid_alive, running_server, wait_until
+from reliability_helpers import MODEL, SMALL_SERVER_ARGS, child_pids, core_pids, pid_alive, running_server, wait_until
 
 from tokenloom.entrypoints.openai.api_server import DRAIN_S
 
@@ -92,7 +92,7 @@ def test_ctrl_c_is_a_clean_stop():
                 except httpx.HTTPError:
                     return proc.poll() is not None
             assert wait_until(ready, 300, interval=0.5) and proc.poll() is None
-            (core,) = child_pids(proc.pid)
+            (core,) = core_pids(proc.pid)
             os.killpg(proc.pid, signal.SIGINT)
             rc = proc.wait(timeout=60)
             text = Path(log.name).read_text()

@@ -9,6 +9,8 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from tokenloom.engine.chat_template import ChatRender
+from tokenloom.engine.chat_template import render as render_chat
 from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
@@ -18,6 +20,11 @@ from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.structured_output import validate as validate_structured_outputs
 
 Conversation = list[dict[str, Any]]
+
+# Arguments of a render that a request's chat_template_kwargs may not override (transformers'
+# apply_chat_template gives its own keyword arguments the last word the same way).
+_RENDER_ARGUMENTS = frozenset({"tokenize", "add_generation_prompt", "tools", "documents", "continue_final_message",
+                               "chat_template", "conversation", "conversations", "return_assistant_tokens_mask"})
 
 # What a pooling request carries to the engine core as its SamplingParams: the core's bookkeeping
 # (stop checks, the sampler's row) reads one from every request; a pooling request finishes
@@ -180,11 +187,28 @@ class InputProcessor:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[str]:
         """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
-        of prompt texts of a list of conversations, by the tokenizer's chat template (or
-        `chat_template`, a Jinja template of one's own). `tools` (OpenAI's function definitions)
-        are rendered as the template renders them (transformers' `apply_chat_template(tools=...)`);
-        a template without tool support leaves them out. `continue_final_message` leaves the last
-        message open for the model to continue (an assistant prefill), as in vLLM and transformers;
+        of prompt texts of a list of conversations, rendered here, in the caller's thread (the
+        server renders `chat_render_jobs` in its render workers instead)."""
+        jobs = self.chat_render_jobs(messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
+                                     chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        prompts = [render_chat(job) for job in jobs]
+        return prompts[0] if isinstance(messages[0], dict) else prompts
+
+    def chat_render_jobs(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[ChatRender]:
+        """One render job per conversation, by the tokenizer's chat template (or `chat_template`,
+        a Jinja template of one's own). `tools` (OpenAI's function definitions) are rendered as
+        the template renders them (transformers' `apply_chat_template(tools=...)`); a template
+        without tool support leaves them out. `continue_final_message` leaves the last message
+        open for the model to continue (an assistant prefill), as in vLLM and transformers;
         `chat_template_kwargs` are the template's own variables (e.g. Qwen3's `enable_thinking`).
         A message's content may be OpenAI's list of text parts: they are joined with newlines,
         as vLLM joins them."""
@@ -200,19 +224,21 @@ class InputProcessor:
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}.")
         single = isinstance(messages[0], dict)
         conversations: Sequence[Conversation] = [messages] if single else messages  # type: ignore[list-item]
-        prompts = []
+        # A named template (a tokenizer's dict of them, e.g. "tool_use") is picked as transformers picks it.
+        template = self.tokenizer.get_chat_template(chat_template, tools)
+        # The tokenizer's special tokens, then the caller's own variables; the render's own
+        # arguments (what this call means) are not the caller's to set.
+        variables = {**self.tokenizer.special_tokens_map,
+                     **{k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RENDER_ARGUMENTS}}
+        jobs = []
         for conversation in conversations:
             if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
                 raise ValueError("each conversation must be a list of {'role': ..., 'content': ...} dicts.")
             if continue_final_message and not conversation:
                 raise ValueError("continue_final_message needs a conversation with a last message to continue.")
-            # The caller's own variables first: ours name what this call means and win.
-            kwargs = {**(chat_template_kwargs or {}), "tokenize": False,
-                      "add_generation_prompt": add_generation_prompt, "tools": tools,
-                      "continue_final_message": continue_final_message, "chat_template": chat_template}
-            prompts.append(self.tokenizer.apply_chat_template([_text_message(m, i) for i, m in enumerate(conversation)],
-                                                              **kwargs))
-        return prompts[0] if single else prompts
+            jobs.append(ChatRender(template, [_text_message(m, i) for i, m in enumerate(conversation)],
+                                   add_generation_prompt, continue_final_message, tools, variables))
+        return jobs
 
     # ------------------------------------------------------------------------------ internals
 

@@ -103,6 +103,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used where a request names none "
                    "(default: the tokenizer's)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (refused by default, as vLLM does: a template is a "
+                   "program, and a request's is its sender's)")
+    p.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a chat-template render that runs longer is stopped (its worker process killed) and its "
+                   "request gets a 400 (default: 10 s)")
+    p.add_argument("--chat-template-max-memory", type=int, default=256 * 1024**2, metavar="BYTES",
+                   help="the memory a chat-template render may take beyond its worker's own; past it the request "
+                   "gets a 400 (default: 256 MiB)")
+    p.add_argument("--chat-template-workers", type=int, default=2, metavar="N",
+                   help="worker processes that render chat templates, each one render at a time (default: 2)")
     p.add_argument("--response-role", default="assistant", help="the role of the server's chat replies (default: assistant)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage gets prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")

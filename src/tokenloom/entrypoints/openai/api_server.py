@@ -31,6 +31,7 @@ from starlette.responses import Response
 import tokenloom
 from tokenloom.config import configured_torch_profiler_dir
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -188,18 +189,25 @@ def build_app(
     max_log_len: int = 200,
     force_include_usage: bool = False,
     enable_docs: bool = True,
+    trust_request_chat_template: bool = False,
+    render_limits: RenderLimits | None = None,
 ) -> FastAPI:
     """The app. CORS as vLLM's: by default any origin may call the API from a browser (the
     preflight is answered before the key is checked; the request itself still needs the key)."""
+    renderer = ChatTemplateRenderer(render_limits)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        renderer.start()
         yield
+        renderer.close()
         if shutdown_engine_on_exit:
             engine.shutdown()
 
     # /docs, /redoc and /openapi.json as vLLM serves them (open, like /health; --disable-fastapi-docs).
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, lifespan=lifespan, root_path=root_path,
                   **({} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
+    app.state.renderer = renderer  # serve.py ends its renders when the server stops
     completions = OpenAIServingCompletion(engine, served_model_names, max_waiting_requests)
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}.")
@@ -220,6 +228,9 @@ def build_app(
         if request_logger.getEffectiveLevel() > logging.INFO:
             request_logger.setLevel(logging.INFO)
     chat.reasoning_parser = responses.reasoning_parser = reasoning_parser
+    for serving in (completions, chat, responses, tokens, embeddings):
+        serving.renderer = renderer
+        serving.trust_request_chat_template = trust_request_chat_template
     for serving in (completions, chat, responses, embeddings):
         serving.max_log_len = max_log_len
         serving.force_include_usage = force_include_usage

@@ -174,7 +174,10 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, served_model_names=names, chat_template=chat_template,
                         response_role=args.response_role,
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        # The batch file is the operator's own: its requests' templates are trusted
+                        # (they still render under the render workers' limits).
+                        trust_request_chat_template=True)
         rows = asyncio.run(_run(app, lines, args.max_concurrency, not args.disable_progress_bar))
     finally:
         engine.shutdown()

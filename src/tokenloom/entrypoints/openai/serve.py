@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.api_server import DRAIN_S, build_app
+from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
 from tokenloom.entrypoints.openai.serving_lora import check_lora_modules
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
@@ -68,6 +69,13 @@ def read_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
     return value
+
+
+def render_limits(args: argparse.Namespace) -> RenderLimits:
+    """The chat-template render limits the serve flags set (a ValueError names a bad one)."""
+    return RenderLimits(timeout_s=getattr(args, "chat_template_timeout", 10.0),
+                        memory_bytes=getattr(args, "chat_template_max_memory", 256 * 1024**2),
+                        num_workers=getattr(args, "chat_template_workers", 2))
 
 
 def _ssl_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,6 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
     chat_template = read_chat_template(getattr(args, "chat_template", None))
+    limits = render_limits(args)
     ssl_options = _ssl_options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
@@ -199,6 +208,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_log_len=getattr(args, "max_log_len", 200),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
         enable_docs=not getattr(args, "disable_fastapi_docs", False),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        render_limits=limits,
     )
     server = _server_class()(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
@@ -220,7 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
     async def serve() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(_watch_engine(server, engine, exit_on_death=not keep_alive, died=engine_died))
-        drain = asyncio.create_task(_end_requests_when_stopping(server, engine, DRAIN_S))
+        drain = asyncio.create_task(_end_requests_when_stopping(server, engine, DRAIN_S, app.state.renderer))
         await task
         watchdog.cancel()
         drain.cancel()
@@ -235,17 +246,23 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if server.started and not (engine_died.is_set() and not keep_alive) else 1
 
 
-async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: float) -> None:
+async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: float,
+                                      renderer: ChatTemplateRenderer) -> None:
     """Once the server is stopping, requests in flight get `drain_s` to finish; what still runs
-    then is ended by shutting the engine down, so each stream ends with its error event and
-    [DONE], and each plain request with a 503 (`server_shutting_down`), before uvicorn gives up
-    on their connections (which cuts a body off mid-way)."""
+    then is ended by shutting the engine down (and the chat-template renders by killing their
+    workers), so each stream ends with its error event and [DONE], and each plain request with a
+    503 (`server_shutting_down`), before uvicorn gives up on their connections (which cuts a body
+    off mid-way)."""
     while not server.should_exit:
         await asyncio.sleep(0.1)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_s
-    while engine.get_num_unfinished_requests() > 0 and loop.time() < deadline:
+    while (engine.get_num_unfinished_requests() > 0 or renderer.num_busy) and loop.time() < deadline:
         await asyncio.sleep(0.1)
+    if renderer.num_busy:
+        logger.warning("shutting down: ending %d chat-template render(s) still running after %.0f s",
+                       renderer.num_busy, drain_s)
+    renderer.close()
     running = engine.get_num_unfinished_requests()
     if running:
         logger.warning("shutting down: ending %d request(s) still running after %.0f s", running, drain_s)

@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
                 processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
-        prompt = await self.render_conversation(req, conversation)
+        prompt = await self.render_conversation(req, conversation, raw_request=raw_request)
         # With a reasoning parser, whether the reply starts inside <think> (the prompt opened it).
         reasoning = self.reasoning_opened(prompt)
         if not req.use_beam_search:

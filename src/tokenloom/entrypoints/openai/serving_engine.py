@@ -17,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from tokenloom.engine.async_llm import AsyncLLM, RequestStream
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
+from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.entrypoints.openai.reasoning_parsers import opens_reasoning
 from tokenloom.lora_request import LoRARequest
@@ -38,6 +39,9 @@ def sse_event(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+# The longest render accepted where the tokenizer cannot say how many characters a token spans.
+MAX_RENDERED_CHARS = 64 * 1024**2
 
 
 def engine_dead_error(e: BaseException | None = None) -> OpenAIServingError:
@@ -92,6 +96,10 @@ class OpenAIServing:
         self.max_waiting_requests = max_waiting_requests
         # --chat-template: the server's template where a request names none (None: the tokenizer's).
         self.chat_template = chat_template
+        # Where every chat template renders (build_app shares one; chat_render.py says why), and
+        # whether a request may bring its own template (--trust-request-chat-template, as vLLM).
+        self.renderer = ChatTemplateRenderer()
+        self.trust_request_chat_template = False
         self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
         self.max_log_len = 200  # --max-log-len: the most of a prompt that line shows
         self.force_include_usage = False  # --enable-force-include-usage: streams end with usage
@@ -183,23 +191,48 @@ class OpenAIServing:
             )
 
     async def render_conversation(self, req: Any, conversation: list[dict[str, Any]],
-                                  tools: list[dict[str, Any]] | None = None, param: str = "messages") -> str:
+                                  tools: list[dict[str, Any]] | None = None, param: str = "messages",
+                                  raw_request: Request | None = None) -> str:
         """The prompt text of `conversation` (a chat request's messages as templates take them),
-        rendered off the loop by the request's chat template, else the server's, else the
-        tokenizer's, with the request's template options (a request without them: a generation
-        prompt after the last message); `tools` in chat's shape (default: the request's). A
-        template error is a 400 naming `param`."""
-        continue_final = getattr(req, "continue_final_message", False)
+        rendered in a render worker (chat_render.py) by the request's chat template (only under
+        --trust-request-chat-template), else the server's, else the tokenizer's, with the
+        request's template options (a request without them: a generation prompt after the last
+        message); `tools` in chat's shape (default: the request's). A template that fails or
+        passes a render's limits is a 400 naming `param` (`chat_template` for the request's own);
+        with `raw_request`, a client that leaves abandons the render (a 499 nobody reads)."""
+        own = req.chat_template is not None
+        if own and not self.trust_request_chat_template:
+            raise bad_request("chat_template: this server does not render a request's own chat template; its "
+                              "operator can allow that with --trust-request-chat-template.", param="chat_template")
+        processor = self.engine.input_processor
         try:
-            return await self.engine.run_off_loop(functools.partial(
-                self.engine.input_processor.apply_chat_template, conversation,
+            (job,) = await self.engine.run_off_loop(functools.partial(
+                processor.chat_render_jobs, conversation,
                 getattr(req, "add_generation_prompt", True), (tools if tools is not None else req.tools) or None,
-                continue_final_message=continue_final,
-                chat_template=req.chat_template if req.chat_template is not None else self.chat_template,
+                continue_final_message=getattr(req, "continue_final_message", False),
+                chat_template=req.chat_template if own else self.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs))
-        except Exception as e:  # noqa: BLE001 - a template error is the conversation's fault
+        except (ValueError, TypeError) as e:
             name = "continue_final_message" if "continue_final_message" in str(e) else param
             raise bad_request(f"{param} could not be rendered with the chat template: {e}", param=name) from None
+        per_token = processor.max_chars_per_token
+        max_chars = processor.max_prompt_tokens * per_token if per_token else MAX_RENDERED_CHARS
+        try:
+            if raw_request is None:
+                return await self.renderer.render(job, max_chars)
+            text = await run_until_disconnected(raw_request, self.renderer.render(job, max_chars))
+        except RenderError as e:
+            if e.kind == "shutdown":
+                raise engine_dead_error(EngineShutDownError(str(e))) from None
+            if e.kind == "server":
+                raise
+            name = "chat_template" if own and e.kind != "template" else param
+            if "continue_final_message" in str(e):
+                name = "continue_final_message"
+            raise bad_request(f"{param} could not be rendered with the chat template: {e}", param=name) from None
+        if text is None:
+            raise OpenAIServingError("The client closed the request.", 499, "invalid_request_error", None, "client_closed")
+        return text
 
     # ---- request fields -> SamplingParams -----------------------------------------------------
 
