@@ -50,6 +50,9 @@ class StructuredOutputRequest:
     # When (time.monotonic()) the request stops waiting for its compile, and the limit it names.
     deadline: float = float("inf")
     timeout: float = float("inf")
+    # Whether the compiler exists: the clock starts once it does (xgrammar's import and the
+    # vocabulary, loaded with the first grammar, are the engine's start-up, not this spec's).
+    compiler_ready: Callable[[], bool] = lambda: True
     matcher: xgr.GrammarMatcher | None = None
     error: str | None = field(default=None)
     phase: int = GRAMMAR
@@ -66,6 +69,8 @@ class StructuredOutputRequest:
         if self.matcher is not None or self.error is not None:
             return True
         if not self.future.done():
+            if not self.compiler_ready():
+                self.deadline = time.monotonic() + self.timeout
             if time.monotonic() < self.deadline:
                 return False
             self.error = (f"structured_outputs.{self.params.kind} did not compile within the time limit of "
@@ -173,7 +178,11 @@ class StructuredOutputManager:
         if not future.done():
             self._waiters[key] = self._waiters.get(key, 0) + 1
         return StructuredOutputRequest(params=params, future=future, stop_token_ids=self.stop_token_ids, key=key,
-                                       deadline=time.monotonic() + self.compile_timeout, timeout=self.compile_timeout)
+                                       deadline=time.monotonic() + self.compile_timeout, timeout=self.compile_timeout,
+                                       compiler_ready=self._compiler_ready)
+
+    def _compiler_ready(self) -> bool:
+        return self._compiler is not None
 
     def release(self, request: StructuredOutputRequest) -> None:
         """The request no longer waits for its compile (it got it, failed, or was aborted): a
