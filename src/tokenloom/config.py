@@ -86,6 +86,21 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                              f"exceed prompt_lookup_max ({self.prompt_lookup_max}).")
 
 
+class StructuredOutputLimits(msgspec.Struct, frozen=True, kw_only=True):  # type: ignore[call-arg]
+    """How large a structured output's spec may be (EngineConfig's structured_outputs_max_*);
+    checked in the caller before the spec is parsed (structured_output/backend.check_limits)."""
+
+    structured_outputs_max_grammar_chars: int = 8192
+    structured_outputs_max_schema_chars: int = 65536
+    structured_outputs_max_schema_depth: int = 64
+    structured_outputs_max_choices: int = 4096
+    structured_outputs_max_choice_chars: int = 65536
+
+
+STRUCTURED_OUTPUT_LIMITS = tuple(StructuredOutputLimits.__struct_fields__)
+_LIMITS = StructuredOutputLimits()  # the defaults, once
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     """Everything the engine core needs to build itself; sent to the child process at start-up."""
 
@@ -170,6 +185,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # "is_original_qwen3_reranker": true} (model/hf_config.read_config_json). A dict, not
     # vLLM's alternative of a function: the engine core reads the checkpoint in its own process.
     hf_overrides: dict[str, Any] | None = None
+    # Structured outputs: what one request's grammar may ask of the compiler. The limits keep
+    # every admitted compile short (xgrammar's compile time grows faster than linearly with a
+    # grammar's rules and a schema's nesting), so a compile needs no killing; several compile
+    # threads keep one slow compile from holding the others; a compile past the time limit fails
+    # its request. Each refusal names the field, the limit and its flag.
+    # Characters of a grammar or regex; of a JSON schema's text, and its nesting; strings of a
+    # choice list, and their characters together.
+    structured_outputs_max_grammar_chars: int = _LIMITS.structured_outputs_max_grammar_chars
+    structured_outputs_max_schema_chars: int = _LIMITS.structured_outputs_max_schema_chars
+    structured_outputs_max_schema_depth: int = _LIMITS.structured_outputs_max_schema_depth
+    structured_outputs_max_choices: int = _LIMITS.structured_outputs_max_choices
+    structured_outputs_max_choice_chars: int = _LIMITS.structured_outputs_max_choice_chars
+    structured_outputs_compile_timeout: float = 30.0  # seconds a request waits for its grammar
+    structured_outputs_compile_threads: int = 2
 
     @property
     def executor_backend(self) -> str:
@@ -257,9 +286,23 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.enable_lora and tp > 1:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size={tp}: LoRA adapters run "
                              "with one rank.")
+        for name in STRUCTURED_OUTPUT_LIMITS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        timeout = self.structured_outputs_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}.")
+        threads = self.structured_outputs_compile_threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"structured_outputs_compile_threads must be a positive integer, got {threads!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
 
+
+    def structured_output_limits(self) -> StructuredOutputLimits:
+        """The size limits the callers' input processors check a structured output against."""
+        return StructuredOutputLimits(**{name: getattr(self, name) for name in STRUCTURED_OUTPUT_LIMITS})
 
     @property
     def is_pooling(self) -> bool:

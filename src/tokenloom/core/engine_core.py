@@ -49,7 +49,8 @@ class EngineCore:
         stop_ids = [t for t in model_config.eos_token_ids if t is not None]
         self.structured_output_manager = StructuredOutputManager(
             None, model_config.vocab_size, stop_ids, config.max_num_seqs,
-            tokenizer_loader=self.executor.tokenizer)
+            num_compile_threads=config.structured_outputs_compile_threads,
+            compile_timeout=config.structured_outputs_compile_timeout, tokenizer_loader=self.executor.tokenizer)
         self.scheduler = Scheduler(config, num_kv_blocks, self.max_model_len,
                                    self.structured_output_manager, kv_cache_groups(model_config))
         self.info = EngineInfo(

@@ -41,6 +41,7 @@ class GrammarQueue:
                 wait_reasons[req_id] = WaitReason.GRAMMAR_COMPILE
                 continue
             del self.compiling[req_id]
+            self.manager.release(so)  # type: ignore[union-attr]
             if so.error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = so.error
@@ -53,7 +54,11 @@ class GrammarQueue:
     def remove(self, request: Request) -> bool:
         """Forgets a finished request; True when it was still waiting for its grammar."""
         self.live.discard(request.request_id)
-        return self.compiling.pop(request.request_id, None) is not None
+        if self.compiling.pop(request.request_id, None) is None:
+            return False
+        assert self.manager is not None and request.structured_output is not None
+        self.manager.release(request.structured_output)  # an aborted request's compile may go
+        return True
 
     def bitmask(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """The bitmask rows of the structured requests that sample in this step: those whose
@@ -66,7 +71,14 @@ class GrammarQueue:
             return
         assert self.manager is not None
         output.structured_output_req_ids = ids
-        output.grammar_bitmask = self.manager.grammar_bitmask([requests[r].structured_output for r in ids])  # type: ignore[misc]
+        bitmask = self.manager.grammar_bitmask([requests[r].structured_output for r in ids])  # type: ignore[misc]
+        output.grammar_bitmask = bitmask
+        # A row that allows no token: the grammar cannot go on from here. Whatever the sampler
+        # picks would break it, so the request fails with the grammar's name (`dead_end`).
+        empty = (bitmask == 0).all(dim=1)
+        if bool(empty.any()):
+            for row in empty.nonzero().flatten().tolist():
+                requests[ids[row]].structured_output.dead_end = True  # type: ignore[union-attr]
 
     def wait(self, timeout: float) -> None:
         """Blocks until a compiling grammar is done, or `timeout` (the engine core's loop, when
@@ -74,6 +86,20 @@ class GrammarQueue:
         if self.compiling:
             assert self.manager is not None
             self.manager.wait_any([r.structured_output for r in self.compiling.values()], timeout)  # type: ignore[misc]
+
+    @staticmethod
+    def fail_dead_end(request: Request) -> bool:
+        """Fails a request whose grammar allowed no next token (its sampled token is dropped);
+        False when the grammar allowed one."""
+        so = request.structured_output
+        if so is None or not so.dead_end:
+            return False
+        request.status = RequestStatus.FINISHED_ERROR
+        kind = so.params.kind
+        request.error = (f"structured_outputs.{kind} allows no token after the output so far: the "
+                         f"{kind if kind != 'json' else 'JSON schema'} can never be completed from here "
+                         "(e.g. a rule that refers only to itself)")
+        return True
 
     @staticmethod
     def advance(request: Request, new_token_ids: list[int]) -> None:

@@ -402,6 +402,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = failed[req_id]
                 new_token_ids = []
+            elif request.structured_output is not None and self.grammars.fail_dead_end(request):
+                new_token_ids = []  # the grammar allowed no token: none is kept
             elif request.pooling_params is not None:
                 # A pooling request ends with its prompt: the runner pooled it in this step.
                 new_token_ids = []

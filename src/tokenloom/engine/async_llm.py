@@ -94,6 +94,7 @@ class AsyncLLM:
             kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
             enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
             pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
+            structured_output_limits=config.structured_output_limits(),
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (

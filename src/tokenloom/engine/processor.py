@@ -9,6 +9,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from tokenloom.config import StructuredOutputLimits
 from tokenloom.engine.chat_template import ChatRender
 from tokenloom.engine.chat_template import render as render_chat
 from tokenloom.lora_request import LoRARequest
@@ -47,8 +48,11 @@ class InputProcessor:
         enable_lora: bool = False,
         max_lora_rank: int = 16,
         pooler_config: PoolerConfig | None = None,
+        structured_output_limits: StructuredOutputLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # How large a structured output's spec may be (None: unlimited); see backend.check_limits.
+        self.structured_output_limits = structured_output_limits
         # Set for an engine with runner="pooling": it takes PoolingParams requests only.
         self.pooler_config = pooler_config
         if pooler_config is not None and pooler_config.dimensions is not None:
@@ -394,8 +398,9 @@ class InputProcessor:
         params = params.clone(**changes)
         params.verify_against_vocab(self.vocab_size)
         if params.structured_outputs is not None:
-            # The schema, regex or grammar must compile: refused here with the compiler's message.
-            validate_structured_outputs(params.structured_outputs)
+            # The schema, regex or grammar must be within the limits and compile: refused here
+            # with a message naming the field (and the limit, or quoting the compiler).
+            validate_structured_outputs(params.structured_outputs, self.structured_output_limits)
         return params
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:

@@ -128,6 +128,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    metavar="JSON", help='how a pooling model pools, over its own settings: \'{"pooling_type": "MEAN", '
                                         '"normalize": false}\' (LAST, MEAN or CLS; default: the model\'s '
                                         "sentence-transformers files, else LAST, normalized)")
+    so = parser.add_argument_group("structured outputs (a request over a limit gets a 400 naming the field and the limit)")
+    so.add_argument("--structured-outputs-max-grammar-chars", type=human_int,
+                    default=_DEFAULTS.structured_outputs_max_grammar_chars,
+                    help="most characters of a grammar or a regex (a compile's time grows faster than linearly with a "
+                         "grammar's rules)")
+    so.add_argument("--structured-outputs-max-schema-chars", type=human_int,
+                    default=_DEFAULTS.structured_outputs_max_schema_chars, help="most characters of a JSON schema's text")
+    so.add_argument("--structured-outputs-max-schema-depth", type=int,
+                    default=_DEFAULTS.structured_outputs_max_schema_depth,
+                    help="deepest nesting of objects and arrays in a JSON schema")
+    so.add_argument("--structured-outputs-max-choices", type=human_int, default=_DEFAULTS.structured_outputs_max_choices,
+                    help="most strings in a choice list")
+    so.add_argument("--structured-outputs-max-choice-chars", type=human_int,
+                    default=_DEFAULTS.structured_outputs_max_choice_chars, help="most characters of a choice list's strings together")
+    so.add_argument("--structured-outputs-compile-timeout", type=float,
+                    default=_DEFAULTS.structured_outputs_compile_timeout,
+                    help="seconds a request waits for its grammar to compile before it fails")
+    so.add_argument("--structured-outputs-compile-threads", type=int,
+                    default=_DEFAULTS.structured_outputs_compile_threads,
+                    help="grammars compiled at once, so that one slow compile does not hold the other requests' grammars")
     v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")

@@ -114,7 +114,11 @@ class LLM:
     ) -> None:
         """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `trust_remote_code`,
         `swap_space`, `disable_log_stats`) are taken with a warning; any
-        other unknown keyword is a TypeError, as before."""
+        other unknown keyword is a TypeError, as before. EngineConfig's structured-output limits
+        (`structured_outputs_max_grammar_chars`, `structured_outputs_compile_timeout`, ...) are
+        taken by their names."""
+        structured = {name: vllm_only.pop(name) for name in list(vllm_only)
+                      if name.startswith("structured_outputs_") and name in EngineConfig.__struct_fields__}
         unknown = sorted(set(vllm_only) - set(VLLM_ONLY_ARGS))
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
@@ -155,6 +159,7 @@ class LLM:
             convert=convert,
             pooler_config=_pooler_config(pooler_config, override_pooler_config),  # type: ignore[arg-type]
             hf_overrides=hf_overrides,
+            **structured,
         )
         config.validate()
         # Before the engine starts: a model's unusable generation_config.json is said at once.

@@ -1,15 +1,19 @@
 """The one place that knows xgrammar's API: a `StructuredOutputsParams` to a grammar.
 
-Two uses: `validate` parses a spec into a grammar without a tokenizer (cheap, ~1 ms; the caller's
-input processor runs it so a bad schema, regex or grammar is refused with the compiler's message
-before anything is queued), and `compile_spec` compiles it against the model's vocabulary (the
-engine core's compile threads).
+Two uses: `validate` checks a spec's size against the engine's limits, parses it into a grammar
+and compiles that against a stand-in vocabulary of the 256 bytes (cheap: the caller's input
+processor runs it so a bad, oversized or unsatisfiable schema, regex or grammar is refused with a
+message naming the field before anything is queued), and `compile_spec` compiles it against the
+model's vocabulary (the engine core's compile threads).
 """
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.config import StructuredOutputLimits
 from tokenloom.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -78,28 +82,132 @@ _VALID: dict[tuple[str, str, bool], None] = {}  # specs seen to parse (bounded, 
 _MAX_VALID = 1024
 
 
-def validate(params: StructuredOutputsParams) -> None:
-    """Raises ValueError naming the field and quoting the compiler when the spec cannot be
-    compiled (malformed, or using a feature the backend does not support)."""
+_WHAT = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar", "choice": "choice list"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _too_large(field: str, what: str, size: int, name: str, limit: int) -> ValueError:
+    return ValueError(f"{field} is too large: {what} {size}, more than the limit of {limit} "
+                      f"({name}, {_flag(name)}).")
+
+
+def _depth(value: Any) -> int:
+    """How deeply a JSON value nests objects and arrays (iterative: a deep one is the point)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_limits(params: StructuredOutputsParams, limits: StructuredOutputLimits | None) -> None:
+    """Raises ValueError naming the field, the limit and its flag when the spec is larger than
+    `limits` allow (None: no limits). Cheap, and done before anything parses the spec: a compile's
+    time grows faster than linearly with a grammar's rules and a schema's nesting."""
+    if limits is None:
+        return
+    kind = params.kind
+    field = f"structured_outputs.{kind}"
+    if kind in ("regex", "grammar"):
+        text = getattr(params, kind)
+        name = "structured_outputs_max_grammar_chars"
+        if len(text) > limits.structured_outputs_max_grammar_chars:
+            raise _too_large(field, "characters", len(text), name, limits.structured_outputs_max_grammar_chars)
+    elif kind == "choice":
+        choices = params.choice or []
+        total = sum(len(c) for c in choices)
+        if len(choices) > limits.structured_outputs_max_choices:
+            raise _too_large(field, "choices", len(choices), "structured_outputs_max_choices",
+                             limits.structured_outputs_max_choices)
+        if total > limits.structured_outputs_max_choice_chars:
+            raise _too_large(field, "characters in all choices", total, "structured_outputs_max_choice_chars",
+                             limits.structured_outputs_max_choice_chars)
+    elif kind == "json":
+        schema = params.json
+        text = schema if isinstance(schema, str) else None
+        if text is None or len(text) <= limits.structured_outputs_max_schema_chars:
+            try:
+                text = _schema_text(params)  # a dict's size is its JSON text's
+                depth = _depth(json.loads(text) if isinstance(schema, str) else schema)
+            except RecursionError:  # nested past Python's parser: far past any depth limit
+                depth = sys.getrecursionlimit()
+        name = "structured_outputs_max_schema_chars"
+        if len(text) > limits.structured_outputs_max_schema_chars:
+            raise _too_large(field, "characters of JSON", len(text), name, limits.structured_outputs_max_schema_chars)
+        name = "structured_outputs_max_schema_depth"
+        if depth > limits.structured_outputs_max_schema_depth:
+            raise _too_large(field, "nesting depth", depth, name, limits.structured_outputs_max_schema_depth)
+
+
+def validate(params: StructuredOutputsParams, limits: StructuredOutputLimits | None = None) -> None:
+    """Raises ValueError naming the field: the spec is larger than `limits` (check_limits), cannot
+    be compiled (malformed, or using a feature the backend does not support: the compiler's
+    message is quoted), or allows no output at all (a grammar or regex whose start cannot be
+    matched; checked up to STAND_IN_MAX_CHARS)."""
+    check_limits(params, limits)
     key = spec_key(params)
     if key in _VALID:
         return
     kind, text, _ = key
     xgr = load_xgrammar()
+    grammar = None
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(text, **_whitespace(params))
+            grammar = xgr.Grammar.from_json_schema(text, **_whitespace(params))
         elif kind == "regex":
-            xgr.Grammar.from_regex(text)
+            grammar = xgr.Grammar.from_regex(text)
         elif kind in ("grammar", "choice"):
-            xgr.Grammar.from_ebnf(text if kind == "grammar" else _choice_ebnf(params.choice or []))
+            grammar = xgr.Grammar.from_ebnf(text if kind == "grammar" else _choice_ebnf(params.choice or []))
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar",
-                "choice": "choice list"}[kind]
-        raise ValueError(f"structured_outputs.{kind} is not a valid {what}: {_compiler_message(e)}") from None
+        raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_compiler_message(e)}") from None
+    if kind in ("grammar", "regex") and len(text) <= STAND_IN_MAX_CHARS and not _satisfiable(grammar):
+        why = " (a rule that only refers to itself, or to rules that match nothing, is never complete)"
+        raise ValueError(f"structured_outputs.{kind} matches no text: no output can start it"
+                         f"{why if kind == 'grammar' else ''}.")
     if len(_VALID) >= _MAX_VALID:
         del _VALID[next(iter(_VALID))]
     _VALID[key] = None
+
+
+# The 256 bytes (and an end token) stand in for a model's vocabulary: any text tokenizes into
+# them, so the start state allows a byte exactly when the grammar's language has a text that
+# starts with it, and compiling against 257 tokens is cheap next to a model's vocabulary.
+_STAND_IN_EOS = 256
+# The stand-in compile costs about what the real one does for a grammar with many rules (the time
+# goes to the grammar, not the vocabulary), and it runs in the caller (a server's event loop):
+# longer grammars (allowed by a raised limit) are checked while generating instead (a bitmask row
+# that allows no token fails the request naming the field).
+STAND_IN_MAX_CHARS = 8192
+_stand_in: list[Any] = []  # [GrammarCompiler], built on first use
+_stand_in_lock = threading.Lock()
+
+
+def _stand_in_compiler() -> Any:
+    with _stand_in_lock:
+        if not _stand_in:
+            xgr = load_xgrammar()
+            info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], xgr.VocabType.RAW,
+                                     stop_token_ids=[_STAND_IN_EOS])
+            _stand_in.append(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+        return _stand_in[0]
+
+
+def _satisfiable(grammar: Any) -> bool:
+    """Whether the grammar's start state allows a byte or is already complete (the empty text)."""
+    xgr = load_xgrammar()
+    matcher = xgr.GrammarMatcher(_stand_in_compiler().compile_grammar(grammar))
+    if matcher.is_completed():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, _STAND_IN_EOS + 1)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _compiler_message(e: BaseException) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,21 +46,37 @@ class StructuredOutputRequest:
     params: StructuredOutputsParams
     future: Future
     stop_token_ids: list[int]
+    key: tuple = ()
+    # When (time.monotonic()) the request stops waiting for its compile, and the limit it names.
+    deadline: float = float("inf")
+    timeout: float = float("inf")
+    # Whether the compiler exists: the clock starts once it does (xgrammar's import and the
+    # vocabulary, loaded with the first grammar, are the engine's start-up, not this spec's).
+    compiler_ready: Callable[[], bool] = lambda: True
     matcher: xgr.GrammarMatcher | None = None
     error: str | None = field(default=None)
     phase: int = GRAMMAR
+    # Set when the grammar allowed no token at all for the request's next one (see GrammarQueue).
+    dead_end: bool = False
 
     def __post_init__(self) -> None:
         if self.params._reasoning is not None:
             self.phase = REASONING if self.params._reasoning[2] else UNDECIDED
 
     def ready(self) -> bool:
-        """True once the matcher exists; False while compiling. A failed compilation sets
-        `error` and returns True (the scheduler then fails the request)."""
+        """True once the matcher exists; False while compiling. A failed compilation, or one past
+        the time limit, sets `error` and returns True (the scheduler then fails the request)."""
         if self.matcher is not None or self.error is not None:
             return True
         if not self.future.done():
-            return False
+            if not self.compiler_ready():
+                self.deadline = time.monotonic() + self.timeout
+            if time.monotonic() < self.deadline:
+                return False
+            self.error = (f"structured_outputs.{self.params.kind} did not compile within the time limit of "
+                          f"{self.timeout:g} s (structured_outputs_compile_timeout, "
+                          "--structured-outputs-compile-timeout); a smaller spec compiles sooner")
+            return True
         exc = self.future.exception()
         if exc is not None:
             self.error = f"structured_outputs.{self.params.kind} could not be compiled: {exc}"
@@ -99,10 +116,11 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_num_seqs: int,
-                 *, num_compile_threads: int = 1,
+                 *, num_compile_threads: int = 2, compile_timeout: float = float("inf"),
                  tokenizer_loader: Callable[[], Any] | None = None) -> None:
         """`tokenizer`, or None and `tokenizer_loader` to build it with the first grammar (on the
-        compile thread); its EOS joins `stop_token_ids` then."""
+        compile thread); its EOS joins `stop_token_ids` then. A request waits at most
+        `compile_timeout` seconds for its grammar."""
         self._tokenizer = tokenizer
         self._tokenizer_loader = tokenizer_loader
         self.vocab_size = vocab_size
@@ -111,8 +129,15 @@ class StructuredOutputManager:
         # matcher (built once its compilation is done) sees the full list.
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.max_num_seqs = max_num_seqs
-        # One compile thread: the cores belong to the model, and a compilation takes milliseconds.
+        # Several compile threads, so that one slow compile does not hold every other request's
+        # grammar behind it. A running compile cannot be interrupted (xgrammar's C++ holds no
+        # cancellation point); rather than a compile process to kill (a second copy of xgrammar
+        # and the vocabulary, and compiled grammars serialized across), the caller's size limits
+        # keep every compile short, a request stops waiting at `compile_timeout`, and a compile
+        # nobody waits for any more is cancelled before it starts (`release`).
         self._pool = ThreadPoolExecutor(max_workers=num_compile_threads, thread_name_prefix="grammar")
+        self.compile_timeout = compile_timeout
+        self._waiters: dict[tuple, int] = {}  # requests waiting on each pending compile
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         # xgrammar and its view of the vocabulary load with the first structured request, on
@@ -150,7 +175,28 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return StructuredOutputRequest(params=params, future=future, stop_token_ids=self.stop_token_ids)
+        if not future.done():
+            self._waiters[key] = self._waiters.get(key, 0) + 1
+        return StructuredOutputRequest(params=params, future=future, stop_token_ids=self.stop_token_ids, key=key,
+                                       deadline=time.monotonic() + self.compile_timeout, timeout=self.compile_timeout,
+                                       compiler_ready=self._compiler_ready)
+
+    def _compiler_ready(self) -> bool:
+        return self._compiler is not None
+
+    def release(self, request: StructuredOutputRequest) -> None:
+        """The request no longer waits for its compile (it got it, failed, or was aborted): a
+        compile that nobody waits for and that has not started is cancelled and forgotten, so an
+        aborted request's compile does not hold the threads."""
+        count = self._waiters.get(request.key)
+        if count is None:
+            return
+        if count > 1:
+            self._waiters[request.key] = count - 1
+            return
+        del self._waiters[request.key]
+        if request.future.cancel() and self._cache.get(request.key) is request.future:
+            del self._cache[request.key]
 
     def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> torch.Tensor:
         """Rows 0..len(requests)-1 of the bitmask filled for the requests' next tokens (a view

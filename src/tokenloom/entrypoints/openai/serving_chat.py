@@ -49,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _tools(self, req: ChatCompletionRequest) -> tuple[ToolChoice, StructuredOutputsParams | None]:
         choice, extra = resolve_tools(req.tools or [], req.tool_choice, req.parallel_tool_calls)
-        return choice, structured_outputs_of(req, extra)
+        return choice, structured_outputs_of(req, extra, limits=self.so_limits)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(req.model)

@@ -97,11 +97,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.use_beam_search:
             if echo_only:
                 raise bad_request("max_tokens 0 (echo only) cannot be combined with use_beam_search.", param="max_tokens")
-            beam = self.beam_search_params(req, structured_outputs_of(req))
+            beam = self.beam_search_params(req, structured_outputs_of(req, limits=self.so_limits))
         else:
             params = self.sampling_params(req, max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
                                           prompt_logprobs=prompt_logprobs, field_names={},
-                                          structured_outputs=structured_outputs_of(req))
+                                          structured_outputs=structured_outputs_of(req, limits=self.so_limits))
         n = req.n
         self.check_capacity(n * len(prompts))
         request_id = req.request_id or random_id("cmpl")

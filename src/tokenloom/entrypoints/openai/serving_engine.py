@@ -101,6 +101,8 @@ class OpenAIServing:
         self.renderer = ChatTemplateRenderer()
         self.trust_request_chat_template = False
         self.log_requests = False  # --enable-log-requests: one INFO line per accepted request
+        # --structured-outputs-max-*: checked before a spec is parsed (a 400 naming field and limit).
+        self.so_limits = engine.input_processor.structured_output_limits
         self.max_log_len = 200  # --max-log-len: the most of a prompt that line shows
         self.force_include_usage = False  # --enable-force-include-usage: streams end with usage
         # --generation-config: what a request that leaves a sampling field unset gets (the
@@ -459,9 +461,19 @@ class OpenAIServing:
         return finals  # type: ignore[return-value]
 
 
+# How the engine core starts the error of a request it failed for its structured output (a
+# grammar that never compiled in time, or that allows no next token): the client's spec.
+_GRAMMAR_ERROR = re.compile(r"structured_outputs\.(json_object|json|regex|choice|grammar) ")
+
+
 def check_output_error(out: RequestOutput) -> None:
     """A request the engine failed on its own (the engine keeps running): a 500 that names the
-    request and the cause (counted in tokenloom:request_errors_total)."""
+    request and the cause (counted in tokenloom:request_errors_total); a failure of the request's
+    own structured output is a 400 naming that field."""
+    grammar = _GRAMMAR_ERROR.match(out.error or "")
+    if grammar is not None:
+        raise bad_request(f"Request {out.request_id} failed: {out.error}",
+                          param=f"structured_outputs.{grammar.group(1)}")
     if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
         raise OpenAIServingError(
             f"The engine failed request {out.request_id}: {out.error or 'unknown error'}",

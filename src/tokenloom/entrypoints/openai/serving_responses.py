@@ -272,7 +272,8 @@ class OpenAIServingResponses(OpenAIServing):
     def _tools(self, req: ResponsesRequest) -> tuple[list[dict[str, Any]], ToolChoice, StructuredOutputsParams | None]:
         tools = chat_tools(req.tools)
         choice, extra = resolve_tools(tools, _chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
-        return tools, choice, structured_outputs_of(req, text_format_of(req.text), extra)
+        return tools, choice, structured_outputs_of(req, text_format_of(req.text), extra,
+                                                    limits=self.so_limits)
 
     # ---- POST /v1/responses -------------------------------------------------------------------------
 

@@ -2,13 +2,14 @@
 
 OpenAI's `response_format` (`json_object`, `json_schema`; the Responses API's `text.format`), vLLM's `structured_outputs` object and
 its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. A request may use
-one of them; the spec must compile (checked here, so the 400 names the request's own field and
-quotes the compiler).
+one of them; the spec must be within the engine's size limits, compile and match some text
+(checked here, so the 400 names the request's own field and the limit, or quotes the compiler).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from tokenloom.config import StructuredOutputLimits
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.structured_output import validate
@@ -78,11 +79,12 @@ def text_format_of(text: Any) -> tuple[StructuredOutputsParams, str] | None:
     return None if so is None else (so, "text.format.schema" if kind == "json_schema" else "text.format")
 
 
-def structured_outputs_of(req: _SamplingFields, *extras: tuple[StructuredOutputsParams, str] | None
-                          ) -> StructuredOutputsParams | None:
+def structured_outputs_of(req: _SamplingFields, *extras: tuple[StructuredOutputsParams, str] | None,
+                          limits: StructuredOutputLimits | None = None) -> StructuredOutputsParams | None:
     """The request's one structured-output spec (None: free text). `extras` are those the
     endpoint adds itself (a tool choice's schema, the Responses API's `text.format`), each named
-    by the field that asked for it; None entries are skipped."""
+    by the field that asked for it; None entries are skipped. A spec larger than `limits` is a 400
+    naming the field, the limit and its flag."""
     found: list[tuple[StructuredOutputsParams, str]] = []
     if req.response_format is not None:
         so, param = _from_response_format(req.response_format)
@@ -114,7 +116,7 @@ def structured_outputs_of(req: _SamplingFields, *extras: tuple[StructuredOutputs
         return None
     so, param = found[0]
     try:
-        validate(so)
+        validate(so, limits)
     except ValueError as e:
         raise bad_request(str(e).replace(f"structured_outputs.{so.kind}", param, 1), param=param) from None
     return so
