@@ -402,7 +402,7 @@ def build_app(
     @app.post("/v1/load_lora_adapter", operation_id="load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         req = await parse_body(request, LoadLoRAAdapterRequest, max_request_body_bytes, engine)
-        return adapters.load(req.lora_name, req.lora_path)
+        return await adapters.load(req.lora_name, req.lora_path)
 
     @app.post("/v1/unload_lora_adapter", operation_id="unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
