@@ -56,7 +56,11 @@ from tokenloom.entrypoints.openai.serving_lora import (
 )
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, OpenAIServingResponses
 from tokenloom.entrypoints.openai import serving_engine as serving_engine_module
-from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
+from tokenloom.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    engine_dead_error,
+    json_response,
+)
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.request_body import (
     body_schema,
@@ -170,6 +174,7 @@ def build_app(
     max_waiting_requests: int | None = None,
     shutdown_engine_on_exit: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     tool_call_parser: str = "hermes",
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
@@ -222,6 +227,7 @@ def build_app(
     chat.reasoning_parser = responses.reasoning_parser = reasoning_parser
     for serving in (completions, chat, responses, embeddings):
         serving.max_log_len = max_log_len
+        serving.max_prompts_per_request = max_prompts_per_request
         serving.force_include_usage = force_include_usage
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.
