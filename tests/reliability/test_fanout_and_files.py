@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_helpers import MODEL, SMALL_SERVER_ARGS, ServerProcess, kill_quietly, openai_error
+from reliability_helpers import MODEL, SMALL_SERVER_ARGS, ServerProcess, kill_quietly, openai_error, success_count, wait_until_clean
 
 MAX_NUM_SEQS = 4
 SERVER_ARGS = [*SMALL_SERVER_ARGS, "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-lora", "--max-lora-rank", "8"]
@@ -151,3 +151,17 @@ def test_a_big_prompt_list_does_not_hold_another_clients_request(server):
     print(f"\nthe other client's request ended after {before} of the big request's {num_prompts} prompts")
     # FCFS with every prompt queued at once: all of them. With the window: about two windows.
     assert before <= 3 * MAX_NUM_SEQS, before
+
+
+def test_a_big_request_whose_client_leaves_queues_no_more_prompts(server):
+    """Its held-back prompts are dropped with it: they never run, and nothing of it is left."""
+    num_prompts = 32
+    big = {"model": MODEL, "prompt": [f"Story {i}:" for i in range(num_prompts)], "max_tokens": 48,
+           "temperature": 0, "ignore_eos": True}
+    before = success_count(server.metrics(), "length")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=big, timeout=0.5)
+    assert wait_until_clean(server, timeout=30), server.metrics()
+    ran = success_count(server.metrics(), "length") - before
+    assert ran < num_prompts // 2, ran  # had they been queued after all, nearly all would have run
+    assert _complete(server).status_code == 200

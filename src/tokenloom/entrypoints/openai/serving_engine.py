@@ -94,18 +94,20 @@ class WindowedStream:
     request's earlier prompts has finished, so that other clients' requests arriving meanwhile
     join the engine's queue between them."""
 
-    def __init__(self, engine: AsyncLLM, request: EngineCoreRequest, prompt_text: str | None,
-                 slots: asyncio.Semaphore, stream: RequestStream | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, num_seqs: int, slots: asyncio.Semaphore,
+                 held: tuple[EngineCoreRequest, str | None] | None = None, stream: RequestStream | None = None
+                 ) -> None:
+        """Either `stream` (queued at once, holding one of the window's `slots`) or `held` (the
+        processed request and its prompt text, queued when it gets a slot)."""
         self.engine = engine
-        self.request_id = request.request_id
-        self.num_seqs = request.sampling_params.n
-        self._request: EngineCoreRequest | None = None if stream is not None else request
-        self._prompt_text = prompt_text
+        self.request_id = request_id
+        self.num_seqs = num_seqs
+        self._request, self._prompt_text = held or (None, None)
         self._slots = slots  # released by each of the request's prompts as it ends
         self.stream = stream  # in the engine (None: not yet)
         self._closed = False
         if self._request is not None:
-            engine.num_deferred_seqs += self.num_seqs
+            engine.num_deferred_seqs += num_seqs
 
     def _undefer(self) -> EngineCoreRequest | None:
         request, self._request = self._request, None
@@ -422,30 +424,26 @@ class OpenAIServing:
         (`field_names`: the request's name for max_tokens, as in `sampling_params`). Every prompt
         is checked first; past a window of --max-num-seqs sequences the rest are queued one as
         each earlier one ends (WindowedStream), so that one request cannot hold the queue."""
-        processed: list[tuple[EngineCoreRequest, str | None]] = []
+        n = params.n if isinstance(params, SamplingParams) else 1
+        window = max(1, self.engine.config.max_num_seqs // n)
+        streams: list[RequestStream] = []
+        held: list[tuple[EngineCoreRequest, str | None]] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                processed.append(await self.engine.process_request(
-                    request_id, prompt, params, priority, max_tokens_within_context=True, lora_request=lora_request))
+                request, text = await self.engine.process_request(
+                    request_id, prompt, params, priority, max_tokens_within_context=True, lora_request=lora_request)
+                if i < window:  # the first run while the rest are checked
+                    streams.append(await self.engine.add_processed_request(request, text))
+                else:
+                    held.append((request, text))
         except ValueError as e:
+            self.engine.abort_nowait(*[s.request_id for s in streams])
             # The input processor speaks of `prompt` and `prompt_token_ids`: the request's field is
             # `prompt_param` (prompt or messages).
             names = {**(field_names or {}), "prompt": prompt_param, "prompt_token_ids": prompt_param}
             raise error_from_value_error(e, names, prompt_param=prompt_param) from None
         except EngineDeadError as e:
-            raise engine_dead_error(e) from None
-        n = params.n if isinstance(params, SamplingParams) else 1
-        window = max(1, self.engine.config.max_num_seqs // n)
-        streams: list[RequestStream] = []
-        try:
-            for request, prompt_text in processed[:window]:
-                streams.append(await self.engine.add_processed_request(request, prompt_text))
-        except ValueError as e:  # its id came in flight meanwhile (a client-given request_id)
-            self.engine.abort_nowait(*[s.request_id for s in streams])
-            raise bad_request(str(e), param="request_id") from None
-        except EngineDeadError as e:
-            self.engine.abort_nowait(*[s.request_id for s in streams])
             raise engine_dead_error(e) from None
         except BaseException:
             self.engine.abort_nowait(*[s.request_id for s in streams])
@@ -453,12 +451,13 @@ class OpenAIServing:
         if self.log_requests:
             shown = repr(prompts[0])[:self.max_log_len] if len(prompts) == 1 else f"{len(prompts)} prompts"
             logger.info("Received request %s: prompt: %s, params: %s", base_id, shown, params)
-        if len(processed) <= window:
+        if not held:
             return streams
         slots = asyncio.Semaphore(0)
-        return ([WindowedStream(self.engine, request, text, slots, stream)
-                 for (request, text), stream in zip(processed, streams)]
-                + [WindowedStream(self.engine, request, text, slots) for request, text in processed[window:]])
+        return ([WindowedStream(self.engine, stream.request_id, stream.num_seqs, slots, stream=stream)
+                 for stream in streams]
+                + [WindowedStream(self.engine, request.request_id, request.sampling_params.n, slots, (request, text))
+                   for request, text in held])
 
     async def merged_outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every stream, in arrival order. Closing it early (or an
