@@ -35,7 +35,7 @@ from tokenloom.engine.core_client import ENGINE_SHUT_DOWN, EngineDeadError, Engi
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
-from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, now
+from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, EngineCoreRequest, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
@@ -108,6 +108,9 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished_seqs = 0
         self._num_pending_seqs = 0  # being tokenized (see add_request)
+        # Sequences a caller has processed and holds back to add later (the server adds a big
+        # request's prompts a window at a time): unfinished work, counted for admission.
+        self.num_deferred_seqs = 0
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._reaper: asyncio.Task | None = None
@@ -154,6 +157,22 @@ class AsyncLLM:
         ValueError for a bad prompt or parameters (with `max_tokens_within_context`, also for a
         max_tokens the context cannot hold: see InputProcessor.process), EngineDeadError if the
         core is gone."""
+        request, prompt_text = await self.process_request(request_id, prompt, params, priority,
+                                                          max_tokens_within_context, lora_request, pooling_task)
+        return await self.add_processed_request(request, prompt_text)
+
+    async def process_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | PoolingParams | None = None,
+        priority: int = 0,
+        max_tokens_within_context: bool = False,
+        lora_request: LoRARequest | None = None,
+        pooling_task: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The first half of add_request(): the request validated and tokenized (off the loop),
+        not yet queued; `add_processed_request()` queues it. Raises as add_request() does."""
         self._check_alive()
         self._ensure_output_handler()
         if request_id in self._streams:
@@ -166,16 +185,25 @@ class AsyncLLM:
         pending = params.n if isinstance(params, SamplingParams) else 1
         self._num_pending_seqs += pending
         try:
-            request, prompt_text = await self.run_off_loop(
+            return await self.run_off_loop(
                 self.input_processor.process, request_id, prompt, params, arrival_time, priority,
                 max_tokens_within_context, lora_request, pooling_task
             )
         finally:
             self._num_pending_seqs -= pending
+
+    async def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None,
+                                    arrives_now: bool = False) -> RequestStream:
+        """Queues a request from process_request(); its outputs arrive on the returned stream.
+        `arrives_now`: its arrival time is now, not when it was processed, so that the priority
+        policy orders it after requests that arrived meanwhile (a caller that held it back)."""
         # Checked again: the loop ran other requests while this one was being tokenized.
         self._check_alive()
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight.")
+        if arrives_now:
+            request.arrival_time = now()
         n = request.sampling_params.n
         stream = RequestStream(request_id, n, RequestOutputCollector(request.sampling_params.output_kind))
         children = self.output_processor.add_user_request(request, prompt_text)
@@ -487,7 +515,7 @@ class AsyncLLM:
     def get_num_unfinished_seqs(self) -> int:
         """Core-side requests accepted and not finished (a request with n=4 counts 4), including
         those still being tokenized."""
-        return self._num_unfinished_seqs + self._num_pending_seqs
+        return self._num_unfinished_seqs + self._num_pending_seqs + self.num_deferred_seqs
 
     async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         self._check_alive()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 
 
@@ -20,13 +21,13 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
     """The adapter's `adapter_config.json`, checked: a ValueError says what cannot be served."""
     config_path = os.path.join(path, "adapter_config.json")
     try:
-        with open(config_path) as f:
-            cfg = json.load(f)
+        cfg = json.loads(_read_regular_file(config_path))
     except FileNotFoundError:
         raise ValueError(f"lora_request.lora_path {path!r} holds no adapter_config.json (a PEFT LoRA adapter "
                          "directory is expected).") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"lora_request.lora_path: {config_path} could not be read: {e}") from None
+    _check_weights_file(path)
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"lora_request.lora_path: {config_path} is not a LoRA adapter "
                          f"(peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else None!r}).")
@@ -45,3 +46,30 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
                          "(--max-lora-rank).")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return AdapterConfig(rank, float(scaling), path)
+
+
+def _not_regular(path: str) -> ValueError:
+    return ValueError(f"lora_request.lora_path: {path} is not a regular file (a FIFO, device or folder cannot be "
+                      "read as an adapter's file).")
+
+
+def _read_regular_file(path: str) -> str:
+    """The text of `path`, refused unless it is a regular file. Opened non-blocking: opening a FIFO
+    for reading otherwise waits for a writer, which may never come (the caller would hang)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_regular(path)
+        return f.read().decode("utf-8")
+
+
+def _check_weights_file(path: str) -> None:
+    """The weights the engine core reads on the adapter's first request: a FIFO there would hang
+    the core, so anything but a regular file is refused now (a missing one is the loader's error)."""
+    weights = os.path.join(path, "adapter_model.safetensors")
+    try:
+        mode = os.stat(weights).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _not_regular(weights)

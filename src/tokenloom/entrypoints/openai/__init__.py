@@ -81,6 +81,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "window holds)",
     )
     p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=2048,
+        help="answer 400 to a request that asks for more sequences than this: its prompts (a completions "
+        "prompt list, embeddings inputs, score/rerank documents) times n (default: 2048). Within it, a "
+        "request's prompts past --max-num-seqs are queued as earlier ones finish, so other clients' "
+        "requests are not held behind them",
+    )
+    p.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="when the engine core dies, stay up answering 503 on every route (/health, /version, /metrics "

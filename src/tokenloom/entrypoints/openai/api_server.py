@@ -57,7 +57,11 @@ from tokenloom.entrypoints.openai.serving_lora import (
 )
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, OpenAIServingResponses
 from tokenloom.entrypoints.openai import serving_engine as serving_engine_module
-from tokenloom.entrypoints.openai.serving_engine import engine_dead_error, json_response
+from tokenloom.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    engine_dead_error,
+    json_response,
+)
 from tokenloom.entrypoints.openai.serving_tokens import OpenAIServingTokenization
 from tokenloom.entrypoints.openai.request_body import (
     body_schema,
@@ -171,6 +175,7 @@ def build_app(
     max_waiting_requests: int | None = None,
     shutdown_engine_on_exit: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     tool_call_parser: str = "hermes",
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
@@ -233,6 +238,7 @@ def build_app(
         serving.trust_request_chat_template = trust_request_chat_template
     for serving in (completions, chat, responses, embeddings):
         serving.max_log_len = max_log_len
+        serving.max_prompts_per_request = max_prompts_per_request
         serving.force_include_usage = force_include_usage
     # LoRA adapters under their own model names (--lora-modules; /v1/load_lora_adapter adds more
     # when runtime updates are allowed): one dict shared by every endpoint.
@@ -413,7 +419,7 @@ def build_app(
     @app.post("/v1/load_lora_adapter", operation_id="load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         req = await parse_body(request, LoadLoRAAdapterRequest, max_request_body_bytes, engine)
-        return adapters.load(req.lora_name, req.lora_path)
+        return await adapters.load(req.lora_name, req.lora_path)
 
     @app.post("/v1/unload_lora_adapter", operation_id="unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:

@@ -12,6 +12,7 @@ import msgspec
 import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from tokenloom.engine.async_llm import AsyncLLM
@@ -29,6 +30,13 @@ def body_too_large(limit: int) -> OpenAIServingError:
         None,
         "request_too_large",
     )
+
+
+def client_gone() -> OpenAIServingError:
+    """The client left before its body was whole: nobody reads the answer, and it is no error
+    of the server's (nginx's 499)."""
+    return OpenAIServingError("The client closed the connection before sending the whole request body.", 499,
+                              "invalid_request_error", None, "client_closed_request")
 
 
 def error_response(e: OpenAIServingError) -> Response:
@@ -59,11 +67,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A client's own choice (or its network's), common and harmless: one debug line.
+        logger.debug("%s %s: the client left after %d of its body's bytes", request.method, request.url.path, size)
+        raise client_gone() from None
     return b"".join(chunks)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.openai.api_server import DRAIN_S, build_app
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
+from tokenloom.entrypoints.openai.serving_engine import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from tokenloom.entrypoints.openai.serving_lora import check_lora_modules
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
@@ -165,6 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
+    if getattr(args, "max_prompts_per_request", 1) < 1:
+        raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}.")
     if not getattr(args, "multiprocess", True):
         raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
     chat_template = read_chat_template(getattr(args, "chat_template", None))
@@ -190,6 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         shutdown_engine_on_exit=True,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=getattr(args, "max_prompts_per_request", DEFAULT_MAX_PROMPTS_PER_REQUEST),
         tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         chat_template=chat_template,

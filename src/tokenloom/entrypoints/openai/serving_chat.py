@@ -70,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                 field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
                 structured_outputs=structured,
             )
+        self.check_fan_out(1, req.n, "n")
         self.check_capacity(req.n)
         conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
         processor = self.engine.input_processor

@@ -89,6 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo_only and req.min_tokens > 0:
             raise bad_request(f"min_tokens must be <= max_tokens (0), got {req.min_tokens}.", param="min_tokens")
         prompts = prompt_list(req.prompt, "prompt")
+        self.check_fan_out(len(prompts), req.n, "prompt" if len(prompts) > 1 else "n")
         # Echo's logprobs come from the prompt logprobs, with as many alternatives as asked for
         # either way.
         prompt_logprobs = req.prompt_logprobs

@@ -141,6 +141,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=bool(req.add_special_tokens))
             return [list(await self.engine.run_off_loop(encode, text))]
         prompts = prompt_list(req.input, "input")
+        self.check_fan_out(len(prompts), 1, "input")
         if req.add_special_tokens is False:  # the texts' own tokens, no BOS (token ids pass as given)
             encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
             prompts = [p if isinstance(p, list) else list(await self.engine.run_off_loop(encode, p)) for p in prompts]
@@ -175,6 +176,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         try:
             if cross_encoder:
                 pairs = text_pairs(data_1, data_2, *names)  # tokenized off the loop, in one call
+                self.check_fan_out(len(pairs), 1, names[1])
                 render = None if self.chat_template is None else functools.partial(
                     self.engine.input_processor.apply_chat_template, add_generation_prompt=False,
                     chat_template=self.chat_template)  # the server's --chat-template is its score template
@@ -183,6 +185,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 params = self._params(task="classify", truncate_prompt_tokens=req.truncate_prompt_tokens)
             else:
                 inputs, index_pairs = score_pairs(data_1, data_2, *names)
+                self.check_fan_out(len(inputs), 1, names[1])
                 params = self._params(truncate_prompt_tokens=req.truncate_prompt_tokens)
         except ValueError as e:
             raise error_from_value_error(e) from None

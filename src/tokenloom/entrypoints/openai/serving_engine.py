@@ -21,12 +21,18 @@ from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, Rende
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
 from tokenloom.entrypoints.openai.reasoning_parsers import opens_reasoning
 from tokenloom.lora_request import LoRARequest
+from tokenloom.messages import EngineCoreRequest
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()  # encodes -inf logprobs as null instead of emitting invalid JSON
+# --max-prompts-per-request's default: far above the batches clients send in one request (tens to
+# hundreds of prompts), low enough that one request's prompts are tokenized, held and answered in
+# bounded time and memory. Past the window, a big request no longer holds the queue (add_requests).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
 _FIELD_IN_MESSAGE = re.compile(r"^([a-z_][a-z_0-9]*) (?:must|has|is)\b")
 
 
@@ -86,6 +92,65 @@ class BeamSearchStream:
             self.task.cancel()  # nothing once it has finished; a reader gone early ends the search
 
 
+class WindowedStream:
+    """One prompt of a request that has more prompts than fit its window (see
+    OpenAIServing.add_requests): processed already, queued in the engine only when one of the
+    request's earlier prompts has finished, so that other clients' requests arriving meanwhile
+    join the engine's queue between them."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, num_seqs: int, slots: asyncio.Semaphore,
+                 held: tuple[EngineCoreRequest, str | None] | None = None, stream: RequestStream | None = None
+                 ) -> None:
+        """Either `stream` (queued at once, holding one of the window's `slots`) or `held` (the
+        processed request and its prompt text, queued when it gets a slot)."""
+        self.engine = engine
+        self.request_id = request_id
+        self.num_seqs = num_seqs
+        self._request, self._prompt_text = held or (None, None)
+        self._slots = slots  # released by each of the request's prompts as it ends
+        self.stream = stream  # in the engine (None: not yet)
+        self._closed = False
+        if self._request is not None:
+            engine.num_deferred_seqs += num_seqs
+
+    def _undefer(self) -> EngineCoreRequest | None:
+        request, self._request = self._request, None
+        if request is not None:
+            self.engine.num_deferred_seqs -= self.num_seqs
+        return request
+
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        holds_slot = self.stream is not None  # queued at once: it holds one of the window's slots
+        try:
+            if self.stream is None:
+                await self._slots.acquire()
+                holds_slot = True
+                request = self._undefer()
+                if self._closed or request is None:
+                    return
+                try:
+                    # Arrives now, as a request sent now would: after those that came meanwhile.
+                    self.stream = await self.engine.add_processed_request(request, self._prompt_text, arrives_now=True)
+                except ValueError as e:  # its id came in flight meanwhile (a client-given request_id)
+                    raise bad_request(str(e), param="request_id") from None
+            gen = self.engine.stream_outputs(self.stream)
+            try:
+                async for out in gen:
+                    yield out
+            finally:
+                await gen.aclose()
+        finally:
+            if holds_slot:
+                self._slots.release()
+
+    def close(self) -> None:
+        """Ends the prompt: never queued if it has not been, aborted if it is in flight."""
+        self._closed = True
+        self._undefer()
+        if self.stream is not None:
+            self.engine.abort_nowait(self.stream.request_id)
+
+
 class OpenAIServing:
     """Base of the endpoint handlers."""
 
@@ -117,6 +182,8 @@ class OpenAIServing:
         self.lora_modules: dict[str, LoRARequest] = {}
         # --reasoning-parser (chat and responses; reasoning_parsers.py): None, all of a reply is content.
         self.reasoning_parser: str | None = None
+        # --max-prompts-per-request: the most sequences (prompts times n) one request may ask for.
+        self.max_prompts_per_request = DEFAULT_MAX_PROMPTS_PER_REQUEST
 
     def reasoning_opened(self, prompt: str) -> bool | None:
         """Under a reasoning parser, whether the rendered prompt leaves the reply inside `<think>`;
@@ -191,6 +258,17 @@ class OpenAIServing:
                 None,
                 "server_overloaded",
             )
+
+    def check_fan_out(self, num_prompts: int, n: int, param: str) -> None:
+        """A 400 naming `param` when a request asks for more sequences (its prompts, each `n`
+        times) than --max-prompts-per-request allows."""
+        limit = self.max_prompts_per_request
+        if num_prompts * n <= limit:
+            return
+        copies = f" x n={n}" if n > 1 else ""
+        raise bad_request(f"{param}: the request asks for {num_prompts} prompt(s){copies} = {num_prompts * n} "
+                          f"sequences, more than the {limit} one request may (--max-prompts-per-request); split it "
+                          "into several requests.", param=param, code="too_many_prompts")
 
     async def render_conversation(self, req: Any, conversation: list[dict[str, Any]],
                                   tools: list[dict[str, Any]] | None = None, param: str = "messages",
@@ -334,9 +412,12 @@ class OpenAIServing:
             searches.append(BeamSearch(ids, msgspec.structs.replace(params, max_tokens=length),
                                        processor.eos_token_ids, text))
         streams = []
+        # As add_requests' window: at most --max-num-seqs beams of one request in the engine at once.
+        slots = asyncio.Semaphore(max(1, self.engine.config.max_num_seqs // params.beam_width))
         for i, search in enumerate(searches):
             request_id = base_id if len(searches) == 1 else f"{base_id}-{i}"
-            task = asyncio.ensure_future(run_beam_search(self.engine, request_id, search, priority, lora_request))
+            task = asyncio.ensure_future(_beam_search_in_window(slots, self.engine, request_id, search, priority,
+                                                                lora_request))
             streams.append(BeamSearchStream(request_id, task, params.beam_width))
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), beam search: %s", base_id, len(prompts), params)
@@ -370,18 +451,27 @@ class OpenAIServing:
         return self.lora_modules.get(model)
 
     async def add_requests(
-        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int, prompt_param: str,
-        field_names: dict[str, str] | None = None, lora_request: LoRARequest | None = None,
-    ) -> list[RequestStream]:
+        self, base_id: str, prompts: list[Any], params: SamplingParams | PoolingParams, priority: int,
+        prompt_param: str, field_names: dict[str, str] | None = None, lora_request: LoRARequest | None = None,
+    ) -> list[RequestStream] | list[WindowedStream]:
         """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing. A
         max_tokens that does not fit in the context after a prompt is a 400, as in vLLM's server
-        (`field_names`: the request's name for max_tokens, as in `sampling_params`)."""
+        (`field_names`: the request's name for max_tokens, as in `sampling_params`). Every prompt
+        is checked first; past a window of --max-num-seqs sequences the rest are queued one as
+        each earlier one ends (WindowedStream), so that one request cannot hold the queue."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        window = max(1, self.engine.config.max_num_seqs // n)
         streams: list[RequestStream] = []
+        held: list[tuple[EngineCoreRequest, str | None]] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority,
-                                                             max_tokens_within_context=True, lora_request=lora_request))
+                request, text = await self.engine.process_request(
+                    request_id, prompt, params, priority, max_tokens_within_context=True, lora_request=lora_request)
+                if i < window:  # the first run while the rest are checked
+                    streams.append(await self.engine.add_processed_request(request, text))
+                else:
+                    held.append((request, text))
         except ValueError as e:
             self.engine.abort_nowait(*[s.request_id for s in streams])
             # The input processor speaks of `prompt` and `prompt_token_ids`: the request's field is
@@ -396,7 +486,13 @@ class OpenAIServing:
         if self.log_requests:
             shown = repr(prompts[0])[:self.max_log_len] if len(prompts) == 1 else f"{len(prompts)} prompts"
             logger.info("Received request %s: prompt: %s, params: %s", base_id, shown, params)
-        return streams
+        if not held:
+            return streams
+        slots = asyncio.Semaphore(0)
+        return ([WindowedStream(self.engine, stream.request_id, stream.num_seqs, slots, stream=stream)
+                 for stream in streams]
+                + [WindowedStream(self.engine, request.request_id, request.sampling_params.n, slots, (request, text))
+                   for request, text in held])
 
     async def merged_outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every stream, in arrival order. Closing it early (or an
@@ -437,14 +533,19 @@ class OpenAIServing:
                 task.cancel()
             self.abort_streams(streams)
 
-    def _outputs(self, stream: RequestStream | BeamSearchStream) -> AsyncGenerator[RequestOutput, None]:
-        return stream.outputs() if isinstance(stream, BeamSearchStream) else self.engine.stream_outputs(stream)
+    def _outputs(self, stream: RequestStream | BeamSearchStream | WindowedStream
+                 ) -> AsyncGenerator[RequestOutput, None]:
+        if isinstance(stream, (BeamSearchStream, WindowedStream)):
+            return stream.outputs()
+        return self.engine.stream_outputs(stream)
 
-    def abort_streams(self, streams: list[RequestStream] | list[BeamSearchStream]) -> None:
+    def abort_streams(self, streams: list[RequestStream] | list[BeamSearchStream] | list[WindowedStream]) -> None:
         """Ends the requests (or beam searches) that have not finished; nothing for those that have."""
         for stream in streams:
             if isinstance(stream, BeamSearchStream):
                 stream.task.cancel()
+            elif isinstance(stream, WindowedStream):
+                stream.close()
         self.engine.abort_nowait(*[s.request_id for s in streams if isinstance(s, RequestStream)])
 
     async def collect_final(self, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -464,6 +565,11 @@ class OpenAIServing:
 # How the engine core starts the error of a request it failed for its structured output (a
 # grammar that never compiled in time, or that allows no next token): the client's spec.
 _GRAMMAR_ERROR = re.compile(r"structured_outputs\.(json_object|json|regex|choice|grammar) ")
+
+
+async def _beam_search_in_window(slots: asyncio.Semaphore, *args: Any) -> RequestOutput:
+    async with slots:
+        return await run_beam_search(*args)
 
 
 def check_output_error(out: RequestOutput) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from tokenloom.entrypoints.openai.file_io import run_file_io
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _Request, bad_request
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.lora_config import read_adapter_config
@@ -62,18 +63,25 @@ class LoRAModules:
         if not self.engine.config.enable_lora:
             raise bad_request("LoRA adapters need the server started with --enable-lora.")
 
-    def load(self, name: str, path: str) -> Response:
+    async def load(self, name: str, path: str) -> Response:
         self._check_allowed()
+        self._check_name_free(name)
+        # The adapter's id, never reused: a new adapter under an old name gets its own prefix cache.
+        # Its config is read (and cached under this id) on a thread of its own: a read that blocks
+        # (a hung mount) must hold neither the event loop nor the tokenizer pool.
+        lora = LoRARequest(name, next(self._ids), path)
+        try:
+            await run_file_io(self.engine.input_processor.check_lora, lora, path=path, param="lora_path")
+        except ValueError as e:
+            raise bad_request(str(e).replace("lora_request.lora_path", "lora_path"), param="lora_path") from None
+        self._check_name_free(name)  # again: another load may have taken it meanwhile
+        self.requests[name] = lora
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    def _check_name_free(self, name: str) -> None:
         if not name or name in self.served or name in self.requests:
             raise bad_request(f"The adapter name {name!r} is already served (or empty); unload it first.",
                               param="lora_name")
-        try:
-            self.engine.input_processor.check_lora(LoRARequest(name, 1, path))
-        except ValueError as e:
-            raise bad_request(str(e).replace("lora_request.lora_path", "lora_path"), param="lora_path") from None
-        # A new id, never reused: a new adapter under an old name gets its own prefix cache.
-        self.requests[name] = LoRARequest(name, next(self._ids), path)
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     def unload(self, name: str) -> Response:
         self._check_allowed()
