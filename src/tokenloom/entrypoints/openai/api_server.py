@@ -31,6 +31,7 @@ from starlette.responses import Response
 import tokenloom
 from tokenloom.config import configured_torch_profiler_dir
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -193,6 +194,10 @@ def build_app(
     preflight is answered before the key is checked; the request itself still needs the key)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The output handler reads the core's heartbeats: from the start, so the first /health
+        # already knows whether the core is heard from.
+        with contextlib.suppress(EngineDeadError):  # EngineDeadMiddleware answers for a dead one
+            engine.start()
         yield
         if shutdown_engine_on_exit:
             engine.shutdown()
@@ -252,6 +257,12 @@ def build_app(
     @app.exception_handler(OpenAIServingError)
     async def _openai_error(_: Request, e: OpenAIServingError) -> Response:
         return error_response(e)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> Response:
+        # Raised where no route catches it: the engine shut down (or died) while the request
+        # was still being parsed or tokenized.
+        return error_response(engine_dead_error(e))
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, e: RequestValidationError) -> Response:
@@ -412,17 +423,27 @@ def build_app(
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     @app.get("/health")
     async def health() -> Response:
-        # A dead engine is answered by EngineDeadMiddleware (503). With data parallelism the
-        # server is healthy while any replica lives: 200, with a body that says which are up
-        # ("degraded" once one died), so a probe keeps routing to it and a person can see why.
+        # A dead engine is answered by EngineDeadMiddleware (503). A live one that cannot serve in
+        # time is a 503 too, saying why (AsyncLLM.health_problem): its core not heard from (stopped,
+        # hung), or every tokenizer thread stuck. With data parallelism the server is healthy while
+        # any replica lives and is heard from: 200, with a body that says which are up ("degraded"
+        # once one died or stalled), so a probe keeps routing to it and a person can see why.
+        problem = await engine.health_problem()
+        if problem is not None:
+            code, message = problem
+            raise OpenAIServingError(message, 503, "service_unavailable_error", None, code)
         if engine.data_parallel_size == 1:
             return Response(status_code=200)
         alive = engine.replica_health()
-        return json_response({
+        body: dict[str, Any] = {
             "status": "ok" if all(alive) else "degraded",
             "data_parallel_size": len(alive),
             "replicas_alive": [i for i, up in enumerate(alive) if up],
-        })
+        }
+        stalled = [i for i in engine.engine_core.live_indices() if not alive[i]]
+        if stalled:  # alive but not heard from within the heartbeat timeout
+            body["replicas_stalled"] = stalled
+        return json_response(body)
 
     @app.get("/version")
     async def version() -> Response:
