@@ -17,13 +17,15 @@ import threading
 import time
 from typing import Any, Callable
 
+_Job = tuple[concurrent.futures.Future, Callable, tuple, dict]  # future, fn, args, kwargs
+
 
 class TokenizerPool(concurrent.futures.Executor):
     def __init__(self, num_threads: int, thread_name_prefix: str = "tokenloom-tokenize") -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}.")
         self.num_threads = num_threads
-        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable, tuple, dict] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against shutdown()
         self._shut_down = False
         # When each thread took the job it runs now (time.monotonic()); None while it waits.
