@@ -177,9 +177,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
     from tokenloom.entrypoints.openai.serve import run_serve
 
-    return run_serve(args)
+    code = run_serve(args)
+    # The engine core is reaped and its socket directory gone: exit now rather than through the
+    # interpreter's teardown, which a tokenizer thread stuck in a job (a daemon) can only slow.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:
