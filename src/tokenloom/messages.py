@@ -145,6 +145,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_accepted_per_pos: list[int] = []
 
 
+# The engine core's output thread sends an empty EngineCoreOutputs after this many seconds in which
+# it sent nothing else (only once the ready handshake is out): the caller's proof that the core
+# process is alive, since that thread answers while a step runs (see engine_core_proc).
+HEARTBEAT_INTERVAL_S = 0.5
 # The call id of the engine core's ready handshake: its first message answers it with EngineInfo.
 READY_CALL_ID = -1
 # The engine_error of a core stopped by SIGINT (a terminal's Ctrl-C reaches the whole process

@@ -33,15 +33,16 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextlib.contextmanager
-def running_server(extra_args: list[str], api_key: str | None = None) -> Iterator:
-    """A `tokenloom serve` of its own for one test or module: stopped, its engine core killed if it
-    lingers, and its log removed at the end."""
-    srv = ServerProcess(extra_args, api_key)
+def running_server(extra_args: list[str], api_key: str | None = None, num_cores: int = 1) -> Iterator:
+    """A `tokenloom serve` of its own for one test or module: stopped, its engine cores killed if
+    they linger, and its log removed at the end. `num_cores`: its engine cores (-dp)."""
+    srv = ServerProcess(extra_args, api_key, num_cores=num_cores)
     try:
         yield srv
     finally:
         srv.stop()
-        kill_quietly(srv.core_pid)
+        for pid in srv.core_pids:
+            kill_quietly(pid)
         os.unlink(srv.log.name)
 
 

@@ -10,6 +10,9 @@ EngineConfig as JSON on our stdin. The first message we send is either the ready
 `EngineInfo` as a utility result with call_id -1) or an `engine_error` if start-up failed.
 This process must never outlive its parent: the kernel kills it when the parent dies (prctl
 PDEATHSIG), and a watchdog thread checks the parent pid in case the parent died before prctl.
+Once ready, the output thread sends a heartbeat (an empty message) whenever it has sent nothing for
+HEARTBEAT_INTERVAL_S: it runs beside the busy loop, so a long step never silences it, while a
+stopped or hung process does (what the server's /health reports).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from tokenloom.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    HEARTBEAT_INTERVAL_S,
     READY_CALL_ID,
     UtilityOutput,
     UtilityRequest,
@@ -91,6 +95,7 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.encoder = msgspec.msgpack.Encoder()
         self.serialize_time_total = 0.0
+        self._heartbeats = False  # on once the ready handshake is queued: it must go out first
         threading.Thread(target=self._output_thread, name="output", daemon=True).start()
         try:
             from tokenloom.core.engine_core import EngineCore
@@ -107,6 +112,7 @@ class EngineCoreProc:
                 utility_output=UtilityOutput(call_id=READY_CALL_ID, result=self.encoder.encode(self.engine.info))
             )
         )
+        self._heartbeats = True
         threading.Thread(target=self._input_thread, name="input", daemon=True).start()
 
     # ---- threads ----------------------------------------------------------------------------
@@ -143,8 +149,18 @@ class EngineCoreProc:
                 return
 
     def _output_thread(self) -> None:
+        # Encoded once; not stamped, not counted in serialize_time: the ledger never sees it.
+        heartbeat = msgspec.msgpack.Encoder().encode(EngineCoreOutputs())
         while True:
-            item = self.output_queue.get()
+            try:
+                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                if self._heartbeats:
+                    try:  # never blocks: a caller that reads nothing (idle, no reader) just misses it
+                        self.out_sock.send(heartbeat, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                continue
             if item is _SHUTDOWN:
                 return
             item.sent_time = now()  # the ledger's "output sent"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -31,10 +32,16 @@ from typing import Any
 
 from tokenloom.config import EngineConfig, torch_profiler_dir
 from tokenloom.engine.async_client import AsyncMPClient
-from tokenloom.engine.core_client import ENGINE_SHUT_DOWN, EngineDeadError, EngineShutDownError
+from tokenloom.engine.core_client import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    ENGINE_SHUT_DOWN,
+    EngineDeadError,
+    EngineShutDownError,
+)
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
+from tokenloom.engine.tokenizer_pool import TokenizerPool
 from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, EngineCoreRequest, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
@@ -53,6 +60,30 @@ OUTPUT_CHUNK_SIZE = 128
 # Threads that tokenize prompts and render chat templates off the event loop. Bounded: more
 # would only contend for the same cores as the engine; requests beyond them queue.
 NUM_TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
+# /health turns red once every tokenizer thread has been on its current job this long: new
+# requests cannot even be read. `serve --health-tokenizer-pool-limit`.
+DEFAULT_TOKENIZER_POOL_LIMIT_S = 10.0
+# How long /health waits for a core that looks stalled to be heard from: the event loop may just
+# have been busy, with the heartbeats waiting unread on the socket.
+_HEARTBEAT_GRACE_S = 0.2
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, job: concurrent.futures.Future) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, job)
+    except RuntimeError:  # the loop has closed: nobody awaits the result any more
+        pass
+
+
+def _settle(future: asyncio.Future, job: concurrent.futures.Future) -> None:
+    if future.done():  # failed by shutdown() meanwhile
+        return
+    if job.cancelled():
+        future.cancel()
+    elif job.exception() is not None:
+        future.set_exception(job.exception())
+    else:
+        future.set_result(job.result())
 
 
 @dataclass(slots=True)
@@ -114,9 +145,12 @@ class AsyncLLM:
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._reaper: asyncio.Task | None = None
-        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-            NUM_TOKENIZER_THREADS, thread_name_prefix="tokenloom-tokenize"
-        )
+        # Daemon threads: a job that never ends must not keep a stopped server alive.
+        self.tokenizer_pool = TokenizerPool(NUM_TOKENIZER_THREADS, thread_name_prefix="tokenloom-tokenize")
+        self._off_loop: set[asyncio.Future] = set()  # run_off_loop calls awaited now
+        # What /health reports as unhealthy (see health_problem); serve sets them from its flags.
+        self.heartbeat_timeout_s = DEFAULT_HEARTBEAT_TIMEOUT_S
+        self.tokenizer_pool_limit_s = DEFAULT_TOKENIZER_POOL_LIMIT_S
         self._metrics_refreshed_at = time.monotonic()
 
     @classmethod
@@ -219,8 +253,25 @@ class AsyncLLM:
         return stream
 
     async def run_off_loop(self, fn: Any, *args: Any) -> Any:
-        """`fn(*args)` on the tokenizer pool (tokenizing, chat templates), awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+        """`fn(*args)` on the tokenizer pool (tokenizing, chat templates), awaited. Raises
+        EngineShutDownError if the engine is shut down first (the job itself cannot be stopped)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        job = self.tokenizer_pool.submit(fn, *args)
+        job.add_done_callback(functools.partial(_settle_soon, loop, future))
+        self._off_loop.add(future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            job.cancel()  # if no thread has taken it yet
+            raise
+        finally:
+            self._off_loop.discard(future)
+
+    @property
+    def num_off_loop_jobs(self) -> int:
+        """run_off_loop calls still awaited (requests being parsed, tokenized or rendered)."""
+        return len(self._off_loop)
 
     async def generate(
         self,
@@ -499,10 +550,61 @@ class AsyncLLM:
         return self._dead_error is not None or self.engine_core.is_dead or self.engine_core.process_exited()
 
     def replica_health(self) -> list[bool]:
-        """Which data-parallel replicas are alive (one entry without data parallelism)."""
+        """Which data-parallel replicas are alive and heard from within heartbeat_timeout_s (one
+        entry without data parallelism)."""
+        fresh = [age <= self.heartbeat_timeout_s for age in self.heartbeat_ages()]
         if isinstance(self.engine_core, DPAsyncClient):
-            return [r.alive and self.engine_core._usable(i) for i, r in enumerate(self.engine_core.balancer.replicas)]
-        return [not self.is_dead]
+            return [r.alive and self.engine_core._usable(i) and fresh[i]
+                    for i, r in enumerate(self.engine_core.balancer.replicas)]
+        return [not self.is_dead and fresh[0]]
+
+    def heartbeat_ages(self) -> list[float]:
+        """Seconds since each engine core (each data-parallel replica) last sent anything, an
+        output or its heartbeat. Only meaningful while the output handler runs (it reads them)."""
+        clients = self.engine_core.clients if isinstance(self.engine_core, DPAsyncClient) else [self.engine_core]
+        t = now()
+        return [max(0.0, t - c.last_heard) for c in clients]
+
+    def set_health_limits(self, heartbeat_timeout_s: float, tokenizer_pool_limit_s: float) -> None:
+        """What health_problem() reports: a core silent for more than `heartbeat_timeout_s`, a
+        tokenizer pool whose every thread has been on one job for more than `tokenizer_pool_limit_s`."""
+        if not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}.")
+        if not tokenizer_pool_limit_s > 0:
+            raise ValueError(f"tokenizer_pool_limit_s must be > 0, got {tokenizer_pool_limit_s}.")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.tokenizer_pool_limit_s = tokenizer_pool_limit_s
+        if isinstance(self.engine_core, DPAsyncClient):
+            self.engine_core.heartbeat_timeout_s = heartbeat_timeout_s
+
+    def start(self) -> None:
+        """Starts the output handler (which hears the core's heartbeats) in the running loop, if
+        it is not running yet; a server calls it at start-up, before the first request."""
+        self._check_alive()
+        self._ensure_output_handler()
+
+    async def health_problem(self) -> tuple[str, str] | None:
+        """(code, message) when the engine cannot serve new requests in time although its core
+        lives: every core (every replica) silent past heartbeat_timeout_s, or every tokenizer
+        thread stuck on one job past tokenizer_pool_limit_s. None when healthy. A dead engine
+        raises EngineDeadError."""
+        self.start()
+        if not any(self.replica_health()):
+            await asyncio.sleep(_HEARTBEAT_GRACE_S)  # let the output handler read what waits
+            self._check_alive()
+            if not any(self.replica_health()):
+                silent = min(self.heartbeat_ages())
+                what = "engine core" if self.data_parallel_size == 1 else "every data-parallel replica"
+                return "engine_unresponsive", (
+                    f"The {what} has not been heard from for {silent:.1f} s (heartbeat timeout "
+                    f"{self.heartbeat_timeout_s:g} s): it is stopped, hung or starved of CPU.")
+        stuck = self.tokenizer_pool.stuck_for()
+        if stuck > self.tokenizer_pool_limit_s:
+            return "tokenizer_pool_saturated", (
+                f"Every one of the {self.tokenizer_pool.num_threads} tokenizer threads has been busy on one job for "
+                f"over {stuck:.1f} s (limit {self.tokenizer_pool_limit_s:g} s), with "
+                f"{self.tokenizer_pool.num_queued} job(s) queued behind them: new requests cannot be read.")
+        return None
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -556,6 +658,10 @@ class AsyncLLM:
         tokenloom:metrics_staleness_seconds says how old those are."""
         if self.metrics is None or self.is_dead:
             return
+        # Set before the call below, which a stalled core never answers. The live replicas only.
+        ages = self.heartbeat_ages()
+        live = self.engine_core.live_indices() if isinstance(self.engine_core, DPAsyncClient) else [0]
+        self.metrics.engine_heartbeat_age.set(max((ages[i] for i in live), default=0.0))
         try:
             if isinstance(self.engine_core, DPAsyncClient):
                 self._check_alive()
@@ -574,6 +680,12 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        # Requests still being parsed or tokenized end now, as those in the core do; their jobs
+        # run on (they cannot be interrupted) but no one waits for them.
+        for future in list(self._off_loop):
+            if not future.done():
+                with contextlib.suppress(RuntimeError):  # its loop has closed
+                    future.set_exception(EngineShutDownError(ENGINE_SHUT_DOWN))
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         for stream in self._streams.values():

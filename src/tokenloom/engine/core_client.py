@@ -37,6 +37,9 @@ from tokenloom.messages import (
 
 _POLL_MS = 100
 STARTUP_TIMEOUT_S = float(os.environ.get("TOKENLOOM_STARTUP_TIMEOUT_S", "600"))
+# A core not heard from for this long (it sends a heartbeat every HEARTBEAT_INTERVAL_S when it has
+# nothing else to say) is stalled: stopped, hung or starved of CPU. `serve --health-heartbeat-timeout`.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 
 
 class EngineDeadError(RuntimeError):
@@ -203,6 +206,8 @@ class MPClient(EngineCoreClient):
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
         self._call_ids = itertools.count(1)
         self._utility_results: dict[int, Any] = {}
+        # When the core last sent anything (now() clock), as read by whoever reads the socket.
+        self.last_heard = now()
         if wait_ready:
             self.wait_ready()
 
@@ -214,6 +219,7 @@ class MPClient(EngineCoreClient):
             self.shutdown()
             raise
         self.info = msgspec.msgpack.decode(ready, type=EngineInfo)
+        self.last_heard = now()
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -282,7 +288,7 @@ class MPClient(EngineCoreClient):
 
     def _decode(self, buffer: memoryview) -> EngineCoreOutputs:
         outputs = self.decoder.decode(buffer)
-        outputs.received_time = now()
+        outputs.received_time = self.last_heard = now()
         outputs.engine_index = self.dp_rank
         if outputs.engine_error is not None:
             self._mark_dead(outputs.engine_error)

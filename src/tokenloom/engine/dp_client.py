@@ -16,7 +16,9 @@ actor (engine/ray_launcher.py). The clients here hold the M clients and look lik
   and their answers are merged (`merge_results`);
 - a replica that dies fails only the requests it owned: `ReplicaDeadError` (an `EngineDeadError`,
   so the caller's contract is today's) names them, and the front end fails them alone; new
-  requests go to the replicas still alive. Only when the last one dies is the engine dead.
+  requests go to the replicas still alive. Only when the last one dies is the engine dead;
+- (the asyncio form) a replica not heard from for `heartbeat_timeout_s` (no output nor heartbeat:
+  stopped, hung) gets no new requests while another replica is heard from (`fresh`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,14 @@ from typing import Any, Callable
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_client import AsyncMPClient
-from tokenloom.engine.core_client import _POLL_MS, CoreLauncher, EngineCoreClient, EngineDeadError, MPClient
+from tokenloom.engine.core_client import (
+    _POLL_MS,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    CoreLauncher,
+    EngineCoreClient,
+    EngineDeadError,
+    MPClient,
+)
 from tokenloom.messages import EngineCoreOutputs, EngineCoreRequest, now
 
 
@@ -305,6 +314,21 @@ class DPAsyncClient(_DPClientBase):
         self._init_replicas(config, AsyncMPClient)
         self._queue: asyncio.Queue | None = None
         self._readers: list[asyncio.Task] = []
+        self.heartbeat_timeout_s = DEFAULT_HEARTBEAT_TIMEOUT_S
+
+    def fresh(self, i: int) -> bool:
+        """Replica i was heard from (an output or a heartbeat) within heartbeat_timeout_s."""
+        return now() - self.clients[i].last_heard <= self.heartbeat_timeout_s
+
+    def _choose(self, requests: list[EngineCoreRequest]) -> MPClient:
+        # A stalled replica would hold the request until it wakes, if ever: prefer one that
+        # answers. When none does, a live one still takes it (as before heartbeats).
+        try:
+            i = self.balancer.choose(lambda i: self._usable(i) and self.fresh(i))
+        except EngineDeadError:
+            i = self.balancer.choose(self._usable)
+        self.balancer.sent(i, [r.request_id for r in requests])
+        return self.clients[i]
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         client = self._choose(requests)

@@ -150,6 +150,12 @@ class PrometheusMetrics:
         self.metrics_staleness = gauge(
             "metrics_staleness_seconds", "Seconds since the engine core's state was last read for these gauges."
         )
+        # Set at scrape time (AsyncLLM.refresh_metrics); /health turns 503 past its heartbeat timeout.
+        self.engine_heartbeat_age = gauge(
+            "engine_heartbeat_age_seconds",
+            "Seconds since the engine core (with data parallelism: the live replica heard from least "
+            "recently) last sent anything; an idle core sends a heartbeat every 0.5 s.",
+        )
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", _TTFT_BUCKETS

@@ -97,6 +97,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "with status 1 (the default, as vLLM: let the supervisor restart the server)",
     )
     p.add_argument(
+        "--health-heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="/health answers 503 (engine_unresponsive) once the engine core has sent nothing for this many "
+        "seconds; it sends a heartbeat every 0.5 s when it has nothing else to send, from a thread that runs "
+        "during a step, so only a stopped or hung core goes silent (default: 3.0). With data parallelism a "
+        "silent replica is left out of replicas_alive and gets no new requests",
+    )
+    p.add_argument(
+        "--health-tokenizer-pool-limit",
+        type=float,
+        default=10.0,
+        help="/health answers 503 (tokenizer_pool_saturated) once every thread that parses, tokenizes and "
+        "renders requests has been on the same job for more than this many seconds (default: 10.0)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="hermes",
         choices=["hermes", "json", "llama3_json", "pythonic"],
@@ -181,9 +197,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
     from tokenloom.entrypoints.openai.serve import run_serve
 
-    return run_serve(args)
+    code = run_serve(args)
+    # The engine core is reaped and its socket directory gone: exit now rather than through the
+    # interpreter's teardown, which a tokenizer thread stuck in a job (a daemon) can only slow.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def add_run_batch_parser(sub: argparse._SubParsersAction) -> None:

@@ -31,6 +31,7 @@ from starlette.responses import Response
 import tokenloom
 from tokenloom.config import configured_torch_profiler_dir
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
 from tokenloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -204,6 +205,10 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         renderer.start()
+        # The output handler reads the core's heartbeats: from the start, so the first /health
+        # already knows whether the core is heard from.
+        with contextlib.suppress(EngineDeadError):  # EngineDeadMiddleware answers for a dead one
+            engine.start()
         yield
         renderer.close()
         if shutdown_engine_on_exit:
@@ -269,6 +274,12 @@ def build_app(
     @app.exception_handler(OpenAIServingError)
     async def _openai_error(_: Request, e: OpenAIServingError) -> Response:
         return error_response(e)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> Response:
+        # Raised where no route catches it: the engine shut down (or died) while the request
+        # was still being parsed or tokenized.
+        return error_response(engine_dead_error(e))
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, e: RequestValidationError) -> Response:
@@ -429,17 +440,33 @@ def build_app(
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     @app.get("/health")
     async def health() -> Response:
-        # A dead engine is answered by EngineDeadMiddleware (503). With data parallelism the
-        # server is healthy while any replica lives: 200, with a body that says which are up
-        # ("degraded" once one died), so a probe keeps routing to it and a person can see why.
+        # A dead engine is answered by EngineDeadMiddleware (503). A live one that cannot serve in
+        # time is a 503 too, saying why (AsyncLLM.health_problem): its core not heard from (stopped,
+        # hung), or every tokenizer thread (or every chat-template render worker) stuck. With data parallelism the server is healthy while
+        # any replica lives and is heard from: 200, with a body that says which are up ("degraded"
+        # once one died or stalled), so a probe keeps routing to it and a person can see why.
+        problem = await engine.health_problem()
+        busy = renderer.saturated_for()
+        if problem is None and busy > engine.tokenizer_pool_limit_s:
+            problem = "chat_template_workers_saturated", (
+                f"Every one of the {renderer.limits.num_workers} chat-template render workers has been busy on one "
+                f"render for over {busy:.1f} s (limit {engine.tokenizer_pool_limit_s:g} s): chat requests cannot be "
+                "rendered.")
+        if problem is not None:
+            code, message = problem
+            raise OpenAIServingError(message, 503, "service_unavailable_error", None, code)
         if engine.data_parallel_size == 1:
             return Response(status_code=200)
         alive = engine.replica_health()
-        return json_response({
+        body: dict[str, Any] = {
             "status": "ok" if all(alive) else "degraded",
             "data_parallel_size": len(alive),
             "replicas_alive": [i for i, up in enumerate(alive) if up],
-        })
+        }
+        stalled = [i for i in engine.engine_core.live_indices() if not alive[i]]
+        if stalled:  # alive but not heard from within the heartbeat timeout
+            body["replicas_stalled"] = stalled
+        return json_response(body)
 
     @app.get("/version")
     async def version() -> Response:

@@ -16,7 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.async_llm import DEFAULT_TOKENIZER_POOL_LIMIT_S, AsyncLLM
+from tokenloom.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from tokenloom.entrypoints.openai.api_server import DRAIN_S, build_app
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
 from tokenloom.entrypoints.openai.serving_engine import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -164,6 +165,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}.")
     if getattr(args, "max_log_len", 0) < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
+    if not getattr(args, "health_heartbeat_timeout", 1.0) > 0:
+        raise ValueError(f"--health-heartbeat-timeout must be > 0, got {args.health_heartbeat_timeout}.")
+    if not getattr(args, "health_tokenizer_pool_limit", 1.0) > 0:
+        raise ValueError(f"--health-tokenizer-pool-limit must be > 0, got {args.health_tokenizer_pool_limit}.")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
     if getattr(args, "max_prompts_per_request", 1) < 1:
@@ -186,6 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    engine.set_health_limits(getattr(args, "health_heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S),
+                             getattr(args, "health_tokenizer_pool_limit", DEFAULT_TOKENIZER_POOL_LIMIT_S))
     app = build_app(
         engine,
         served_model_names=names,
@@ -261,13 +268,17 @@ async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: fl
         await asyncio.sleep(0.1)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_s
-    while (engine.get_num_unfinished_requests() > 0 or renderer.num_busy) and loop.time() < deadline:
+
+    def in_flight() -> int:  # in the core, or still being parsed, rendered or tokenized
+        return engine.get_num_unfinished_requests() + engine.num_off_loop_jobs + renderer.num_busy
+
+    while in_flight() > 0 and loop.time() < deadline:
         await asyncio.sleep(0.1)
     if renderer.num_busy:
         logger.warning("shutting down: ending %d chat-template render(s) still running after %.0f s",
                        renderer.num_busy, drain_s)
     renderer.close()
-    running = engine.get_num_unfinished_requests()
+    running = engine.get_num_unfinished_requests() + engine.num_off_loop_jobs
     if running:
         logger.warning("shutting down: ending %d request(s) still running after %.0f s", running, drain_s)
         engine.shutdown()
