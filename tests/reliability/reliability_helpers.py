@@ -33,10 +33,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextlib.contextmanager
-def running_server(extra_args: list[str], api_key: str | None = None, num_cores: int = 1) -> Iterator:
+def running_server(extra_args: list[str], api_key: str | None = None, num_cores: int = 1,
+                   env: dict[str, str] | None = None) -> Iterator:
     """A `tokenloom serve` of its own for one test or module: stopped, its engine cores killed if
-    they linger, and its log removed at the end. `num_cores`: its engine cores (-dp)."""
-    srv = ServerProcess(extra_args, api_key, num_cores=num_cores)
+    they linger, and its log removed at the end. `num_cores`: its engine cores (-dp); `env`: extra
+    environment variables."""
+    srv = ServerProcess(extra_args, api_key, num_cores=num_cores, env=env)
     try:
         yield srv
     finally:
