@@ -89,7 +89,8 @@ class ChatTemplateRenderer:
 
     def __init__(self, limits: RenderLimits | None = None) -> None:
         self.limits = limits or RenderLimits()
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        # Idle workers; None once closed, passed on from one waiting render to the next.
+        self._idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         self._num_workers = 0  # started or starting, idle or busy
         self._busy: dict[int, tuple[_Worker, float]] = {}  # id(worker) -> it, when its render began
         self._closed = False
@@ -145,26 +146,32 @@ class ChatTemplateRenderer:
         return len(self._busy)
 
     def close(self) -> None:
-        """Kills every worker; renders still running end with RenderError("shutdown")."""
+        """Kills every worker; renders still running or waiting for a worker end with
+        RenderError("shutdown")."""
         self._closed = True
         while not self._idle.empty():
-            self._idle.get_nowait().kill()
+            worker = self._idle.get_nowait()
+            if worker is not None:
+                worker.kill()
+        self._idle.put_nowait(None)
         for worker, _ in self._busy.values():
             worker.kill()
 
     # ------------------------------------------------------------------------------ internals
 
     async def _take(self) -> _Worker:
-        with contextlib.suppress(asyncio.QueueEmpty):
-            return self._idle.get_nowait()
-        if self._num_workers < self.limits.num_workers:
+        if self._idle.empty() and self._num_workers < self.limits.num_workers and not self._closed:
             self._num_workers += 1
             try:
                 return await self._spawn()
             except BaseException:
                 self._num_workers -= 1
                 raise
-        return await self._idle.get()
+        worker = await self._idle.get()
+        if worker is None:  # closed: the next waiter learns it too
+            self._idle.put_nowait(None)
+            raise RenderError("the server is shutting down", "shutdown")
+        return worker
 
     def _replace(self) -> None:
         """Starts a worker in the background (none past the limit, none once closed)."""
@@ -177,7 +184,8 @@ class ChatTemplateRenderer:
                 worker = await self._spawn()
             except RenderError as e:
                 self._num_workers -= 1
-                logger.error("%s", e)
+                if not self._closed:
+                    logger.error("%s", e)
                 return
             if self._closed:
                 worker.kill()
@@ -189,7 +197,10 @@ class ChatTemplateRenderer:
     async def _spawn(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tokenloom.entrypoints.openai.render_worker", str(self.limits.memory_bytes),
-            str(os.getpid()), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            str(os.getpid()), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            # A session of its own: a terminal's Ctrl-C (sent to the server's process group) is
+            # the server's to handle; the worker ends when the server kills it or dies itself.
+            start_new_session=True)
         worker = _Worker(proc)
         try:
             hello = await asyncio.wait_for(worker.read_reply(), _START_TIMEOUT_S)

@@ -92,7 +92,6 @@ def _serve(out: int) -> None:
 def main() -> None:
     budget, parent = int(sys.argv[1]), int(sys.argv[2])
     _die_with(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server ends us
     # The replies get a descriptor of their own; anything a library prints goes to stderr.
     out = os.dup(1)
     os.dup2(2, 1)
