@@ -29,12 +29,12 @@ bfloat16 one returns None.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenloom import envs
 from tokenloom.attention.torch_backend import TorchAttentionPlan
 from tokenloom.model import packed_linear
 from tokenloom.model.llama import Linear
@@ -88,7 +88,7 @@ class FusedDecode:
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """The fused step for `model`, or None when any part of it is not what the C step
         computes (then every step runs the eager layers, as before)."""
-        if os.environ.get("TOKENLOOM_FUSED_DECODE", "1") == "0" or cpu_kernels.load() is None:
+        if not envs.TOKENLOOM_FUSED_DECODE or cpu_kernels.load() is None:
             return None
         cfg = model.config
         if (not getattr(model, "fused_decode_ok", False) or cfg.sliding_window is not None

@@ -38,11 +38,11 @@ copy serves every row count as fast.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenloom import envs
 from tokenloom.ops import amx, cpu_features, cpu_kernels
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_kernels import F32Panels
@@ -68,14 +68,14 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 # (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight faster than oneDNN's packed
 # copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
 # Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
-GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
+GEMV_BELOW_ROWS = 16 if envs.TOKENLOOM_F32_GEMV else 0
 
 
 def panels_wanted() -> bool:
     """Whether float32 weights are packed in panels on this CPU: AVX2 without AVX-512 (there
     oneDNN's copy alone serves every row count and was not compared), the C kernels built, not
     turned off by TOKENLOOM_F32_PANEL=0."""
-    return (os.environ.get("TOKENLOOM_F32_PANEL") != "0" and cpu_features.detect().isa == "avx2"
+    return (envs.TOKENLOOM_F32_PANEL and cpu_features.detect().isa == "avx2"
             and cpu_kernels.load() is not None)
 
 

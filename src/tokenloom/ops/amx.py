@@ -11,11 +11,11 @@ can call it from C as well. Elsewhere `available()` is False and the float path 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 
+from tokenloom import envs
 from tokenloom.ops import cpu_kernels, cpu_memory
 
 _c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -62,9 +62,9 @@ def _kernel_wanted(lib: ctypes.CDLL) -> int:
     """The kernel this process runs (0: none): AMX tiles where built and granted, unless
     `TOKENLOOM_AMX_BF16=0`; else AVX512-BF16 dot products where built (the library is built for
     this CPU's flags), unless `TOKENLOOM_BF16_DP=0`. Turned off, bf16 weights go to oneDNN."""
-    if os.environ.get("TOKENLOOM_AMX_BF16", "1") != "0" and lib.tl_amx_bf16_available():
+    if envs.TOKENLOOM_AMX_BF16 and lib.tl_amx_bf16_available():
         return _TILES
-    if os.environ.get("TOKENLOOM_BF16_DP", "1") != "0" and lib.tl_bf16dp_available():
+    if envs.TOKENLOOM_BF16_DP and lib.tl_bf16dp_available():
         return _DOT_PRODUCTS
     return 0
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from tokenloom import envs
 from tokenloom.disk_cache import cache_dir
 from tokenloom.ops import cpu_features
 
@@ -224,7 +225,7 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("TOKENLOOM_CPU_KERNELS", "1") == "0":
+        if not envs.TOKENLOOM_CPU_KERNELS:
             return None
         cc = _compiler()
         if cc is None:
