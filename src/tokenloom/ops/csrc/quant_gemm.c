@@ -225,8 +225,8 @@ static void tile_portable(KERNEL_ARGS) {
     for (int64_t m = 0; m < rows; m++) memcpy(y + m * ldy, acc[m], sizeof(float) * (size_t)ncols);
 }
 
-/* A thread's buffer for the weight panels it dequantizes (quant_gemm_amx_bf16.h's bf16 ones,
- * quant_gemm_f32panel.h's float32 ones; a thread runs one matmul at a time), 64-byte aligned,
+/* A thread's buffer for the weight panels it dequantizes (quant_gemm_amx_bf16.inc's bf16 ones,
+ * quant_gemm_f32panel.inc's float32 ones; a thread runs one matmul at a time), 64-byte aligned,
  * grown to the most bytes asked for; NULL without memory. */
 static __thread void *panel_buf;
 static __thread int64_t panel_buf_bytes;
@@ -240,18 +240,18 @@ static void *thread_panel(int64_t bytes) {
     return panel_buf;
 }
 
-#include "quant_gemm_avx512.h" /* tile_avx512 and its helpers */
+#include "quant_gemm_avx512.inc" /* tile_avx512 and its helpers */
 
-#include "quant_gemm_avx2.h" /* tile2_* and TILE2[] */
+#include "quant_gemm_avx2.inc" /* tile2_* and TILE2[] */
 
-#include "quant_gemm_amx.h" /* amx_* and AMX_KERNELS[] */
+#include "quant_gemm_amx.inc" /* amx_* and AMX_KERNELS[] */
 
 int32_t tl_q_amx_status(void);
-#include "quant_gemm_amx_bf16.h" /* tl_q_linear_amx_bf16: dequantized panels on bf16 tiles */
+#include "quant_gemm_amx_bf16.inc" /* tl_q_linear_amx_bf16: dequantized panels on bf16 tiles */
 
 /* ------------------------------------------------------------------------- dispatch */
 /* 4: as 3, and from amx_bf16_min_rows rows the weight dequantized to bf16 panels on AMX-BF16
- * tiles (quant_gemm_amx_bf16.h), 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16),
+ * tiles (quant_gemm_amx_bf16.inc), 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16),
  * 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 static int isa_level = -1;
 static int amx_state = 2; /* amx_request()'s answer, asked once per process (2: not yet) */
@@ -349,7 +349,7 @@ static void add_bias(float *yt, int64_t ldy, int64_t rows, int ncols, const floa
         for (int n = 0; n < ncols; n++) yt[r * ldy + n] += b[n];
 }
 
-#include "quant_gemm_f32panel.h" /* f32p_linear: dequantized float32 panels on AVX2 */
+#include "quant_gemm_f32panel.inc" /* f32p_linear: dequantized float32 panels on AVX2 */
 
 int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
