@@ -48,9 +48,8 @@ from pathlib import Path
 
 import torch
 
-from tokenloom import envs
 from tokenloom.disk_cache import cache_dir
-from tokenloom.ops import cpu_features
+from tokenloom.ops import cpu_features, kernel_plan
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +225,15 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if not envs.TOKENLOOM_CPU_KERNELS:
+        plan = kernel_plan.current()
+        if not plan.c_kernels:
             return None
         cc = _compiler()
         if cc is None:
             logger.warning("no C compiler found ($CC or cc): the CPU path uses the slower "
                            "PyTorch ops")
             return None
-        level = cpu_features.detect().isa
+        level = plan.cpu_isa
         try:
             path = _build(cc, level)
             lib = ctypes.CDLL(str(path))

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from tokenloom.ops import cpu_kernels
+from tokenloom.ops import cpu_kernels, kernel_plan
 
 QK = 32  # weights per block
 QK_K = 256  # weights per K-quant super-block
@@ -58,8 +58,9 @@ _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.inc: a bfloat16 matmul's rounding,
 # 2-3x the int8 tiles' speed at 64-512 rows). "avx2": VPMADDUBSW, and from 16 rows
 # (`TOKENLOOM_QUANT_F32_ROWS`, `set_f32_panel_rows`) float32 panels (csrc/quant_gemm_f32panel.inc).
-ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
-             0: "c"}
+# The thresholds and TOKENLOOM_QUANT_ISA's cap come from the kernel plan (ops/kernel_plan.py),
+# handed to the library when it is bound (`_lib`).
+ISA_NAMES = dict(enumerate(kernel_plan.QUANT_LEVELS))
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
@@ -113,11 +114,30 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_set_silu_epilogue.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
+        lib.tl_q_force_isa.restype = _c_i32
+        lib.tl_q_force_isa.argtypes = [_c_i32]
+        lib.tl_q_last_kernel.restype = _c_i32
+        lib.tl_q_last_kernel.argtypes = []
         _bound.add(id(lib))
+        _apply_plan(lib, kernel_plan.current())
         if lib.tl_q_amx_status() < 0:
             logger.warning("the CPU has AMX int8 but Linux refused its tile state (arch_prctl "
                            "ARCH_REQ_XCOMP_PERM): quantized matmuls use AVX-512 VNNI")
     return lib
+
+
+def _apply_plan(lib: ctypes.CDLL, plan: kernel_plan.KernelPlan) -> None:
+    """Hands the plan's decisions to csrc/quant_gemm.c: the level cap (TOKENLOOM_QUANT_ISA) and
+    the rows from which the bf16 tiles and the AVX2 float32 panels run."""
+    lib.tl_q_force_isa(plan.quant_force_level)
+    lib.tl_q_set_amx_bf16_rows(plan.quant_bf16_rows)
+    lib.tl_q_set_f32_panel_rows(plan.quant_f32_rows)
+
+
+def last_kernel() -> str:
+    """The kernel the last quantized matmul ran (csrc/quant_gemm.c's probe): a prefix of the
+    kernel names in the plan (kernel_plan.QUANT_PROBE), "" before any."""
+    return kernel_plan.QUANT_PROBE.get(_lib().tl_q_last_kernel(), "")
 
 
 def kernel_isa(fmt: int) -> str:
