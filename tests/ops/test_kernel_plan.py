@@ -172,3 +172,16 @@ def test_plan_follows_the_environment(monkeypatch):
 def test_host_features_give_a_known_level():
     assert cpu_features.detect().isa in cpu_features.ISA_LEVELS
     assert kernel_plan.format_table(kernel_plan.current()).splitlines()[1].split()[:4] == ["op", "dtype", "rows", "kernel"]
+
+
+def test_engine_info_carries_the_plan():
+    import msgspec
+
+    from tokenloom.messages import EngineInfo
+
+    plan = kernel_plan.current()
+    info = EngineInfo(max_model_len=1, vocab_size=1, num_kv_blocks=1, block_size=16, dtype="float32",
+                      attention_backend="torch", pid=1, kernel_plan_summary=plan.header(), kernel_plan=plan.encode())
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=EngineInfo)
+    assert back.kernel_plan == plan.encode() and back.kernel_plan_summary == plan.header()
+    assert f"kernel_plan=<{len(plan.choices)} rows>" in repr(back)

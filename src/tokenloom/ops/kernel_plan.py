@@ -297,14 +297,17 @@ def current() -> KernelPlan:
 
 
 def format_table(plan: KernelPlan) -> str:
-    """The plan as an aligned text table, its header line first (the start-up log, `tokenloom env`)."""
-    rows = [("op", "dtype", "rows", "kernel", "note")] + [
-        (c.op, c.dtype, c.rows(), c.kernel, c.note) for c in plan.choices]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [plan.header()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else "")
-              for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
+    """The plan as an aligned text table, its header line first (`tokenloom env`)."""
+    return plan.header() + "\n" + format_plan_rows(plan.encode())
+
+
+def format_plan_rows(rows: list[list[str]]) -> str:
+    """`KernelPlan.encode()` rows (as EngineInfo carries them) as an aligned text table (the
+    engine's start-up log)."""
+    table = [["op", "dtype", "rows", "kernel", "note"], *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    return "\n".join(("  ".join(v.ljust(w) for v, w in zip(r[:4], widths)) + "  " + r[4]).rstrip()
+                     for r in table)
 
 
 # The CPUs the project knows, by ISA level, as their /proc/cpuinfo flags (the kernel-relevant ones).
