@@ -1,6 +1,6 @@
 """Reads the summation order of MKL's bf16 GEMM (cblas_gemm_bf16bf16f32, float32 sums) as torch's
 CPU flash-attention kernel calls it for one decode query, on this CPU, and checks the order the
-C decode kernel's AVX2 build follows (src/tokenloom/ops/csrc/paged_decode_chunk.h) against MKL.
+C decode kernel's AVX2 build follows (src/tokenloom/ops/csrc/paged_decode_chunk.inc) against MKL.
 
     .venv/bin/python benchmarks/mkl_bf16_order.py            # probe tables and the check
     .venv/bin/python benchmarks/mkl_bf16_order.py --check    # the check only

@@ -1,4 +1,4 @@
-"""The quantized matmul on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.h) against the kernels it
+"""The quantized matmul on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.inc) against the kernels it
 replaces, in one process, alternating: SmolLM2-135M's four per-layer matmuls for 30 distinct
 layers (weights from memory, as in a decode step), random weights quantized by `gguf.quants`.
 

@@ -1,4 +1,4 @@
-"""SiLU-and-mul in the quantized gate|up matmul's epilogue (csrc/quant_gemm_amx_bf16.h,
+"""SiLU-and-mul in the quantized gate|up matmul's epilogue (csrc/quant_gemm_amx_bf16.inc,
 `quant.qlinear_silu_and_mul`) against the two passes it replaces (`qlinear` writing [M, 2I],
 then `silu_and_mul` reading it back), in one process, alternating: SmolLM2-135M's MLP (gate|up
 3072 x 576, down 576 x 1536) for 30 distinct layers, random weights quantized by `gguf.quants`.

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tokenloom import envs
 from tokenloom.pooling_params import PoolerConfig
 
 
@@ -333,7 +334,7 @@ def default_kv_cache_bytes(bytes_per_token: int, max_num_seqs: int, max_model_le
 
 def configured_torch_profiler_dir() -> str | None:
     """$TOKENLOOM_TORCH_PROFILER_DIR, or vLLM's $VLLM_TORCH_PROFILER_DIR; None when neither is set."""
-    return os.environ.get("TOKENLOOM_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+    return envs.torch_profiler_dir()
 
 
 def torch_profiler_dir() -> str:

@@ -10,10 +10,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from tokenloom import envs
+
 
 def cache_dir(kind: str) -> Path:
     """The folder for one kind of entry (e.g. "kernels"); not created here."""
-    root = os.environ.get("TOKENLOOM_CACHE_DIR")
+    root = envs.TOKENLOOM_CACHE_DIR
     return (Path(root) if root else Path.home() / ".cache" / "tokenloom") / kind
 
 

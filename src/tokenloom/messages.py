@@ -215,6 +215,16 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     executor_backend: str = "uni"
     # On CUDA, the decode batches replayed from CUDA graphs (worker/cuda_graph.py); "": none.
     cuda_graphs: str = ""
+    # The CPU's kernel plan (ops/kernel_plan.py): its summary line and its [op, dtype, rows,
+    # kernel, note] rows; empty on other devices or from older engines.
+    kernel_plan_summary: str = ""
+    kernel_plan: list[list[str]] = msgspec.field(default_factory=list)
+
+    def __repr__(self) -> str:
+        # The plan's rows are logged once as a table at start-up; a repr counts them.
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__
+                          if name != "kernel_plan")
+        return f"EngineInfo({shown}, kernel_plan=<{len(self.kernel_plan)} rows>)"
 
 
 class LedgerBucket(enum.IntEnum):

@@ -126,7 +126,7 @@ def test_bf16_decode_is_transformers_sdpa_bit_for_bit():
     """A bfloat16 model's decode attention is, bit for bit, what transformers in bfloat16 gets
     from torch's SDPA (4-D bfloat16, one query, enable_gqa): the kernel follows its flash
     kernel's softmax (fexp_u20, its sums, bfloat16 probabilities) and the order of MKL's bf16
-    gemm sums (csrc/paged_decode_chunk.h), so greedy decoding follows transformers
+    gemm sums (csrc/paged_decode_chunk.inc), so greedy decoding follows transformers
     (tests/entrypoints/test_llm.py). Contexts within one 512-key split and across three, head
     sizes 64 and 128. MKL's order was read on CPUs with AVX512-BF16 and on AVX2-only ones, and
     the softmax follows torch's vector width: on other machines the two agree to rounding only

@@ -97,3 +97,14 @@ def test_an_engine_that_cannot_start_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("tokenloom: error: engine core failed to start: max_model_len=100000 is larger than the "
                        "model's context length (8192).")
+
+
+def test_env_prints_versions_and_the_kernel_plan(capsys):
+    """`tokenloom env` (vLLM's collect-env): versions, the CPU, the set variables and the plan."""
+    from tokenloom.entrypoints.cli import main
+    from tokenloom.ops import kernel_plan
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch:" in out and "isa flags:" in out
+    assert kernel_plan.format_table(kernel_plan.current()) in out

@@ -58,7 +58,8 @@ def emulated(image):
     """Every case at both activation levels in one emulator process: {(case, levels): (x, y)}."""
     cases = [(c, False) for c in CASES] + \
             [((t, 5, 37, 512), True) for t in FORMATS[4:]] + [((t, 66, 16, 256), True) for t in FORMATS[4:]]
-    buffers, calls, where = {}, [], {}
+    # the cap the kernel plan passes for TOKENLOOM_QUANT_ISA=avx512 (2), before any matmul
+    buffers, calls, where = {}, [("tl_q_force_isa", [2])], {}
     for i, ((qtype, M, N, K), random_bytes) in enumerate(cases):
         raw = _case_blocks(qtype, M, N, K, random_bytes)
         tw = quant.tile_gguf(raw, qtype)
@@ -74,7 +75,7 @@ def emulated(image):
             calls.append(("tl_q_linear", [tw.fmt, emulator.Buf(f"w{i}"), N, K, emulator.Buf(f"x{key}"),
                                           K, M, emulator.Buf(f"y{key}"), N, 0, emulator.Buf(f"s{key}"), levels]))
             where[(qtype, M, N, K, random_bytes, levels)] = (raw, x, key, len(calls) - 1, isa_at)
-    returns, out = image.run(calls, buffers, env={"TOKENLOOM_QUANT_ISA": "avx512"})
+    returns, out = image.run(calls, buffers)
     return {k: (raw, x, np.frombuffer(out[f"y{key}"], np.float32).reshape(x.shape[0], -1),
                 returns[at], returns[isa_at])
             for k, (raw, x, key, at, isa_at) in where.items()}

@@ -19,6 +19,7 @@ from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRe
 from tokenloom.executor import executor_class
 from tokenloom.kv_cache_spec import kv_cache_groups
 from tokenloom.metrics.core_ledger import CoreLedger
+from tokenloom.ops.kernel_plan import format_plan_rows
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputManager
 from tokenloom.worker.worker import resolve_max_model_len
@@ -73,6 +74,8 @@ class EngineCore:
         if info.cpu:
             self.info.cpu, self.info.cpu_kernels_isa = info.cpu, info.cpu_kernels_isa
             logger.info("CPU: %s", self.info.cpu)
+            self.info.kernel_plan_summary, self.info.kernel_plan = info.kernel_plan_summary, info.kernel_plan
+            logger.info("kernel plan: %s\n%s", info.kernel_plan_summary, format_plan_rows(info.kernel_plan))
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         # The accounts of aborted requests, owed to the caller: sent with the next step.

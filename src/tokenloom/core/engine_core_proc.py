@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.messages import (
     ENGINE_STOPPED_BY_SIGINT,
@@ -260,7 +261,7 @@ def main() -> None:
     # A data-parallel replica: RANK/SIZE (see engine/dp_client.py).
     dp_rank, dp_size = (int(x) for x in sys.argv[4].split("/")) if len(sys.argv) > 4 else (0, 1)
     _die_with_parent(parent_pid)
-    logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
     _set_compute_threads(dp_rank, dp_size)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     proc = EngineCoreProc(config, in_addr, out_addr)

@@ -13,12 +13,13 @@ import traceback
 
 import msgspec
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 
 
 class EngineCoreActor:
     def __init__(self, config_json: bytes, in_addr: str, out_addr: str, num_threads: int) -> None:
-        logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+        logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
         # The placement group's bundle is this replica's share of its node: that many threads,
         # fixed (the ThreadGovernor would count the node's other replicas as intruders).
         os.environ["TOKENLOOM_NUM_THREADS"] = str(num_threads)

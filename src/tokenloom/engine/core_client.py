@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.engine.ipc_dir import make_ipc_dir
 from tokenloom.messages import (
@@ -36,7 +37,7 @@ from tokenloom.messages import (
 )
 
 _POLL_MS = 100
-STARTUP_TIMEOUT_S = float(os.environ.get("TOKENLOOM_STARTUP_TIMEOUT_S", "600"))
+STARTUP_TIMEOUT_S = envs.TOKENLOOM_STARTUP_TIMEOUT_S
 # A core not heard from for this long (it sends a heartbeat every HEARTBEAT_INTERVAL_S when it has
 # nothing else to say) is stalled: stopped, hung or starved of CPU. `serve --health-heartbeat-timeout`.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0

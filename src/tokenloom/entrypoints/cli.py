@@ -1,4 +1,4 @@
-"""The `tokenloom` command: `tokenloom generate | serve | run-batch | bench | explain ...`."""
+"""The `tokenloom` command: `tokenloom generate | serve | run-batch | bench | explain | env ...`."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 import sys
 
 from tokenloom.entrypoints.bench import add_bench_parser
+from tokenloom.entrypoints.collect_env import add_env_parser
 from tokenloom.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenloom.entrypoints.openai import add_run_batch_parser, add_serve_parser
 from tokenloom.metrics.explain import add_explain_parser
@@ -56,6 +57,7 @@ _SUBCOMMANDS = [
     add_run_batch_parser,  # tokenloom.entrypoints.openai.run_batch
     add_bench_parser,  # tokenloom.entrypoints.bench (a group: bench serve | ...)
     add_explain_parser,  # tokenloom.metrics.explain
+    add_env_parser,  # tokenloom.entrypoints.collect_env (versions, CPU, the kernel plan)
 ]
 
 

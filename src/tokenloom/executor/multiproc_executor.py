@@ -25,6 +25,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.executor.abstract import Executor, WorkerDiedError
 from tokenloom.runner_output import ModelRunnerOutput
@@ -166,7 +167,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection,
                  parent_pid: int) -> None:
     _die_with_parent(parent_pid)
-    logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
     from tokenloom.worker.worker import Worker
 
     try:

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.executor.abstract import Executor, WorkerDiedError
 from tokenloom.runner_output import ModelRunnerOutput
@@ -47,7 +48,7 @@ class RayWorkerWrapper:
         return ray.util.get_node_ip_address(), free_local_port_any()
 
     def init_worker(self, config: EngineConfig, rank: int, init_method: str, local_world_size: int) -> Any:
-        logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "WARNING"))
+        logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
         from tokenloom.worker.worker import Worker
 
         self.worker = Worker(config, rank, init_method, local_world_size=local_world_size)

@@ -31,10 +31,10 @@ import argparse
 import bisect
 import json
 import math
-import os
 import sys
 from typing import Any
 
+from tokenloom import envs
 from tokenloom.metrics.core_ledger import is_long_prefill
 from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
@@ -63,7 +63,7 @@ def add_explain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", metavar="TRACE", nargs="?", default=None,
                    help="a trace file written with --trace / LLM(trace_path=...)")
     p.add_argument("--url", default=None, help="a running `tokenloom serve` (http://host:port): its live ledger")
-    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
+    p.add_argument("--api-key", default=envs.TOKENLOOM_API_KEY,
                    help="the key of a server started with --api-key, for --url (default: $TOKENLOOM_API_KEY)")
     p.add_argument("--top", type=int, default=5, help="how many of the slowest requests to show (default: 5)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -29,7 +29,6 @@ bfloat16 one returns None.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from tokenloom.model import packed_linear
 from tokenloom.model.llama import Linear
 from tokenloom.model.lora import LoRAState
 from tokenloom.model.quant_linear import QuantLinear
-from tokenloom.ops import amx, cpu_kernels
+from tokenloom.ops import amx, cpu_kernels, kernel_plan
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_kernels import F32Panels
 from tokenloom.ops.decode_step import DecodeLayer, DecodeStep, F32Weight
@@ -88,7 +87,7 @@ class FusedDecode:
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """The fused step for `model`, or None when any part of it is not what the C step
         computes (then every step runs the eager layers, as before)."""
-        if os.environ.get("TOKENLOOM_FUSED_DECODE", "1") == "0" or cpu_kernels.load() is None:
+        if not kernel_plan.current().fused_decode or cpu_kernels.load() is None:
             return None
         cfg = model.config
         if (not getattr(model, "fused_decode_ok", False) or cfg.sliding_window is not None

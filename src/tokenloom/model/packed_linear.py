@@ -38,12 +38,11 @@ copy serves every row count as fast.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
-from tokenloom.ops import amx, cpu_features, cpu_kernels
+from tokenloom.ops import amx, cpu_features, cpu_kernels, kernel_plan
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_kernels import F32Panels
 from tokenloom.ops.cpu_memory import release_freed_heap
@@ -59,7 +58,7 @@ _PACK_HINT_ROWS = 64
 # bfloat16 (packed only on CPUs with native bf16): the packed copy was 5-8% faster than `F.linear`
 # from 128 to 2048 rows on the Zen 4 (one thread, CPU time), so its plain copy is not kept either.
 _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
-    torch.float32: None if cpu_features.detect().isa == "avx512" else 512,
+    torch.float32: kernel_plan.current().f32_plain_from_rows,
     torch.bfloat16: None,
 }
 
@@ -68,15 +67,14 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 # (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight faster than oneDNN's packed
 # copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
 # Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
-GEMV_BELOW_ROWS = 0 if os.environ.get("TOKENLOOM_F32_GEMV") == "0" else 16
+GEMV_BELOW_ROWS = kernel_plan.current().f32_gemv_below_rows  # kernel_plan.F32_GEMV_BELOW_ROWS
 
 
 def panels_wanted() -> bool:
     """Whether float32 weights are packed in panels on this CPU: AVX2 without AVX-512 (there
     oneDNN's copy alone serves every row count and was not compared), the C kernels built, not
     turned off by TOKENLOOM_F32_PANEL=0."""
-    return (os.environ.get("TOKENLOOM_F32_PANEL") != "0" and cpu_features.detect().isa == "avx2"
-            and cpu_kernels.load() is not None)
+    return kernel_plan.current().f32_panels and cpu_kernels.load() is not None
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,12 +11,12 @@ can call it from C as well. Elsewhere `available()` is False and the float path 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 
-from tokenloom.ops import cpu_kernels, cpu_memory
+from tokenloom import envs
+from tokenloom.ops import cpu_kernels, cpu_memory, kernel_plan
 
 _c_i32, _c_i64, _c_p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _bound: set[int] = set()
@@ -59,12 +59,15 @@ _TILES, _DOT_PRODUCTS = 1, 2  # csrc/bf16_dp_gemm.c's tl_bf16_kernel
 
 
 def _kernel_wanted(lib: ctypes.CDLL) -> int:
-    """The kernel this process runs (0: none): AMX tiles where built and granted, unless
-    `TOKENLOOM_AMX_BF16=0`; else AVX512-BF16 dot products where built (the library is built for
-    this CPU's flags), unless `TOKENLOOM_BF16_DP=0`. Turned off, bf16 weights go to oneDNN."""
-    if os.environ.get("TOKENLOOM_AMX_BF16", "1") != "0" and lib.tl_amx_bf16_available():
+    """The kernel this process runs (0: none), as the kernel plan says (`bf16_matmul`): AMX
+    tiles (unless `TOKENLOOM_AMX_BF16=0`), else AVX512-BF16 dot products (unless
+    `TOKENLOOM_BF16_DP=0`); otherwise bf16 weights go to oneDNN. Whether the library has the
+    kernel (compiler macros, Linux granting the tile state) is the C side's answer, which
+    tests/ops/test_kernel_plan.py checks against the plan."""
+    planned = kernel_plan.current().bf16_matmul
+    if planned == "tiles" and lib.tl_amx_bf16_available():
         return _TILES
-    if os.environ.get("TOKENLOOM_BF16_DP", "1") != "0" and lib.tl_bf16dp_available():
+    if (planned == "dot_products" or (planned == "tiles" and envs.TOKENLOOM_BF16_DP)) and lib.tl_bf16dp_available():
         return _DOT_PRODUCTS
     return 0
 

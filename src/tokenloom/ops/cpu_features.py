@@ -15,6 +15,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenloom import envs
+
 # Kernel ISA levels, widest first; each implies the ones after it.
 ISA_LEVELS = ("avx512", "avx2", "scalar")
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
@@ -91,7 +93,7 @@ def isa_level(flags: frozenset[str]) -> str:
         level = "avx2"
     else:
         level = "scalar"
-    cap = os.environ.get("TOKENLOOM_CPU_ISA", "").strip().lower()
+    cap = envs.TOKENLOOM_CPU_ISA
     if cap:
         if cap not in ISA_LEVELS:
             raise ValueError(f"TOKENLOOM_CPU_ISA must be one of {', '.join(ISA_LEVELS)}, got {cap!r}")

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from tokenloom.disk_cache import cache_dir
-from tokenloom.ops import cpu_features
+from tokenloom.ops import cpu_features, kernel_plan
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
                                               "decode_step.c", "lora_decode.c", "amx_gemm.c", "bf16_dp_gemm.c",
                                               "f32_gemv.c", "f32_panel.c")]
-# Every header is part of the build's hash: a changed (or new) one builds anew.
-_HEADERS = sorted(_CSRC.glob("*.h"))
+# Every header (*.h, self-contained) and included fragment (*.inc, code included after the
+# macros it is a template over) is part of the build's hash: a changed (or new) one builds anew.
+_HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # What takes the build down from the native target to a detected or requested narrower level.
 _ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
@@ -176,7 +177,7 @@ def mkl_bf16_avx2_order() -> bool:
     for a bf16 decode query) sums a dot product in its AVX2 order on this CPU. MKL picks its
     kernel by the CPU, not only by its flags: on an AMD Zen 4 (AVX512-BF16) it runs the AVX2 one,
     on Intel's AVX512-BF16 CPUs another. Probed once: in a row of 2^24 at element 0 and ones at
-    1 and 5, the AVX2 order (four running sums of the elements i mod 4, paged_decode_chunk.h)
+    1 and 5, the AVX2 order (four running sums of the elements i mod 4, paged_decode_chunk.inc)
     adds the two ones to each other first, 2^24 + 2; the AVX-512 one adds the first one to 2^24
     (rounding it away), 2^24."""
     try:
@@ -224,14 +225,15 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("TOKENLOOM_CPU_KERNELS", "1") == "0":
+        plan = kernel_plan.current()
+        if not plan.c_kernels:
             return None
         cc = _compiler()
         if cc is None:
             logger.warning("no C compiler found ($CC or cc): the CPU path uses the slower "
                            "PyTorch ops")
             return None
-        level = cpu_features.detect().isa
+        level = plan.cpu_isa
         try:
             path = _build(cc, level)
             lib = ctypes.CDLL(str(path))
@@ -290,7 +292,7 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor,
 def bf16_decode_follows_torch() -> bool:
     """Whether a bfloat16 model's decode attention here is, bit for bit, torch's SDPA (what
     transformers in bfloat16 computes): where the loaded build's width and the CPU make MKL run
-    the kernel whose summation order csrc/paged_decode_chunk.h follows, read on AVX512-BF16 CPUs
+    the kernel whose summation order csrc/paged_decode_chunk.inc follows, read on AVX512-BF16 CPUs
     (the AVX-512 build, torch at AVX512; on those where MKL runs its AVX2 order, such as a Zen 4,
     the build follows that, `mkl_bf16_avx2_order`) and on AVX2-only ones (the AVX2 build, torch
     at AVX2). Elsewhere (an AVX-512 CPU without BF16, a build pinned narrower) the two agree to

@@ -19,10 +19,11 @@ import ctypes
 import functools
 import math
 import mmap
-import os
 import re
 
 import torch
+
+from tokenloom import envs
 
 _HUGE_PAGE = 2 << 20
 
@@ -31,7 +32,7 @@ _HUGE_PAGE = 2 << 20
 def _huge_pages_granted() -> bool:
     """Whether a mapping asking for transparent huge pages gets them (mode "always" or
     "madvise"), and they are not turned off."""
-    if os.environ.get("TOKENLOOM_HUGEPAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not envs.TOKENLOOM_HUGEPAGES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

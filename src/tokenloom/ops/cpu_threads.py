@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from tokenloom import envs
+
 logger = logging.getLogger(__name__)
 
 # Other processes' use of our cores (in cores) from which one thread is given up: 0.4 leaves
@@ -74,7 +76,7 @@ def pin_to_replica_share(rank: int, size: int) -> list[int]:
 
 def fixed_num_threads() -> int | None:
     """TOKENLOOM_NUM_THREADS when set (a fixed count, no governor)."""
-    value = os.environ.get("TOKENLOOM_NUM_THREADS", "").strip()
+    value = envs.TOKENLOOM_NUM_THREADS
     if not value:
         return None
     n = int(value)

@@ -16,7 +16,7 @@ super-block scales are applied per block like any other format's.
 
 On CPUs with AMX-BF16, matmuls of 16 rows and more instead dequantize the weight panel by panel
 (32 columns x K, in a per-thread buffer, never resident) to bfloat16 and multiply on bf16 tiles
-(csrc/quant_gemm_amx_bf16.h): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
+(csrc/quant_gemm_amx_bf16.inc): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
 rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there). With
 float32 activations the MLP's gate|up matmul on these tiles also applies SiLU-and-mul in its
 epilogue (`qlinear_silu_and_mul`), writing the [M, I] activation instead of the [M, 2I] product
@@ -24,7 +24,7 @@ that a second pass would read back.
 
 On AVX2 CPUs (no AVX-512), matmuls of 16 rows and more dequantize each 16-column tile of the
 weight to a float32 panel per thread and multiply it as the float path's panel matmul does
-(csrc/quant_gemm_f32panel.h, csrc/f32_panel.c): float32 activations and sums, faster than the
+(csrc/quant_gemm_f32panel.inc, csrc/f32_panel.c): float32 activations and sums, faster than the
 integer kernel there (benchmarks/README.md, "Float32 panels from 16 rows on AVX2").
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from tokenloom.ops import cpu_kernels
+from tokenloom.ops import cpu_kernels, kernel_plan
 
 QK = 32  # weights per block
 QK_K = 256  # weights per K-quant super-block
@@ -55,11 +55,12 @@ _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # (16 with one activation plane), the VNNI kernel below that (where the 16-row tiles would be
 # mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from 16 rows
 # (`TOKENLOOM_QUANT_BF16_ROWS`, `set_amx_bf16_rows`) every format's weight dequantized to
-# bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.h: a bfloat16 matmul's rounding,
+# bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.inc: a bfloat16 matmul's rounding,
 # 2-3x the int8 tiles' speed at 64-512 rows). "avx2": VPMADDUBSW, and from 16 rows
-# (`TOKENLOOM_QUANT_F32_ROWS`, `set_f32_panel_rows`) float32 panels (csrc/quant_gemm_f32panel.h).
-ISA_NAMES = {4: "avx512_vnni+amx_bf16", 3: "avx512_vnni+amx_int8", 2: "avx512_vnni", 1: "avx2",
-             0: "c"}
+# (`TOKENLOOM_QUANT_F32_ROWS`, `set_f32_panel_rows`) float32 panels (csrc/quant_gemm_f32panel.inc).
+# The thresholds and TOKENLOOM_QUANT_ISA's cap come from the kernel plan (ops/kernel_plan.py),
+# handed to the library when it is bound (`_lib`).
+ISA_NAMES = dict(enumerate(kernel_plan.QUANT_LEVELS))
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
@@ -113,11 +114,30 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_set_silu_epilogue.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
+        lib.tl_q_force_isa.restype = _c_i32
+        lib.tl_q_force_isa.argtypes = [_c_i32]
+        lib.tl_q_last_kernel.restype = _c_i32
+        lib.tl_q_last_kernel.argtypes = []
         _bound.add(id(lib))
+        _apply_plan(lib, kernel_plan.current())
         if lib.tl_q_amx_status() < 0:
             logger.warning("the CPU has AMX int8 but Linux refused its tile state (arch_prctl "
                            "ARCH_REQ_XCOMP_PERM): quantized matmuls use AVX-512 VNNI")
     return lib
+
+
+def _apply_plan(lib: ctypes.CDLL, plan: kernel_plan.KernelPlan) -> None:
+    """Hands the plan's decisions to csrc/quant_gemm.c: the level cap (TOKENLOOM_QUANT_ISA) and
+    the rows from which the bf16 tiles and the AVX2 float32 panels run."""
+    lib.tl_q_force_isa(plan.quant_force_level)
+    lib.tl_q_set_amx_bf16_rows(plan.quant_bf16_rows)
+    lib.tl_q_set_f32_panel_rows(plan.quant_f32_rows)
+
+
+def last_kernel() -> str:
+    """The kernel the last quantized matmul ran (csrc/quant_gemm.c's probe): a prefix of the
+    kernel names in the plan (kernel_plan.QUANT_PROBE), "" before any."""
+    return kernel_plan.QUANT_PROBE.get(_lib().tl_q_last_kernel(), "")
 
 
 def kernel_isa(fmt: int) -> str:
@@ -144,7 +164,7 @@ def set_amx_bf16_rows(rows: int) -> int:
 
 def set_f32_panel_rows(rows: int) -> int:
     """Matmuls of at least `rows` activation rows run on float32 panels dequantized per thread
-    where the kernel level is avx2 (csrc/quant_gemm_f32panel.h; 0: never); returns the previous
+    where the kernel level is avx2 (csrc/quant_gemm_f32panel.inc; 0: never); returns the previous
     threshold, whatever the level. For tests and A/B measurements (TOKENLOOM_QUANT_F32_ROWS sets
     it for a process)."""
     return _lib().tl_q_set_f32_panel_rows(rows)
@@ -412,7 +432,7 @@ def qlinear_silu_and_mul(x: torch.Tensor, w: TiledQuantWeight,
                          bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """silu(gate) * up, float32 [..., I], of [gate | up] = x @ W^T (+ bias) for a fused gate|up
     weight (its first I rows the gate's, the next I the up's), in one matmul whose epilogue
-    applies the SiLU (csrc/quant_gemm_amx_bf16.h): the [M, 2I] product is never written and
+    applies the SiLU (csrc/quant_gemm_amx_bf16.inc): the [M, 2I] product is never written and
     read back. Bit for bit `elementwise.silu_and_mul(qlinear(x, w, bias))`. None where the
     fused kernel does not apply (x not float32, fewer rows than `silu_epilogue_rows`, no
     AMX-BF16, I not a multiple of 16): the caller then runs those two ops."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +22,7 @@ from tokenloom.model import packed_linear
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
-from tokenloom.ops import amx, cpu_features, cpu_kernels, elementwise
+from tokenloom.ops import amx, cpu_features, cpu_kernels, elementwise, kernel_plan
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.cpu_threads import ThreadGovernor, fixed_num_threads, usable_cores
 from tokenloom.ops.distributed import destroy_tensor_parallel, init_tensor_parallel
@@ -52,6 +52,8 @@ class WorkerInfo:
     cpu: str = ""
     cpu_kernels_isa: str = ""
     cuda_graphs: str = ""  # what the runner captured ("": every step eager)
+    kernel_plan_summary: str = ""  # ops/kernel_plan.py's KernelPlan.header() (CPU only)
+    kernel_plan: list[list[str]] = field(default_factory=list)  # its KernelPlan.encode()
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -140,6 +142,8 @@ class Worker:
             policy = (self.thread_governor.describe() if self.thread_governor is not None
                       else f"fixed, rank {rank} of {tp}")
             self.info.cpu, self.info.cpu_kernels_isa = cpu_line(self.loaded, policy)
+            plan = kernel_plan.current()
+            self.info.kernel_plan_summary, self.info.kernel_plan = plan.header(), plan.encode()
         logger.info("worker rank %d of %d ready in %.1fs", rank, tp, time.perf_counter() - t0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

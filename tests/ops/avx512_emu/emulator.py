@@ -91,7 +91,7 @@ class Image:
     def build(cls, out: Path) -> Image:
         out.mkdir(parents=True, exist_ok=True)
         key = hashlib.sha256()
-        for p in sorted(CSRC.glob("*.[ch]")) + [HERE / "runtime.c", HERE / "glibc_shim.c"]:
+        for p in sorted([*CSRC.glob("*.[ch]"), *CSRC.glob("*.inc")]) + [HERE / "runtime.c", HERE / "glibc_shim.c"]:
             key.update(p.name.encode() + p.read_bytes())
         key.update(" ".join(ZEN4 + KERNEL_FLAGS).encode())
         tag = key.hexdigest()[:16]

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom import envs
+
 # Ordinary token ids for random prompts: above the special tokens most vocabularies put first,
 # and below the size of even small vocabularies.
 _TOKEN_ID_RANGE = (1000, 10000)
@@ -73,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="random token ids, or random common words (about one token each); default: token-ids for "
                         "completions, words for chat (a chat message is text)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--api-key", default=envs.TOKENLOOM_API_KEY or os.environ.get("OPENAI_API_KEY"),
                    help="the server's API key (default: $TOKENLOOM_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 
+from tokenloom import envs
+
 
 def _json_or_plain_list(text: str) -> list[str]:
     """One value of --allowed-origins and its kin: vLLM's JSON list ('["http://a", "http://b"]')
@@ -47,7 +49,7 @@ class _Flatten(argparse.Action):
 
 def _env_api_keys() -> list[str] | None:
     # vLLM's variable too: a deployment moved from vLLM must not come up without its key.
-    key = os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    key = envs.server_api_key()
     return [key] if key else None
 
 

@@ -7,11 +7,11 @@ and remove them while it runs. An adapter's config is checked when it is named (
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any
 
 from starlette.responses import Response
 
+from tokenloom import envs
 from tokenloom.entrypoints.openai.file_io import run_file_io
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _Request, bad_request
 from tokenloom.lora_request import LoRARequest
@@ -29,8 +29,7 @@ class UnloadLoRAAdapterRequest(_Request):
 
 
 def runtime_updates_allowed() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true")
-               for name in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "TOKENLOOM_ALLOW_RUNTIME_LORA_UPDATING"))
+    return envs.runtime_lora_updating()
 
 
 def check_lora_modules(modules: dict[str, str], enable_lora: bool, max_lora_rank: int, served: list[str]) -> None:

@@ -1,5 +1,5 @@
 /* One K step of the 32 x 32 output block of a bf16 tile product (and of a 16 x 32 one), shared
- * by amx_gemm.c (weights packed to bf16 at load) and quant_gemm_amx_bf16.h (a quantized
+ * by amx_gemm.c (weights packed to bf16 at load) and quant_gemm_amx_bf16.inc (a quantized
  * weight's panel dequantized to bf16 per call): tiles 0-3 sum rows a0 | a1 (16 each) times
  * columns b0 | b1 (16 each), 32 k per step, each operand tile 1 KiB (512 bf16) further on per
  * step. Tiles 4-7 hold the operands.

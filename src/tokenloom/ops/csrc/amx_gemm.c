@@ -32,7 +32,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as quant_gemm_amx_bf16.h */
+#include "amx_bf16_step.h" /* the K step of a 32 x 32 block, as quant_gemm_amx_bf16.inc */
 #include "work_steal.h"
 #include <omp.h>
 #endif

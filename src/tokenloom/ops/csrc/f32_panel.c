@@ -83,7 +83,7 @@ static void tile_rows(int mr, const float *pw, int64_t kc, const float *x, int64
 
 /* rows x ncols of y (row stride ldy) = x[rows, K] (row stride ldx) times one panel (K x NR, the
  * layout above), all of K: a work item's products, for the matmul below and for
- * quant_gemm_f32panel.h, which multiplies panels it dequantized from a GGUF's blocks. */
+ * quant_gemm_f32panel.inc, which multiplies panels it dequantized from a GGUF's blocks. */
 void tl_f32_panel_block(const float *panel, int64_t K, const float *x, int64_t ldx, int64_t rows,
                         float *y, int64_t ldy, int ncols) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {

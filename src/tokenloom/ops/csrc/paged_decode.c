@@ -63,7 +63,7 @@ typedef struct {
 #include "vec_math.h"
 #include "work_steal.h"
 
-/* The end of the chunk path's softmax of head g (see chunk_softmax in paged_decode_impl.h): the
+/* The end of the chunk path's softmax of head g (see chunk_softmax in paged_decode_impl.inc): the
  * last n scores at s, which do not fill a vector of torch's, exponentiated with expf (glibc's,
  * as torch's scalar loop calls it) against the max m and added one by one to `sum` (the vector
  * part's), the probabilities rounded to bfloat16; then the running max and sum updated, the old
@@ -213,7 +213,7 @@ typedef struct {
  * the item reads, and row counts), for a bfloat16 model, where the reference (transformers in
  * bfloat16: torch's fused SDPA kernel) takes up to TL_CHUNK_ROWS keys at a time: this path
  * computes what it computes, bit for bit -- its softmax (exp approximation, sums, probabilities
- * rounded to bfloat16) and its matmuls' summation order (paged_decode_chunk.h). The softmax of
+ * rounded to bfloat16) and its matmuls' summation order (paged_decode_chunk.inc). The softmax of
  * the whole chunk at once is no slower than per block: the same passes over the same rows.
  * nxt: the block (nxtn rows) the item, or the next one, reads after this chunk (NULL: none),
  * prefetched during the last V block. */
@@ -224,7 +224,7 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
 /* Whether MKL's bf16 gemm sums in its AVX2 order on this AVX-512 CPU (it picks its kernel by the
  * CPU: on an AMD Zen 4 it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
  * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode follows MKL's AVX2 order
- * with the 16-lane softmax, which follows torch's (paged_decode_chunk.h), so that it stays
+ * with the 16-lane softmax, which follows torch's (paged_decode_chunk.inc), so that it stays
  * torch's SDPA bit for bit: with AVX512-BF16 dot products where the build has them (1), else
  * (or when set to 2, which tests use to compare the two) with the 8-lane loops. */
 static int g_mkl_avx2_order = 0;
@@ -240,7 +240,7 @@ void tl_paged_decode_set_mkl_avx2_order(int32_t on) { g_mkl_avx2_order = on; }
 int32_t tl_paged_decode_dp_built(void) { return TL_DECODE_DP; }
 
 /* Each vector width's kv_block_fn and kv_chunk_fn. */
-#include "paged_decode_kernels.h"
+#include "paged_decode_kernels.inc"
 
 typedef struct {
     const char *q; int64_t q_stride;
@@ -470,7 +470,7 @@ static int decode(const void *q, int64_t q_stride, const void *k_cache, const vo
 #if TL_HAVE_AVX2
     if (head_dim % 8 == 0) {
         a.fn = kv_bf16 ? kv_block_avx2_bf16kv : kv_block_avx2_f32;
-        /* The chunk path (a bfloat16 model) keeps column order on AVX2 (paged_decode_chunk.h). */
+        /* The chunk path (a bfloat16 model) keeps column order on AVX2 (paged_decode_chunk.inc). */
         a.pair_w = kv_bf16 && !io_bf16 ? 8 : 0;
         a.qk_rows = 4;  /* QK_ROWS there */
         if (io_bf16) a.chunk_fn = kv_chunk_avx2_bf16kv;

@@ -225,8 +225,8 @@ static void tile_portable(KERNEL_ARGS) {
     for (int64_t m = 0; m < rows; m++) memcpy(y + m * ldy, acc[m], sizeof(float) * (size_t)ncols);
 }
 
-/* A thread's buffer for the weight panels it dequantizes (quant_gemm_amx_bf16.h's bf16 ones,
- * quant_gemm_f32panel.h's float32 ones; a thread runs one matmul at a time), 64-byte aligned,
+/* A thread's buffer for the weight panels it dequantizes (quant_gemm_amx_bf16.inc's bf16 ones,
+ * quant_gemm_f32panel.inc's float32 ones; a thread runs one matmul at a time), 64-byte aligned,
  * grown to the most bytes asked for; NULL without memory. */
 static __thread void *panel_buf;
 static __thread int64_t panel_buf_bytes;
@@ -240,18 +240,18 @@ static void *thread_panel(int64_t bytes) {
     return panel_buf;
 }
 
-#include "quant_gemm_avx512.h" /* tile_avx512 and its helpers */
+#include "quant_gemm_avx512.inc" /* tile_avx512 and its helpers */
 
-#include "quant_gemm_avx2.h" /* tile2_* and TILE2[] */
+#include "quant_gemm_avx2.inc" /* tile2_* and TILE2[] */
 
-#include "quant_gemm_amx.h" /* amx_* and AMX_KERNELS[] */
+#include "quant_gemm_amx.inc" /* amx_* and AMX_KERNELS[] */
 
 int32_t tl_q_amx_status(void);
-#include "quant_gemm_amx_bf16.h" /* tl_q_linear_amx_bf16: dequantized panels on bf16 tiles */
+#include "quant_gemm_amx_bf16.inc" /* tl_q_linear_amx_bf16: dequantized panels on bf16 tiles */
 
 /* ------------------------------------------------------------------------- dispatch */
 /* 4: as 3, and from amx_bf16_min_rows rows the weight dequantized to bf16 panels on AMX-BF16
- * tiles (quant_gemm_amx_bf16.h), 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16),
+ * tiles (quant_gemm_amx_bf16.inc), 3: AVX-512 VNNI with AMX int8 from AMX_MIN_ROWS rows (8 or 16),
  * 2: AVX-512 VNNI, 1: AVX2, 0: portable */
 static int isa_level = -1;
 static int amx_state = 2; /* amx_request()'s answer, asked once per process (2: not yet) */
@@ -265,17 +265,22 @@ int32_t tl_q_amx_status(void) {
 #endif
 }
 
+/* The level ops/kernel_plan.py caps this process at (TOKENLOOM_QUANT_ISA, read in envs.py and
+ * passed by tl_q_force_isa): 4 amx_bf16, 3 amx, 2 avx512, 1 avx2, 0 c; -1: no cap. */
+static int forced_level = -1;
+
+/* What the CPU can run, capped at forced_level. The plan states the same decision from the CPU's
+ * flags (kernel_plan.quant_level); tests/ops/test_kernel_plan.py checks that they agree. The AMX
+ * tile state is only asked for where the cap allows AMX. */
 static int detect_isa(void) {
-    const char *force = getenv("TOKENLOOM_QUANT_ISA"); /* pin a kernel: amx_bf16|amx|avx512|avx2|c */
     __builtin_cpu_init();
     int best = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
     if (best && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         best = 2;
-    if (force) {
-        int want = !strcmp(force, "amx_bf16") ? 4 : !strcmp(force, "amx") ? 3 :
-                   !strcmp(force, "avx512") ? 2 : !strcmp(force, "avx2") ? 1 : 0;
+    if (forced_level >= 0) {
+        const int want = forced_level;
         if (want < 3) return want < best ? want : best; /* below AMX: never ask for the tile state */
         if (best == 2 && tl_q_amx_status() == 1) best = 3;
 #ifdef TL_HAVE_AMX
@@ -289,6 +294,20 @@ static int detect_isa(void) {
 #endif
     return best;
 }
+
+/* Caps the kernel level (-1: none) and returns the level now in use: how the kernel plan's
+ * TOKENLOOM_QUANT_ISA reaches the library (ops/quant.py calls it once when it binds). */
+int32_t tl_q_force_isa(int32_t want) {
+    forced_level = want;
+    isa_level = detect_isa();
+    return isa_level;
+}
+
+/* Which kernel the last tl_q_linear / tl_q_linear_bf16 call ran (0 tile_portable, 1 tile2_*,
+ * 2 tile_avx512, 3 amx_* int8, 4 the bf16 tiles, 5 f32p_linear; -1 none yet): a probe for the
+ * test that checks the kernel plan against the functions actually called. */
+static int last_kernel = -1;
+int32_t tl_q_last_kernel(void) { return last_kernel; }
 
 static int has_amx_kernel(int fmt) {
 #ifdef TL_HAVE_AMX
@@ -349,7 +368,7 @@ static void add_bias(float *yt, int64_t ldy, int64_t rows, int ncols, const floa
         for (int n = 0; n < ncols; n++) yt[r * ldy + n] += b[n];
 }
 
-#include "quant_gemm_f32panel.h" /* f32p_linear: dequantized float32 panels on AVX2 */
+#include "quant_gemm_f32panel.inc" /* f32p_linear: dequantized float32 panels on AVX2 */
 
 int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const float *x,
                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias,
@@ -358,12 +377,16 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
         levels > 2)
         return -1;
     if (tl_q_isa(fmt) == 1 && f32p_rows() > 0 && M >= f32p_rows() &&
-        f32p_linear(fmt, w, N, K, x, ldx, M, y, ldy, bias) == 0)
+        f32p_linear(fmt, w, N, K, x, ldx, M, y, ldy, bias) == 0) {
+        last_kernel = 5;
         return 0;
+    }
 #ifdef TL_HAVE_AMX
     if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4 &&
-        tl_q_linear_amx_bf16(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0) == 0)
+        tl_q_linear_amx_bf16(fmt, w, N, K, x, 0, ldx, M, y, 0, ldy, bias, scratch, 0) == 0) {
+        last_kernel = 4;
         return 0;
+    }
 #endif
     const int64_t nb = K / QK, ntiles = (N + TILE_N - 1) / TILE_N, Mp = padded_rows(M);
     const int64_t tile_bytes = nb / UB(fmt) * UNIT_BYTES(fmt), xplane = Mp * K;
@@ -378,6 +401,7 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
     const int use_amx = 0;
 #endif
     const int vec_quant = tl_q_isa(fmt) >= 2;
+    last_kernel = use_amx ? 3 : tl_q_isa(fmt) >= 2 ? 2 : tl_q_isa(fmt);
     for (int l = 0; l < levels; l++) memset(xq + l * xplane + M * K, 0, (size_t)((Mp - M) * K));
     #pragma omp parallel
     {
@@ -452,8 +476,10 @@ int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, co
         return -1;
     if (M == 0) return 0;
 #ifdef TL_HAVE_AMX
-    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4) /* scratch sized for this alone */
+    if (amx_bf16_min_rows > 0 && M >= amx_bf16_min_rows && tl_q_isa(fmt) == 4) { /* scratch sized for this alone */
+        last_kernel = 4;
         return tl_q_linear_amx_bf16(fmt, w, N, K, x, 1, ldx, M, y, 1, ldy, bias, scratch, kchunk) ? -2 : 0;
+    }
 #endif
     char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *xf = (float *)base, *yf = xf + M * K;

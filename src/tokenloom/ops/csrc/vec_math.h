@@ -115,7 +115,7 @@ static inline __m512 tl_exp16(__m512 x) {
 }
 /* silu(g) * u sixteen at a time, silu(g) = g / (1 + exp(-g)) in the reference's order: the one
  * routine of tl_silu_and_mul_f32 (elementwise.c) and of the quantized gate|up matmul that writes
- * it in its epilogue (quant_gemm_amx_bf16.h), so the fused and the two-pass MLP agree bit for bit. */
+ * it in its epilogue (quant_gemm_amx_bf16.inc), so the fused and the two-pass MLP agree bit for bit. */
 static inline __m512 tl_silu_mul16(__m512 g, __m512 u) {
     const __m512 e = tl_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
