@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tokenloom-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test config-docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
