@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tokenloom-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test config-docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ run: $(STAMP)
 # and runs the `serial` tests alone.
 test: $(STAMP)
 	$(PY) -m pytest -n auto $(PYTEST_ARGS)
+
+# docs/configuration.md, generated from EngineArgs (tests/house/test_config_reference.py fails
+# while it is stale).
+config-docs: $(STAMP)
+	$(PY) -m tokenloom.entrypoints.engine_args
 
 bench: $(STAMP)
 	$(VENV)/bin/tokenloom bench throughput --baseline hf

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.ops.cpu_threads import usable_cores
-from tokenloom.worker.worker import resolve_max_model_len, threads_per_rank
+from tokenloom.model.resolve import resolve_max_model_len
+from tokenloom.worker.worker import threads_per_rank
 
 
 def test_ranks_split_the_cores(monkeypatch):

@@ -14,7 +14,6 @@ import time
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.executor import executor_class
 from tokenloom.kv_cache_spec import kv_cache_groups
@@ -22,9 +21,8 @@ from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.ops.kernel_plan import format_plan_rows
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputManager
-from tokenloom.worker.worker import resolve_max_model_len
 
-__all__ = ["EngineCore", "resolve_max_model_len"]
+__all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +33,9 @@ GRAMMAR_POLL_SECONDS = 0.005
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        # Resolved by the caller's engine (model/resolve.py) before it started this core: the
+        # runner and pooler are decided; validate() only guards what crossed the process boundary.
         config.validate()
-        resolve_pooling(config)
         self.config = config
         t0 = time.perf_counter()
         # The model's rank(s): in this process, in worker processes or in Ray actors.

@@ -39,17 +39,16 @@ from tokenloom.engine.core_client import (
     EngineShutDownError,
 )
 from tokenloom.engine.dp_client import DPAsyncClient, ReplicaDeadError
-from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
-from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
+from tokenloom.engine.frontend import EngineFrontend
+from tokenloom.engine.output_processor import RequestOutputCollector
+from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.engine.tokenizer_pool import TokenizerPool
 from tokenloom.messages import ENGINE_STOPPED_BY_SIGINT, EngineCoreOutputs, EngineCoreRequest, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.live import live_view
 from tokenloom.metrics.prometheus import PrometheusMetrics
-from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.lora_request import LoRARequest
-from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
@@ -100,34 +99,18 @@ class RequestStream:
         return await self.collector.get()  # raises the exception that ended the request, if any
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontend):
     def __init__(self, config: EngineConfig, *, model_name: str | None = None, log_stats: bool = True,
                  metrics_prefix: str = "tokenloom", log_requests: bool = False) -> None:
         """`metrics_prefix`: "vllm" names the metrics vLLM also has `vllm:...` (see
         metrics/prometheus.py). `log_requests`: an INFO line as each request is added and
         aborted (vLLM's enable_log_requests)."""
         self.log_requests = log_requests
-        config.validate()
-        resolve_pooling(config)
-        self.config = config
+        self.engine_core: AsyncMPClient | DPAsyncClient
+        self._start(config, lambda resolved: DPAsyncClient(resolved) if resolved.data_parallel_size > 1
+                    else AsyncMPClient(resolved))
         self.model_name = model_name or config.model or "SmolLM2-135M-Instruct"
-        # Only the tokenizer and the architecture facts live here; the weights load in the core.
-        self.tokenizer = load_tokenizer(config.model)
-        self.model_config = load_model_config(config.model, config.hf_overrides, config.convert)
         self.data_parallel_size = config.data_parallel_size
-        self.engine_core: AsyncMPClient | DPAsyncClient = (
-            DPAsyncClient(config) if config.data_parallel_size > 1
-            else AsyncMPClient(config))
-        self.max_model_len = self.engine_core.info.max_model_len
-        info = self.engine_core.info
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
-            enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
-            pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
-            structured_output_limits=config.structured_output_limits(),
-        )
-        self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
         self.metrics: PrometheusMetrics | None = (
             PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix, max_model_len=self.max_model_len,
                               data_parallel_size=config.data_parallel_size) if log_stats else None)
@@ -166,13 +149,9 @@ class AsyncLLM:
         handler starts with the first request either way (as vLLM's does when no event loop is
         running yet). `usage_context` is vLLM's usage-telemetry label (unused); `stat_loggers`
         must be empty, since tokenloom's metrics are its own Prometheus ones."""
-        if stat_loggers:
-            raise ValueError("stat_loggers is not supported: tokenloom's metrics are exported by its own "
-                             "Prometheus collectors (see AsyncLLM.metrics).")
-        config = engine_args.create_engine_config()
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"engine_args.create_engine_config() returned {type(config).__name__}, not tokenloom's "
-                            "EngineConfig: pass tokenloom.AsyncEngineArgs.")
+        config = cls._config_from_engine_args(engine_args, stat_loggers, "AsyncEngineArgs",
+                                              "tokenloom's metrics are exported by its own Prometheus collectors "
+                                              "(see AsyncLLM.metrics).")
         return cls(config, log_requests=bool(getattr(engine_args, "enable_log_requests", False)))
 
     # ---- requests ---------------------------------------------------------------------------

@@ -13,47 +13,20 @@ from typing import Any
 from tokenloom.config import EngineConfig, torch_profiler_dir
 from tokenloom.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenloom.engine.dp_client import DPClient, ReplicaDeadError
-from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.processor import InputProcessor, check_vllm_only_args
+from tokenloom.engine.frontend import EngineFrontend
+from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.messages import EngineCoreOutputs, EngineInfo, now
 from tokenloom.metrics.ledger import FrontendLedger
 from tokenloom.metrics.stats import Metric
-from tokenloom.model.pooling_config import resolve_pooling
-from tokenloom.model.source import load_model_config, load_tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
-        config.validate()
-        resolve_pooling(config)
-        self.config = config
-        # The caller needs only the tokenizer and the architecture facts; the weights are loaded
-        # (and dequantized) once, in the engine core.
-        self.tokenizer = load_tokenizer(config.model)
-        self.model_config = load_model_config(config.model, config.hf_overrides, config.convert)
-        self.engine_core: EngineCoreClient
-        # Replicas behind a load balancer only for data parallelism; at data_parallel_size=1 the
-        # backend ("mp", "ray") says only who runs the tensor-parallel ranks (as vLLM).
-        if config.data_parallel_size > 1:
-            if not multiprocess:
-                raise ValueError("data_parallel_size > 1 needs multiprocess=True "
-                                 "(each replica is its own process).")
-            self.engine_core = DPClient(config)
-        else:
-            self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
-        self.max_model_len = self.engine_core.info.max_model_len
-        info = self.engine_core.info
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, self.max_model_len, num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-            kv_cache_capacity_tokens=info.kv_cache_capacity_tokens or None, scheduling_policy=config.scheduling_policy,
-            enable_lora=config.enable_lora, max_lora_rank=config.max_lora_rank,
-            pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
-            structured_output_limits=config.structured_output_limits(),
-        )
-        self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
+        self.engine_core: EngineCoreClient | DPClient
+        self._start(config, lambda resolved: self._make_client(resolved, multiprocess))
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
         # The caller's half of the ledger: metrics (get_metrics) and the trace file.
@@ -62,6 +35,17 @@ class LLMEngine:
             model_name = config.model or "SmolLM2-135M-Instruct"
             self.ledger = FrontendLedger(config, model_name, self.engine_core.info)
 
+    @staticmethod
+    def _make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient | DPClient:
+        # Replicas behind a load balancer only for data parallelism; at data_parallel_size=1 the
+        # backend ("mp", "ray") says only who runs the tensor-parallel ranks (as vLLM).
+        if config.data_parallel_size > 1:
+            if not multiprocess:
+                raise ValueError("data_parallel_size > 1 needs multiprocess=True "
+                                 "(each replica is its own process).")
+            return DPClient(config)
+        return EngineCoreClient.make_client(config, multiprocess=multiprocess)
+
     @classmethod
     def from_kwargs(cls, multiprocess: bool = True, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(**kwargs), multiprocess=multiprocess)
@@ -69,17 +53,10 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any, usage_context: Any = None, stat_loggers: list[Any] | None = None,
                          enable_multiprocessing: bool = True) -> "LLMEngine":
-        """vLLM's constructor: `engine_args` is anything whose `create_engine_config()` returns an
-        EngineConfig (tokenloom's `EngineArgs`; taken by that method so that engine/ needs nothing
-        from entrypoints/). `enable_multiprocessing=False` runs the core in this process.
-        `usage_context` is vLLM's usage-telemetry label (unused); `stat_loggers` must be empty,
-        since tokenloom's metrics come from `get_metrics()`, not from vLLM's logger classes."""
-        if stat_loggers:
-            raise ValueError("stat_loggers is not supported: read tokenloom's metrics with LLMEngine.get_metrics().")
-        config = engine_args.create_engine_config()
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"engine_args.create_engine_config() returned {type(config).__name__}, not tokenloom's "
-                            "EngineConfig: pass tokenloom.EngineArgs.")
+        """vLLM's constructor (tokenloom's `EngineArgs`): `enable_multiprocessing=False` runs the
+        core in this process; `usage_context` is vLLM's usage-telemetry label (unused)."""
+        config = cls._config_from_engine_args(engine_args, stat_loggers, "EngineArgs",
+                                              "read tokenloom's metrics with LLMEngine.get_metrics().")
         return cls(config, multiprocess=enable_multiprocessing)
 
     def next_request_id(self) -> str:

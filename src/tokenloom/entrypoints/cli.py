@@ -7,7 +7,7 @@ import sys
 
 from tokenloom.entrypoints.bench import add_bench_parser
 from tokenloom.entrypoints.collect_env import add_env_parser
-from tokenloom.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenloom.entrypoints.engine_args import EngineArgs, add_engine_args
 from tokenloom.entrypoints.openai import add_run_batch_parser, add_serve_parser
 from tokenloom.metrics.explain import add_explain_parser
 
@@ -29,11 +29,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
-    config = engine_config_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    llm = LLM(**{f: getattr(config, f) for f in config.__struct_fields__}, multiprocess=args.multiprocess)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)

@@ -1,245 +1,211 @@
-"""Engine options shared by every CLI command that starts an engine (generate, serve, bench).
+"""Every engine argument, declared once: the `EngineArgs` dataclass (vLLM's), whose fields carry
+their defaults, their help text and their command-line spelling.
+
+Generated from it: the options of every CLI command that starts an engine (`add_engine_args`),
+the keywords `LLM(...)` takes, the `EngineConfig` the engine core is built from
+(`create_engine_config`) and the configuration reference, docs/configuration.md
+(`config_reference_markdown`; `python -m tokenloom.entrypoints.engine_args` writes it).
 
 vLLM's spellings work too, so that its launch scripts run unchanged where the meaning is the
 same: `--dtype half|float`, `--enable-prefix-caching`, sizes such as `--max-model-len 8k`
-(`human_int`), and options that mean nothing here (GPU memory, remote code) are
-accepted with a warning saying so (`warn_ignored_vllm_args`).
+(`human_int`), and options that mean nothing here (GPU memory, remote code) are accepted with a
+warning saying so (`warn_ignored_vllm_args`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import re
-from typing import Any
-
-import msgspec
+import sys
+from pathlib import Path
+from typing import Any, Literal
 
 from tokenloom.config import EngineConfig
+from tokenloom.entrypoints.arg_fields import (
+    FROM_CONFIG,
+    add_dataclass_args,
+    arg,
+    human_int,
+    json_dict,
+    reference_markdown,
+)
+from tokenloom.pooling_params import PoolerConfig
+
+__all__ = ["EngineArgs", "AsyncEngineArgs", "add_engine_args", "engine_config_from_args", "human_int", "json_dict",
+           "DTYPE_ALIASES", "VLLM_ONLY_ARGS", "config_reference_markdown"]
 
 logger = logging.getLogger("tokenloom")
 
-_DEFAULTS = EngineConfig()
 # vLLM's --dtype names for the same types.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgG]?)$")
-
-
-def human_int(text: str) -> int:
-    """An integer, or one with vLLM's size suffixes: k/m/g are powers of 1000, K/M/G of 1024
-    ("8k" = 8000, "8K" = 8192, "1.5k" = 1500)."""
-    match = _HUMAN_INT.match(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 8k or 8K, got {text!r}")
-    number, suffix = match.groups()
-    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    value = float(number) * scale
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-def json_dict(text: str) -> dict:
-    """A JSON object given on the command line (vLLM's --override-generation-config)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}': {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
-                   help="weights and activations (auto: by what the CPU multiplies fastest, float32 under a quantized "
-                        "path; half = float16, float = float32 as in vLLM)")
-    g.add_argument("--kv-cache-dtype", default=_DEFAULTS.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache element type (auto: the model dtype, but bfloat16 under a quantized path, as llama.cpp "
-                        "keeps its cache in float16); bfloat16 under a float32 model halves the cache on the CPU")
-    g.add_argument("--device", default=_DEFAULTS.device)
-    g.add_argument("--max-model-len", type=human_int, default=None, help="context length (e.g. 4096, 8k, 8K)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="token budget of one step")
-    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
-    g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
-                   help="reuse the KV cache of prompts' shared prefixes (the default)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
-    g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy, choices=["fcfs", "priority"])
-    g.add_argument("--attention-backend", default=_DEFAULTS.attention_backend, choices=["auto", "torch", "triton"])
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=_DEFAULTS.data_parallel_size,
-                   help="engine-core replicas behind one front end, each with its share of the cores; requests go to the least loaded")
-    g.add_argument("--inprocess", dest="multiprocess", action="store_false", help="run the engine core in this process")
-    g.add_argument("--no-ledger", dest="enable_ledger", action="store_false", help="turn the ledger (per-request timing, metrics) off")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly: on CUDA, no decode steps replayed from CUDA graphs (as vLLM's)")
-    g.add_argument("--quantization", default=_DEFAULTS.quantization, choices=["auto", "gguf", "int8", "none"],
-                   help="auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model in float; "
-                        "int8: int8 weights and activations for any model; none: dequantized float path")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS.tensor_parallel_size,
-                   help="split the model across this many ranks (one process each; torch.distributed, gloo on CPU, NCCL on CUDA)")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-                   help="who runs the ranks: uni (this engine core, one rank), mp (worker processes), ray (Ray actors, "
-                        "also across machines: `ray start --head` first); default uni for one rank, mp for more. "
-                        "With --data-parallel-size > 1, ray also runs each replica's engine core as a Ray actor "
-                        "placed with a placement group")
-    g.add_argument("--generation-config", default=_DEFAULTS.generation_config, metavar="auto|vllm|DIR",
-                   help="default sampling parameters: auto takes the model's generation_config.json (temperature, top_p, "
-                        "top_k, min_p, penalties, max_new_tokens) for what a request leaves unset, as vLLM does; vllm "
-                        "keeps SamplingParams' defaults; a folder reads its generation_config.json, whose max_new_tokens "
-                        "then caps every request")
-    g.add_argument("--override-generation-config", type=json_dict, default=None, metavar="JSON",
-                   help='sampling defaults merged over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
-    g.add_argument("--speculative-config", type=json_dict, default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' proposes up to 4 tokens that followed an earlier occurrence of '
-                        "the request's last tokens (n-gram prompt lookup; no draft model) and verifies them in one step")
-    g.add_argument("--enable-lora", action="store_true", default=_DEFAULTS.enable_lora,
-                   help="serve LoRA adapters (PEFT directories) over the model: requests name one with a LoRARequest "
-                        "(offline) or as their model (tokenloom serve --lora-modules)")
-    g.add_argument("--max-loras", type=int, default=_DEFAULTS.max_loras,
-                   help="vLLM's adapter slots; here the default of --max-cpu-loras (on the CPU any number of adapters "
-                        "share a step, each a few small matmuls per layer; default 1)")
-    g.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank, help="largest adapter rank taken (default 16)")
-    g.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters whose weights the engine core keeps loaded once no request uses them, least "
-                        "recently used dropped first (default: --max-loras)")
-    g.add_argument("--runner", choices=("auto", "generate", "pooling"), default=_DEFAULTS.runner,
-                   help="generate text, or pool (embed: /v1/embeddings, LLM.embed; classify with a "
-                        "*ForSequenceClassification checkpoint: /classify, LLM.classify); auto pools a checkpoint "
-                        "without a language-model head (default auto)")
-    g.add_argument("--convert", choices=("auto", "none", "embed", "classify"), default=_DEFAULTS.convert,
-                   help="embed: run the model as an embedding model; classify: a *ForCausalLM as its "
-                        "*ForSequenceClassification, its score head from the checkpoint or made from LM-head rows "
-                        "by classifier_from_token in --hf-overrides (both imply --runner pooling)")
-    g.add_argument("--hf-overrides", type=json_dict, default=None, metavar="JSON",
-                   help='config.json keys replaced before the model is read, as vLLM\'s; Qwen3-Reranker as a '
-                        'cross-encoder: \'{"architectures": ["Qwen3ForSequenceClassification"], '
-                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
-    g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=json_dict, default=None,
-                   metavar="JSON", help='how a pooling model pools, over its own settings: \'{"pooling_type": "MEAN", '
-                                        '"normalize": false}\' (LAST, MEAN or CLS; default: the model\'s '
-                                        "sentence-transformers files, else LAST, normalized)")
-    so = parser.add_argument_group("structured outputs (a request over a limit gets a 400 naming the field and the limit)")
-    so.add_argument("--structured-outputs-max-grammar-chars", type=human_int,
-                    default=_DEFAULTS.structured_outputs_max_grammar_chars,
-                    help="most characters of a grammar or a regex (a compile's time grows faster than linearly with a "
-                         "grammar's rules)")
-    so.add_argument("--structured-outputs-max-schema-chars", type=human_int,
-                    default=_DEFAULTS.structured_outputs_max_schema_chars, help="most characters of a JSON schema's text")
-    so.add_argument("--structured-outputs-max-schema-depth", type=int,
-                    default=_DEFAULTS.structured_outputs_max_schema_depth,
-                    help="deepest nesting of objects and arrays in a JSON schema")
-    so.add_argument("--structured-outputs-max-choices", type=human_int, default=_DEFAULTS.structured_outputs_max_choices,
-                    help="most strings in a choice list")
-    so.add_argument("--structured-outputs-max-choice-chars", type=human_int,
-                    default=_DEFAULTS.structured_outputs_max_choice_chars, help="most characters of a choice list's strings together")
-    so.add_argument("--structured-outputs-compile-timeout", type=float,
-                    default=_DEFAULTS.structured_outputs_compile_timeout,
-                    help="seconds a request waits for its grammar to compile before it fails")
-    so.add_argument("--structured-outputs-compile-threads", type=int,
-                    default=_DEFAULTS.structured_outputs_compile_threads,
-                    help="grammars compiled at once, so that one slow compile does not hold the other requests' grammars")
-    v = parser.add_argument_group("accepted for vLLM's launch scripts, with no effect here (a warning says so)")
-    v.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or --num-kv-blocks do")
-    v.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="no model code is ever downloaded or run here: the architectures are tokenloom's own")
-    g.add_argument("--trace", dest="trace_path", metavar="PATH", default=None, help="write a Chrome trace (Perfetto) of the run to PATH at shutdown; see `tokenloom explain`")
-
-
-# vLLM's engine arguments that mean nothing here (GPU memory, remote code, swap,
-# its periodic stats log): its launch lines and `LLM(...)` calls pass them, so they are taken and
-# a warning says so.
+# vLLM's engine arguments that mean nothing here (GPU memory, remote code, swap, its periodic
+# stats log): its launch lines and `LLM(...)` calls pass them, so they are taken and a warning
+# says so.
 VLLM_ONLY_ARGS = ("gpu_memory_utilization", "trust_remote_code", "swap_space", "disable_log_stats")
 
-
-def warn_ignored_vllm_args(args: argparse.Namespace) -> None:
-    for name in VLLM_ONLY_ARGS:
-        if getattr(args, name, None) not in (None, False):
-            logger.warning("--%s is vLLM's and has no effect in tokenloom (see --help).", name.replace("_", "-"))
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    warn_ignored_vllm_args(args)
-    if getattr(args, "dtype", None) in DTYPE_ALIASES:
-        args.dtype = DTYPE_ALIASES[args.dtype]
-    fields = EngineConfig.__struct_fields__
-    config = EngineConfig(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
-    config.validate()
-    return config
+STRUCTURED = "structured outputs (a request over a limit gets a 400 naming the field and the limit)"
+VLLM = "accepted for vLLM's launch scripts, with no effect here (a warning says so)"
+# Options that only EngineArgs.add_cli_args adds: `tokenloom serve` spells its own.
+VLLM_MORE = "more of vLLM's engine arguments, with no effect here (a warning says so)"
+REFERENCE_PATH = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
-def _with_engine_config_fields(cls: type) -> type:
-    """Puts EngineConfig's fields, with their types and defaults, ahead of `cls`'s own before
-    @dataclass reads them: the engine arguments are the config's fields by construction, so a
-    field added to EngineConfig is an EngineArgs field (and reaches the engine) without a second
-    list to keep in step. `model` stays positional, as in vLLM (`EngineArgs("path")`)."""
-    annotations: dict[str, Any] = {}
-    for f in msgspec.structs.fields(EngineConfig):
-        annotations[f.name] = f.type
-        if f.default_factory is not msgspec.NODEFAULT:
-            default = dataclasses.field(default_factory=f.default_factory)
-        else:
-            default = dataclasses.field(default=f.default, kw_only=False if f.name == "model" else dataclasses.MISSING)
-        setattr(cls, f.name, default)
-    own = cls.__dict__.get("__annotations__", {})
-    clash = sorted(set(own) & set(annotations))
-    if clash:
-        raise TypeError(f"{cls.__name__} redeclares EngineConfig's field(s) {clash}.")
-    cls.__annotations__ = {**annotations, **own}
+def _defaults_from_config(cls: type) -> type:
+    """Fills the defaults left as FROM_CONFIG with EngineConfig's, before @dataclass reads them,
+    and refuses a class that leaves out one of EngineConfig's fields: each field the engine core
+    reads is an argument, with its help, by construction."""
+    defaults = EngineConfig()
+    for name in cls.__dict__.get("__annotations__", {}):
+        field = cls.__dict__.get(name)
+        if isinstance(field, dataclasses.Field) and field.default is FROM_CONFIG:
+            field.default = getattr(defaults, name)
+    missing = sorted(set(EngineConfig.__struct_fields__) - set(cls.__dict__.get("__annotations__", {})))
+    if missing:
+        raise TypeError(f"{cls.__name__} does not declare EngineConfig's field(s) {missing}.")
     return cls
 
 
 @dataclasses.dataclass(kw_only=True)
-@_with_engine_config_fields
+@_defaults_from_config
 class EngineArgs:
-    """vLLM's `EngineArgs`, so that scripts written for vLLM build tokenloom's engines unchanged:
-    `LLMEngine.from_engine_args(EngineArgs(model=path, max_model_len=512))`, or from a command
-    line with `EngineArgs.add_cli_args(parser)` and `EngineArgs.from_cli_args(args)`.
+    """vLLM's `EngineArgs`: every argument of an engine, with its default and help. Scripts
+    written for vLLM build tokenloom's engines unchanged: `LLMEngine.from_engine_args(
+    EngineArgs(model=path, max_model_len=512))`, or from a command line with
+    `EngineArgs.add_cli_args(parser)` and `EngineArgs.from_cli_args(args)`. `LLM(...)` takes
+    exactly these fields as keywords. vLLM's arguments that mean nothing here (VLLM_ONLY_ARGS)
+    are taken and warned about; any other unknown name is a TypeError, as in vLLM: taking it
+    silently would run something other than what the script asked for."""
 
-    The fields are EngineConfig's (same names as vLLM's where vLLM has them, same defaults as
-    `LLM(...)` and the CLI), plus vLLM's that mean nothing here (VLLM_ONLY_ARGS), which are taken
-    and warned about when the config is built. vLLM's other arguments (tokenizer, LoRA,
-    ...) are a TypeError, as any unknown name is in vLLM: taking them silently would run
-    something other than what the script asked for.
-    """
-
+    model: str | None = arg("GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)",
+                            positional=True)
+    dtype: str = arg("weights and activations (auto: by what the CPU multiplies fastest, float32 under a quantized "
+                     "path; half = float16, float = float32 as in vLLM)",
+                     choices=("auto", "float32", "bfloat16", "float16", "half", "float"))
+    kv_cache_dtype: str = arg("KV cache element type (auto: the model dtype, but bfloat16 under a quantized path, as "
+                              "llama.cpp keeps its cache in float16); bfloat16 under a float32 model halves the cache "
+                              "on the CPU", choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = arg("where the model runs: cpu, cuda or cuda:N")
+    max_model_len: int | None = arg("context length (e.g. 4096, 8k, 8K; default: the model's)", parse=human_int)
+    max_num_batched_tokens: int = arg("token budget of one step")
+    max_num_seqs: int = arg("most requests running in one step")
+    block_size: int = arg("tokens per KV cache block")
+    enable_prefix_caching: bool = arg("reuse the KV cache of prompts' shared prefixes (the default)")
+    enable_chunked_prefill: bool = arg("split a long prompt's prefill over steps, within the token budget")
+    kv_cache_memory_bytes: int | None = arg("bytes of KV cache (default: room for max_num_seqs sequences of "
+                                            "max_model_len tokens, capped)")
+    num_kv_blocks: int | None = arg("KV cache blocks, instead of sizing the cache by bytes")
+    seed: int | None = arg("the engine's random seed (None: unseeded)")
+    scheduling_policy: Literal["fcfs", "priority"] = arg("which waiting request is admitted first",
+                                                         choices=("fcfs", "priority"))
+    attention_backend: Literal["auto", "torch", "triton"] = arg("the attention kernels",
+                                                                choices=("auto", "torch", "triton"))
+    data_parallel_size: int = arg("engine-core replicas behind one front end, each with its share of the cores; "
+                                  "requests go to the least loaded", flags=("--data-parallel-size", "-dp"))
+    multiprocess: bool = arg("run the engine core in this process", default=True, flags=(),
+                             negative=("--inprocess",))
+    enable_ledger: bool = arg("turn the ledger (per-request timing, metrics) off", flags=(), negative=("--no-ledger",))
+    compile: bool = arg("torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
+    enforce_eager: bool = arg("run every step eagerly: on CUDA, no decode steps replayed from CUDA graphs (as vLLM's)")
+    quantization: str | None = arg(
+        "auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model "
+        "in float; int8: int8 weights and activations for any model; none: dequantized float path",
+        choices=("auto", "gguf", "int8", "none"))
+    tensor_parallel_size: int = arg("split the model across this many ranks (one process each; torch.distributed, "
+                                    "gloo on CPU, NCCL on CUDA)", flags=("--tensor-parallel-size", "-tp"))
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = arg(
+        "who runs the ranks: uni (this engine core, one rank), mp (worker processes), ray (Ray actors, also across "
+        "machines: `ray start --head` first); default uni for one rank, mp for more. With --data-parallel-size > 1, "
+        "ray also runs each replica's engine core as a Ray actor placed with a placement group",
+        choices=("uni", "mp", "ray"))
+    generation_config: str = arg(
+        "default sampling parameters: auto takes the model's generation_config.json (temperature, top_p, top_k, "
+        "min_p, penalties, max_new_tokens) for what a request leaves unset, as vLLM does; vllm keeps "
+        "SamplingParams' defaults; a folder reads its generation_config.json, whose max_new_tokens then caps every "
+        "request", metavar="auto|vllm|DIR")
+    override_generation_config: dict[str, Any] | None = arg(
+        "sampling defaults merged over --generation-config's, e.g. '{\"temperature\": 0.5}'", metavar="JSON")
+    speculative_config: dict[str, Any] | None = arg(
+        "speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' proposes up to 4 tokens that followed an earlier occurrence of the request's "
+        "last tokens (n-gram prompt lookup; no draft model) and verifies them in one step", metavar="JSON")
+    enable_lora: bool = arg("serve LoRA adapters (PEFT directories) over the model: requests name one with a "
+                            "LoRARequest (offline) or as their model (tokenloom serve --lora-modules)")
+    max_loras: int = arg("vLLM's adapter slots; here the default of --max-cpu-loras (on the CPU any number of "
+                         "adapters share a step, each a few small matmuls per layer; default 1)")
+    max_lora_rank: int = arg("largest adapter rank taken (default 16)")
+    max_cpu_loras: int | None = arg("adapters whose weights the engine core keeps loaded once no request uses them, "
+                                    "least recently used dropped first (default: --max-loras)")
+    runner: str = arg("generate text, or pool (embed: /v1/embeddings, LLM.embed; classify with a "
+                      "*ForSequenceClassification checkpoint: /classify, LLM.classify); auto pools a checkpoint "
+                      "without a language-model head (default auto)", choices=("auto", "generate", "pooling"))
+    convert: str = arg("embed: run the model as an embedding model; classify: a *ForCausalLM as its "
+                       "*ForSequenceClassification, its score head from the checkpoint or made from LM-head rows by "
+                       "classifier_from_token in --hf-overrides (both imply --runner pooling)",
+                       choices=("auto", "none", "embed", "classify"))
+    hf_overrides: dict[str, Any] | None = arg(
+        "config.json keys replaced before the model is read, as vLLM's; Qwen3-Reranker as a cross-encoder: "
+        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+        "\"is_original_qwen3_reranker\": true}'", metavar="JSON")
+    pooler_config: PoolerConfig | dict[str, Any] | None = arg(
+        "how a pooling model pools, over its own settings: '{\"pooling_type\": \"MEAN\", \"normalize\": false}' "
+        "(LAST, MEAN or CLS; default: the model's sentence-transformers files, else LAST, normalized)",
+        flags=("--pooler-config", "--override-pooler-config"), parse=json_dict, metavar="JSON")
+    override_pooler_config: PoolerConfig | dict[str, Any] | None = arg(
+        "vLLM's older name of pooler_config (give one of them)", default=None, cli=False)
+    trace_path: str | None = arg("write a Chrome trace (Perfetto) of the run to PATH at shutdown; see "
+                                 "`tokenloom explain`", flags=("--trace",), metavar="PATH")
+    structured_outputs_max_grammar_chars: int = arg(
+        "most characters of a grammar or a regex (a compile's time grows faster than linearly with a grammar's rules)",
+        parse=human_int, group=STRUCTURED)
+    structured_outputs_max_schema_chars: int = arg("most characters of a JSON schema's text", parse=human_int,
+                                                   group=STRUCTURED)
+    structured_outputs_max_schema_depth: int = arg("deepest nesting of objects and arrays in a JSON schema",
+                                                   group=STRUCTURED)
+    structured_outputs_max_choices: int = arg("most strings in a choice list", parse=human_int, group=STRUCTURED)
+    structured_outputs_max_choice_chars: int = arg("most characters of a choice list's strings together",
+                                                   parse=human_int, group=STRUCTURED)
+    structured_outputs_compile_timeout: float = arg("seconds a request waits for its grammar to compile before it "
+                                                    "fails", group=STRUCTURED)
+    structured_outputs_compile_threads: int = arg("grammars compiled at once, so that one slow compile does not hold "
+                                                  "the other requests' grammars", group=STRUCTURED)
     # VLLM_ONLY_ARGS: taken so vLLM's scripts run; a value other than None/False is warned about.
-    gpu_memory_utilization: float | None = None
-    trust_remote_code: bool | None = None
-    swap_space: float | None = None
-    disable_log_stats: bool | None = None
+    gpu_memory_utilization: float | None = arg("vLLM sizes its GPU KV cache by it; here --kv-cache-memory-bytes or "
+                                               "--num-kv-blocks do", default=None, group=VLLM)
+    trust_remote_code: bool | None = arg("no model code is ever downloaded or run here: the architectures are "
+                                         "tokenloom's own", default=None, group=VLLM)
+    swap_space: float | None = arg("vLLM's CPU swap space in GiB; preempted requests are recomputed here",
+                                   default=None, group=VLLM_MORE)
+    disable_log_stats: bool | None = arg("no periodic stats are logged here", default=None, group=VLLM_MORE)
 
-    def create_engine_config(self, usage_context: Any = None, headless: bool = False) -> EngineConfig:
-        """The validated EngineConfig these arguments describe (vLLM returns its VllmConfig here),
-        built the way the CLI builds it: vLLM's dtype names half/float read as float16/float32,
-        a warning for each vLLM-only argument set, a ValueError naming a field with a bad value.
-        `usage_context` is vLLM's usage-telemetry label, which tokenloom has no use for."""
+    def create_engine_config(self, usage_context: Any = None, headless: bool = False, *,
+                             spelling: Literal["flag", "keyword"] = "flag") -> EngineConfig:
+        """The validated EngineConfig these arguments describe (vLLM returns its VllmConfig here):
+        vLLM's dtype names half/float read as float16/float32, a warning for each vLLM-only
+        argument set (spelled as a flag or as an `LLM(...)` keyword), a ValueError naming a field
+        with a bad value. What the model's files decide (its context length, whether it pools)
+        is resolved when an engine starts from this config (model/resolve.py), so that a config
+        can be built for a model not on this machine. `usage_context` is vLLM's usage-telemetry
+        label, which tokenloom has no use for."""
         if headless:
             raise ValueError("headless=True is not supported: tokenloom's engine cores always run "
                              "under the front end that starts them.")
-        args = argparse.Namespace(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        return engine_config_from_args(args)
+        warn_ignored_vllm_args(self, spelling)
+        if self.pooler_config is not None and self.override_pooler_config is not None:
+            raise ValueError("give pooler_config or override_pooler_config (its older name), not both.")
+        values = {name: getattr(self, name) for name in EngineConfig.__struct_fields__}
+        values["dtype"] = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.override_pooler_config is not None:
+            values["pooler_config"] = self.override_pooler_config
+        config = EngineConfig(**values)
+        config.validate()
+        return config
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """The CLI's engine options (`add_engine_args`, vLLM's spellings included) plus vLLM's
-        `--swap-space` and `--disable-log-stats`, which `tokenloom serve` handles itself; returns
-        the parser, as vLLM's does."""
-        add_engine_args(parser)
-        v = parser.add_argument_group("more of vLLM's engine arguments, with no effect here (a warning says so)")
-        v.add_argument("--swap-space", type=float, default=None,
-                       help="vLLM's CPU swap space in GiB; preempted requests are recomputed here")
-        v.add_argument("--disable-log-stats", action="store_true", default=None, help="no periodic stats are logged here")
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Every option of these arguments: the CLI's engine options (`add_engine_args`, vLLM's
+        spellings included) and vLLM's `--swap-space` and `--disable-log-stats`, which `tokenloom
+        serve` spells itself; returns the parser, as vLLM's does."""
+        add_dataclass_args(parser, cls)
         return parser
 
     @classmethod
@@ -252,25 +218,60 @@ class EngineArgs:
 @dataclasses.dataclass(kw_only=True)
 class AsyncEngineArgs(EngineArgs):
     """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args` (tokenloom's `AsyncLLMEngine`):
-    EngineArgs' fields and vLLM's async one, `enable_log_requests` (an INFO line as each request
-    is added and aborted, as vLLM's AsyncLLM logs them; `disable_log_requests`, its older
-    spelling, is taken too)."""
+    EngineArgs' fields and vLLM's async one, `enable_log_requests` (`disable_log_requests`, its
+    older spelling, is taken too)."""
 
-    enable_log_requests: bool = False
-    disable_log_requests: bool | None = None
+    enable_log_requests: bool = arg("log an INFO line as each request is added and aborted", default=False,
+                                    negative=("--disable-log-requests",), group=None,
+                                    negative_help="vLLM's older spelling: requests are not logged unless "
+                                                  "--enable-log-requests")
+    disable_log_requests: bool | None = arg("vLLM's older spelling of enable_log_requests=False", default=None,
+                                            cli=False)
 
     def __post_init__(self) -> None:
         if self.disable_log_requests is not None:
             self.enable_log_requests = not self.disable_log_requests
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, async_args_only: bool = False) -> argparse.ArgumentParser:
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, async_args_only: bool = False) -> argparse.ArgumentParser:
         """EngineArgs' options (unless `async_args_only`) and `--enable-log-requests` /
         `--disable-log-requests`."""
-        if not async_args_only:
-            EngineArgs.add_cli_args(parser)
-        parser.add_argument("--enable-log-requests", action="store_true", dest="enable_log_requests",
-                            help="log an INFO line as each request is added and aborted")
-        parser.add_argument("--disable-log-requests", action="store_false", dest="enable_log_requests",
-                            help="vLLM's older spelling: requests are not logged unless --enable-log-requests")
+        engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        add_dataclass_args(parser, cls, include=lambda f: not async_args_only or f.name not in engine_fields)
         return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The options of every CLI command that starts an engine: EngineArgs' fields, but for the
+    vLLM options `tokenloom serve` spells itself (VLLM_MORE)."""
+    add_dataclass_args(parser, EngineArgs, include=lambda f: f.metadata["group"] != VLLM_MORE)
+
+
+def warn_ignored_vllm_args(args: Any, spelling: Literal["flag", "keyword"] = "flag") -> None:
+    for name in VLLM_ONLY_ARGS:
+        if getattr(args, name, None) not in (None, False):
+            if spelling == "keyword":
+                logger.warning("LLM(%s=...) is vLLM's and has no effect in tokenloom.", name)
+            else:
+                logger.warning("--%s is vLLM's and has no effect in tokenloom (see --help).", name.replace("_", "-"))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of a command line parsed with `add_engine_args`."""
+    return EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def config_reference_markdown() -> str:
+    """docs/configuration.md: every engine argument, from EngineArgs."""
+    intro = ("Generated from `tokenloom.entrypoints.engine_args.EngineArgs` by `python -m "
+             "tokenloom.entrypoints.engine_args`; do not edit by hand. Every row is a keyword of `LLM(...)`, "
+             "`EngineArgs(...)` and `AsyncEngineArgs(...)`, and (where it has flags) an option of `tokenloom "
+             "generate`, `serve`, `run-batch` and `bench`. Option names also take vLLM's underscores "
+             "(`--max_model_len`).")
+    return reference_markdown(AsyncEngineArgs, "Configuration reference", intro)
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else REFERENCE_PATH
+    target.write_text(config_reference_markdown())
+    print(f"wrote {target}")

@@ -1,20 +1,20 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`, as in vLLM."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
-from tokenloom.entrypoints.engine_args import DTYPE_ALIASES, VLLM_ONLY_ARGS
+from tokenloom.entrypoints.engine_args import EngineArgs
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
 from tokenloom.lora_request import LoRARequest
@@ -34,10 +34,13 @@ from tokenloom.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenloom.pooling_params import PoolerConfig, PoolingParams
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# LLM(...)'s keywords: EngineArgs' fields, `model` aside.
+_KEYWORDS = frozenset(f.name for f in dataclasses.fields(EngineArgs)) - {"model"}
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -46,130 +49,40 @@ class LLM:
     """An engine for offline batched inference.
 
     `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file or a
-    Hugging Face directory. `dtype="auto"` is bfloat16 on CUDA and on CPUs that multiply it
-    natively (AVX-512 BF16, AMX), else float32 (model/loader.resolve_dtype); `kv_cache_dtype="bfloat16"`
-    keeps the KV cache in bfloat16 under a float32 model on the CPU (half the memory per token,
-    K/V rounded to bfloat16); "auto" does so on the quantized path (as llama.cpp's 16-bit cache). `quantization="auto"` computes a GGUF with its quantized weights
-    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; as llama.cpp does), `"int8"` quantizes any
-    model's matrices to int8 at load, and `None` is the float path (a GGUF dequantized, as transformers does). `tensor_parallel_size=N` splits the model across N ranks
-    (`distributed_executor_backend`: "mp" worker processes, the default for N > 1, or "ray"
-    actors). `multiprocess=True` runs the
-    engine core in a child process; `False` runs it in this process (debugging).
-    `data_parallel_size=M` runs M engine cores (each on its share of the cores) and sends each
-    request to the least loaded; `distributed_executor_backend="ray"` runs them as Ray actors.
-    `generation_config="auto"` takes an HF model's generation_config.json as the default sampling
-    parameters (vLLM's), "vllm" keeps SamplingParams' own; `seed=None` leaves the engine unseeded.
-    `speculative_config={"method": "ngram", "num_speculative_tokens": 4}` is vLLM's n-gram
-    speculative decoding (prompt lookup, verified by the sampler; no draft model).
-    `enable_lora=True` serves PEFT LoRA adapters: `generate(..., lora_request=LoRARequest(name,
-    id, path))` (model/lora.py).
-    `runner="pooling"` makes an embedding engine: `embed(prompts)` and `encode(prompts,
-    pooling_task=...)` instead of generating (pooling_params.py); `pooler_config` (vLLM's, or
-    its older `override_pooler_config`) overrides the model's pooling type and normalization.
-    `hf_overrides` replaces config.json keys (vLLM's), and `convert="classify"` runs a causal
-    LM as a sequence classifier: with `classifier_from_token` its score head is made from LM-head
-    rows (Qwen3-Reranker, see EngineConfig.hf_overrides).
+    Hugging Face directory. The keywords are EngineArgs' fields, the same as the CLI's engine
+    options; docs/configuration.md (generated from EngineArgs) lists each with its default and
+    meaning. `multiprocess=False` runs the engine core in this process (debugging);
+    `runner="pooling"` makes an embedding engine (`embed`, `encode`, `classify`, `score`).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        device: str = "cpu",
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        seed: int | None = 0,
-        scheduling_policy: str = "fcfs",
-        attention_backend: str = "auto",
-        multiprocess: bool = True,
-        enable_ledger: bool = True,
-        trace_path: str | None = None,
-        compile: bool = False,
-        enforce_eager: bool = False,
-        quantization: str | None = "auto",
-        data_parallel_size: int = 1,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        generation_config: str = "auto",
-        override_generation_config: dict[str, Any] | None = None,
-        speculative_config: dict[str, Any] | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        runner: str = "auto",
-        convert: str = "auto",
-        pooler_config: PoolerConfig | dict[str, Any] | None = None,
-        override_pooler_config: PoolerConfig | dict[str, Any] | None = None,
-        hf_overrides: dict[str, Any] | None = None,
-        **vllm_only: Any,
-    ) -> None:
-        """vLLM's keywords that mean nothing here (`gpu_memory_utilization`, `trust_remote_code`,
-        `swap_space`, `disable_log_stats`) are taken with a warning; any
-        other unknown keyword is a TypeError, as before. EngineConfig's structured-output limits
-        (`structured_outputs_max_grammar_chars`, `structured_outputs_compile_timeout`, ...) are
-        taken by their names."""
-        structured = {name: vllm_only.pop(name) for name in list(vllm_only)
-                      if name.startswith("structured_outputs_") and name in EngineConfig.__struct_fields__}
-        unknown = sorted(set(vllm_only) - set(VLLM_ONLY_ARGS))
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """Takes exactly EngineArgs' fields as keywords (docs/configuration.md lists them; any
+        other keyword is a TypeError). vLLM's keywords that mean nothing here
+        (`gpu_memory_utilization`, `trust_remote_code`, `swap_space`, `disable_log_stats`) are
+        taken with a warning."""
+        unknown = sorted(set(kwargs) - _KEYWORDS)
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
-        for name in vllm_only:
-            logger.warning("LLM(%s=...) is vLLM's and has no effect in tokenloom.", name)
-        config = EngineConfig(
-            model=model,
-            dtype=DTYPE_ALIASES.get(dtype, dtype),  # vLLM's "half" and "float"
-            kv_cache_dtype=kv_cache_dtype,
-            device=device,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
-            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
-            attention_backend=attention_backend,  # type: ignore[arg-type]
-            enable_ledger=enable_ledger,
-            trace_path=trace_path,
-            compile=compile,
-            enforce_eager=enforce_eager,
-            quantization=quantization,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,  # type: ignore[arg-type]
-            generation_config=generation_config,
-            override_generation_config=override_generation_config,
-            speculative_config=speculative_config,  # type: ignore[arg-type]
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras,
-            runner=runner,
-            convert=convert,
-            pooler_config=_pooler_config(pooler_config, override_pooler_config),  # type: ignore[arg-type]
-            hf_overrides=hf_overrides,
-            **structured,
-        )
-        config.validate()
+        self._start(EngineArgs(model=model, **kwargs), spelling="keyword")
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """An LLM of arguments built elsewhere (a command line's: warnings spell the flags)."""
+        llm = cls.__new__(cls)
+        llm._start(engine_args, spelling="flag")
+        return llm
+
+    def _start(self, engine_args: EngineArgs, spelling: Literal["flag", "keyword"]) -> None:
+        config = engine_args.create_engine_config(spelling=spelling)
         # Before the engine starts: a model's unusable generation_config.json is said at once.
-        self.default_sampling_params = default_sampling_params(model, generation_config, override_generation_config)
+        self.default_sampling_params = default_sampling_params(config.model, config.generation_config,
+                                                               config.override_generation_config)
         if self.default_sampling_params:  # outputs differ from SamplingParams' defaults: say why, as vLLM warns
             logger.warning("Default sampling parameters %s from %s (generation_config='vllm' keeps SamplingParams' "
                            "own).", self.default_sampling_params,
-                           defaults_source(generation_config, override_generation_config))
-        self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
-        if trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
+                           defaults_source(config.generation_config, config.override_generation_config))
+        self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess)
+        if config.trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
             weakref.finalize(self, self.llm_engine.flush_trace)
 
     def get_tokenizer(self) -> Any:
@@ -514,10 +427,3 @@ def _broadcast(name: str, value: Any, n: int, default: Any, per_item: bool = Fal
             if not isinstance(item, kind):
                 raise TypeError(f"{name}[{i}] must be a {kind.__name__}, got {type(item).__name__}.")
     return value
-
-
-def _pooler_config(pooler_config: Any, override_pooler_config: Any) -> Any:
-    """vLLM's `pooler_config`, or its older name `override_pooler_config` (not both)."""
-    if pooler_config is not None and override_pooler_config is not None:
-        raise ValueError("give pooler_config or override_pooler_config (its older name), not both.")
-    return pooler_config if pooler_config is not None else override_pooler_config

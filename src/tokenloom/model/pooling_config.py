@@ -1,5 +1,5 @@
-"""Which runner a model gets and how it pools, read from its files (torch-free: the caller and
-the engine core both resolve it, from the same files, to the same answer).
+"""Which runner a model gets and how it pools, read from its files (torch-free: the caller
+resolves it once, in model/resolve.py, and the engine core gets the answer in its config).
 
 vLLM's rules: `runner="auto"` is "pooling" for a checkpoint without a language-model head
 (`architectures` naming `*Model`, e.g. Qwen3Model) and "generate" otherwise; a `*ForCausalLM`
@@ -109,8 +109,8 @@ def resolve_pooler_config(model: str | None, user: PoolerConfig | None,
 def resolve_pooling(config: EngineConfig) -> None:
     """Decides, in place, whether the engine of `config` pools: then its runner becomes "pooling"
     and its pooler_config the whole resolved one; a generating engine's config is left as its
-    caller wrote it. Idempotent: the caller's engine decides before the core starts (errors name
-    the setting there), and the engine core decides again from the same files, to the same end."""
+    caller wrote it. The caller's engine decides before the core starts (model/resolve.py), so that
+    errors name the setting there; idempotent."""
     if resolve_runner(config.model, config.runner, config.convert, config.hf_overrides) != "pooling":
         if config.pooler_config is not None:
             raise ValueError("pooler_config applies to pooling models: start the engine with runner='pooling' "

@@ -21,6 +21,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.model import packed_linear
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
+from tokenloom.model.resolve import resolve_max_model_len
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
 from tokenloom.ops import amx, cpu_features, cpu_kernels, elementwise, kernel_plan
 from tokenloom.ops.amx import AmxPackedWeight
@@ -54,16 +55,6 @@ class WorkerInfo:
     cuda_graphs: str = ""  # what the runner captured ("": every step eager)
     kernel_plan_summary: str = ""  # ops/kernel_plan.py's KernelPlan.header() (CPU only)
     kernel_plan: list[list[str]] = field(default_factory=list)  # its KernelPlan.encode()
-
-
-def resolve_max_model_len(requested: int | None, model_max: int) -> int:
-    if requested is None:
-        return model_max
-    if requested > model_max:
-        raise ValueError(
-            f"max_model_len={requested} is larger than the model's context length ({model_max})."
-        )
-    return requested
 
 
 def threads_per_rank(local_world_size: int) -> int:

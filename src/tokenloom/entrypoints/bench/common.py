@@ -53,12 +53,12 @@ def default_hf_dtype(device: str) -> str:
 
 def make_llm(args: argparse.Namespace, **overrides: Any) -> Any:
     """An `LLM` from the command's engine options (`add_engine_args`)."""
-    from tokenloom.entrypoints.engine_args import engine_config_from_args
+    import dataclasses
+
+    from tokenloom.entrypoints.engine_args import EngineArgs
     from tokenloom.entrypoints.llm import LLM
 
-    config = engine_config_from_args(args)
-    kwargs = {f: getattr(config, f) for f in config.__struct_fields__} | overrides
-    return LLM(**kwargs, multiprocess=args.multiprocess)
+    return LLM.from_engine_args(dataclasses.replace(EngineArgs.from_cli_args(args), **overrides))
 
 
 class StepRecorder:

@@ -1,0 +1,32 @@
+"""The config-resolution step: what a model's files decide about an engine (whether it pools and
+how, its architecture facts, its context length), decided from a validated EngineConfig.
+
+The caller's engine (engine/frontend.py) resolves once, before the engine core starts, and sends
+the resolved config; torch-free, like everything the caller imports from model/.
+"""
+from __future__ import annotations
+
+from tokenloom.config import EngineConfig
+from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.pooling_config import resolve_pooling
+from tokenloom.model.source import load_model_config
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    """The context length an engine serves: the one asked for, at most the model's."""
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's context length ({model_max})."
+        )
+    return requested
+
+
+def resolve_engine_config(config: EngineConfig) -> ModelArchConfig:
+    """Validates `config` and resolves, in place, what the model's files decide (the runner and
+    the pooler: model/pooling_config.resolve_pooling); returns the model's architecture facts
+    (metadata only, with hf_overrides and convert applied)."""
+    config.validate()
+    resolve_pooling(config)
+    return load_model_config(config.model, config.hf_overrides, config.convert)
