@@ -112,6 +112,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests/conftest.py XDIST_GROUPS lacks " + ", ".join(missing))
 
 
+# An xdist hook: optional, so that plain `pytest` (xdist not installed, or `-p no:xdist`) does
+# not reject it as unknown.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 

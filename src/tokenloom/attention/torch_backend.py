@@ -12,7 +12,7 @@ padded `[B, num_blocks * block_size, Hkv, D]` buffer, and an additive `-inf` bia
 positions past `seq_lens`. Query heads are grouped per KV head (`[B, Hkv, group, D]`) and that
 group is handed to SDPA as the query-length axis, so grouped-query attention never repeats K/V
 and the fused CPU kernel reads the strided K/V views in place, which is faster than gather +
-matmul + softmax (the matmuls copy the strided views; figures in benchmarks/README.md).
+matmul + softmax (the matmuls copy the strided views; benchmarks/torch_backend.py).
 
 Because the padded positions are multiplied by a probability of exactly 0 rather than skipped,
 the cache must hold finite values everywhere a block table can point: allocate it with
@@ -43,7 +43,7 @@ from tokenloom.ops import cpu_kernels
 
 # Padded prefill runs one SDPA over [P, Lq_max, Lk_max]; per-request prefill runs P calls over the
 # exact sizes. Padding wins while the padded work stays under about twice the exact work
-# (benchmarks/torch_backend.py; the figures are in benchmarks/README.md).
+# (benchmarks/torch_backend.py).
 _PADDED_PREFILL_MAX_WASTE = 2.0
 
 
@@ -163,8 +163,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._cpu_kernel = cpu_kernels.load() if use_cpu_kernel else None
         # Whether float32 queries over a 16-bit cache are attended in the cache's dtype during
         # prefill (the model runner sets it where the CPU multiplies that dtype natively): the
-        # keys are rounded to it in the cache anyway, and SDPA's bfloat16 kernel ran 3x its
-        # float32 one at a 128-token prompt's shapes (benchmarks/README.md). Decodes always read
+        # keys are rounded to it in the cache anyway, and SDPA's bfloat16 kernel beats its float32
+        # one at a prompt's shapes (benchmarks/torch_backend.py). Decodes always read
         # the cache with float32 queries (the C kernel widens K/V as it loads them).
         self.prefill_in_cache_dtype = False
         # Whether the model computes in a 16-bit dtype (set by the model runner): its prefill

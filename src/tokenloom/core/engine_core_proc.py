@@ -247,8 +247,8 @@ def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1) -> int:
     """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
     overrides), fewer while other processes use them (ops/cpu_threads, the engine core's
     ThreadGovernor). The caller process does not compete for them during a run: it blocks on the
-    output socket between steps, and its per-step work (decode, detokenize) is a few ms of one
-    core per second (`tokenloom bench throughput` reports it as caller CPU). A data-parallel
+    output socket between steps, and its per-step work (decode, detokenize) is small next to a
+    step's (`tokenloom bench throughput` reports it as caller CPU). A data-parallel
     replica first confines itself to its share of the cores (cores // M)."""
     from tokenloom.ops.cpu_threads import pin_to_replica_share, set_compute_threads
 

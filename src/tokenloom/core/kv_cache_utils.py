@@ -6,8 +6,8 @@ share their first k full blocks of tokens therefore share the first k hashes, an
 the chain from the start until the first miss.
 
 Why SHA-256 and not Python's `hash()` of a tuple: a collision would silently hand one request the
-K/V of a different text, and `hash()` is only 64 bits. SHA-256 costs about a microsecond for a
-16-token block, and a block is hashed once, when it becomes full. The digest is also stable across
+K/V of a different text, and `hash()` is only 64 bits. SHA-256 of a 16-token block is cheap next
+to a step, and a block is hashed once, when it becomes full. The digest is also stable across
 processes and runs (no PYTHONHASHSEED), so the chain means the same thing everywhere.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - Left: where each request's time went, a stacked bar per request (slices: plot_parts.SLICES),
   or for many requests the mean request of each e2e percentile group plus the slowest few.
 - Right, on one time axis: each step's duration (log scale, long prefill steps apart from the
-  rest, so a 5 ms decode step and a 5 s prefill are both visible); the tokens each step
+  rest, so short decode steps and long prefills are both visible); the tokens each step
   computed, prefill and decode apart on a log scale with the budget; KV blocks used as a share of
   the pool, scaled to what was used (a few dozen of thousands of blocks still show); the queue.
 - The slowest requests are marked on every panel: their bars are outlined and numbered, and

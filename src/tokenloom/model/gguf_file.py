@@ -1,11 +1,11 @@
 """Reading a GGUF file's header: metadata key/values and tensor descriptors, and the raw bytes of
 one tensor.
 
-`gguf.GGUFReader` builds a numpy view for every part of every metadata value; on a file with a
-49k-token vocabulary that is ~1M memmap slices and ~6 s before the first tensor can be touched.
+`gguf.GGUFReader` builds a numpy view for every part of every metadata value, one per token and
+merge of a vocabulary's arrays, before the first tensor can be touched.
 The header is a plain little-endian stream, so we parse it in one pass over an `mmap` with
 `struct`, decode numeric arrays with one `np.frombuffer` each, and leave the tensor data mapped
-until a tensor is asked for. That keeps `load_model_config` / `load_tokenizer` cheap (~0.1 s) and
+until a tensor is asked for. That keeps `load_model_config` / `load_tokenizer` cheap and
 lets the caller process build its tokenizer without paying for the weights. The result is checked
 against `gguf.GGUFReader` in tests/model/test_gguf_loader.py.
 

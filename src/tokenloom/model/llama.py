@@ -36,7 +36,7 @@ from tokenloom.ops import elementwise as ops
 
 class Linear(nn.Module):
     """`nn.Linear` without the random initialisation: every weight is overwritten by the
-    checkpoint, and initialising 135M+ parameters would cost about a second for nothing."""
+    checkpoint, and initialising 135M+ parameters would cost start-up time for nothing."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

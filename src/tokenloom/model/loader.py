@@ -67,7 +67,7 @@ class LoadedModel:
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The model's tokenizer, built on first use: the engine core needs it only for a
         structured output's grammar, and building it (transformers' import, a GGUF's vocabulary)
-        costs a start-up 1.5 s of CPU for SmolLM2 and ~6 s for Gemma 3's 262k tokens."""
+        is a large part of a start-up (benchmarks/README.md, "Server start-up")."""
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
@@ -75,9 +75,9 @@ class LoadedModel:
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """"auto": bfloat16 on CUDA; on the CPU bfloat16 where it multiplies bfloat16 natively
-    (AVX-512 BF16 or AMX: oneDNN's packed bf16 matmuls ran 1.7-2x the float32 ones on a Zen 4,
-    benchmarks/README.md), else float32 (on AVX2-only CPUs bf16 matmuls are widened in software
-    and run at about half the fp32 speed). "float32" stays exact on every CPU."""
+    (AVX-512 BF16 or AMX: oneDNN's packed bf16 matmuls move half the bytes and beat the float32
+    ones, benchmarks/amx_matmul.py), else float32 (on AVX2-only CPUs bf16 matmuls are widened in
+    software and lose to float32). "float32" stays exact on every CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -149,8 +149,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
         # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
         # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs near the bf16 float path's
-        # speed with its results, 10-12 of 16 chat replies as the float32 path's: the quality bar
-        # of issue 14 is against float32, so not the default; benchmarks/README.md.)
+        # speed with its results, which differ from the float32 path's more often: the quality bar
+        # of issue 14 is against float32, so not the default; benchmarks/quant_quality.py.)
         torch_dtype = torch.float32
     method = resolve_quantization(quantization, kind, torch_dtype, device)
     if kind == "gguf":

@@ -11,8 +11,7 @@ PEFT names q/k/v and gate/up apart; here they are rows of the fused qkv_proj and
 so an adapter's parts for one fused projection share one `x @ A^T` product (the A matrices
 stacked) and one product with their B matrices placed block-diagonally (each part's B writes
 only its own rows of the output): two matmuls per projection instead of one per part, fewer
-dispatches on a path that per-op overhead rules at small batches (benchmarks/README.md, "LoRA
-adapters"). Decode steps in float32 do not come here: the fused C step (model/fused_decode.py)
+dispatches on a path that per-op overhead rules at small batches (benchmarks/lora.py). Decode steps in float32 do not come here: the fused C step (model/fused_decode.py)
 adds the same products itself, reading each adapter's `decode_table` and the state's per-token
 adapter index.
 

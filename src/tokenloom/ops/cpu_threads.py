@@ -3,10 +3,11 @@ step with what other processes leave of them.
 
 OpenMP threads (torch's, oneDNN's and the C kernels', which all share torch's OpenMP runtime and
 its thread count) spin while they wait for each other, which is what makes a quiet machine fast:
-at batch 1 a step has a few hundred parallel regions, and a passive wait (sleep, wake) costs
-~35% of the decode rate there. On a core that another process keeps busy, the same spinning is
-ruinous: the region's last thread is descheduled for a scheduler slice while its partners spin,
-and batch-1 decode ran 7-25x slower than on one thread (benchmarks/README.md, "busy machine").
+at batch 1 a step has a few hundred parallel regions, and a passive wait (sleep, wake) on each
+costs a large part of the decode rate there. On a core that another process keeps busy, the same
+spinning is ruinous: the region's last thread is descheduled for a scheduler slice while its
+partners spin, and batch-1 decode falls far below one thread's (benchmarks/README.md, the thread
+policies in "what was tried").
 
 So the engine starts with one thread per core of `os.sched_getaffinity(0)` and keeps the
 default (spinning) wait policy, and `ThreadGovernor` watches the CPU time of those cores: every
@@ -17,7 +18,7 @@ governor off.
 
 Processes running at a lower priority than ours (a positive nice value while we run at 0: batch
 jobs, builds, test suites started with `nice`) do not count: the kernel's scheduler gives a nice-19
-process about 1.5% of a core that one of our threads also wants, so it cannot hold a partner
+process a tiny share (its weight) of a core that one of our threads also wants, so it cannot hold a partner
 thread off its core long enough to matter, and giving it a thread would halve our rate for
 nothing. /proc/stat books their time separately (the `nice` column), which is what makes them
 tellable apart. When this process is itself niced, everyone's time counts.

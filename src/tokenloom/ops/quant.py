@@ -16,8 +16,8 @@ super-block scales are applied per block like any other format's.
 
 On CPUs with AMX-BF16, matmuls of 16 rows and more instead dequantize the weight panel by panel
 (32 columns x K, in a per-thread buffer, never resident) to bfloat16 and multiply on bf16 tiles
-(csrc/quant_gemm_amx_bf16.inc): a bf16 matmul's rounding at ~2x the AMX int8 kernel's speed at 64
-rows. That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there). With
+(csrc/quant_gemm_amx_bf16.inc): a bf16 matmul's rounding, faster than the AMX int8 kernel whose
+per-block scales cost a tile store and reload (benchmarks/quant_bf16_tiles_ab.py). That is also how a GGUF runs with bfloat16 activations (`dtype="bfloat16"` there). With
 float32 activations the MLP's gate|up matmul on these tiles also applies SiLU-and-mul in its
 epilogue (`qlinear_silu_and_mul`), writing the [M, I] activation instead of the [M, 2I] product
 that a second pass would read back.
@@ -25,7 +25,7 @@ that a second pass would read back.
 On AVX2 CPUs (no AVX-512), matmuls of 16 rows and more dequantize each 16-column tile of the
 weight to a float32 panel per thread and multiply it as the float path's panel matmul does
 (csrc/quant_gemm_f32panel.inc, csrc/f32_panel.c): float32 activations and sums, faster than the
-integer kernel there (benchmarks/README.md, "Float32 panels from 16 rows on AVX2").
+integer kernel there (benchmarks/quant_kernels.py).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ _K_QUANTS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 # mostly padding); Q6_K stays on VNNI. "avx512_vnni+amx_bf16": the same, and from 16 rows
 # (`TOKENLOOM_QUANT_BF16_ROWS`, `set_amx_bf16_rows`) every format's weight dequantized to
 # bfloat16 panels on AMX-BF16 tiles (csrc/quant_gemm_amx_bf16.inc: a bfloat16 matmul's rounding,
-# 2-3x the int8 tiles' speed at 64-512 rows). "avx2": VPMADDUBSW, and from 16 rows
+# faster than the int8 tiles). "avx2": VPMADDUBSW, and from 16 rows
 # (`TOKENLOOM_QUANT_F32_ROWS`, `set_f32_panel_rows`) float32 panels (csrc/quant_gemm_f32panel.inc).
 # The thresholds and TOKENLOOM_QUANT_ISA's cap come from the kernel plan (ops/kernel_plan.py),
 # handed to the library when it is bound (`_lib`).
@@ -64,9 +64,8 @@ ISA_NAMES = dict(enumerate(kernel_plan.QUANT_LEVELS))
 
 # int8 planes per activation block (see `qlinear`). One plane (llama.cpp's Q8_0 activations)
 # rounds each activation to 1/254 of its block's largest: on SmolLM2-135M that kept perplexity
-# within 0.2% of the float path but changed 9 of 16 greedy chat answers within 24 tokens (near
-# ties flip). Two planes leave an error of 1/65024 of the block's largest for twice the integer
-# work; measured figures in benchmarks/README.md.
+# close to the float path's but changed greedy chat answers (near ties flip). Two planes leave an
+# error of 1/65024 of the block's largest for twice the integer work (benchmarks/quant_quality.py).
 ACT_LEVELS = 2
 
 logger = logging.getLogger(__name__)
@@ -379,8 +378,8 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
         return None
     if any(p.out_features % TILE_N for p in parts[:-1]):
         return None
-    # numpy's concatenate: torch.cat of uint8 tensors takes a slow element-wise path here (12-16 ms
-    # for SmolLM2's 1.1 MB gate|up against 0.2-1 ms; 1.3 s of every engine start)
+    # numpy's concatenate: torch.cat of uint8 tensors takes a slow element-wise path here, a large
+    # part of every engine start (benchmarks/README.md, "Server start-up")
     data = torch.from_numpy(np.concatenate([p.data.numpy() for p in parts]))
     return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
 

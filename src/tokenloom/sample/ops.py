@@ -78,7 +78,7 @@ def temperature_weights(logits: Tensor, temperature: Tensor, out: Tensor | None 
 
 def cumulative(weights: Tensor) -> Tensor:
     """The CDF of each row, in float64."""
-    return weights.double().cumsum_(dim=-1)  # (cumsum(dtype=float64) is 3x slower on CPU)
+    return weights.double().cumsum_(dim=-1)  # (cumsum(dtype=float64) is slower on CPU: benchmarks/sampler.py)
 
 
 def inverse_cdf(cdf: Tensor, u: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def load_xgrammar() -> Any:
     """The xgrammar module, imported on first use (below)."""
-    # Imported on first use: xgrammar pulls in transformers and TVM's FFI (~1.3-1.5 s of CPU),
+    # Imported on first use: xgrammar pulls in transformers and TVM's FFI (seconds of CPU),
     # which neither the caller's process (a server's front end, an `LLM`) nor the engine core
     # needs until a request asks for a structured output (as vLLM loads its grammar backend).
     import xgrammar

@@ -1,7 +1,7 @@
 """What every bench report carries about the machine it ran on, and how a run shows progress.
 
 Figures from different machines are not comparable (the issue that added this: the same code ran
-at 1.1x vLLM on an AVX2 Zen 3 and 0.5x on an AVX-512 Zen 4), so each report names the CPU, its
+ahead of vLLM on an AVX2 CPU and behind it on an AVX-512 one), so each report names the CPU, its
 ISA flags, the usable cores and the load average; progress lines go to stderr, so `--json` output
 on stdout stays one object.
 """

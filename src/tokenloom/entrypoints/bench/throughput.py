@@ -271,10 +271,10 @@ def _start_baseline(args: argparse.Namespace, warmup: list[list[int]], dtype: st
 def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
                progress: Any) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Round i runs prompt set i through every engine in turn, all of them loaded throughout, so
-    that a change in the machine's load (a shared host moved one engine's figure by ~1.4x
-    between identical runs minutes apart) meets every engine alike. The engines in processes of
-    their own are stopped (SIGSTOP) while another runs: an idle vLLM's processes took 0.1 of a
-    core meanwhile. Returns each round's seconds per engine, and the CPU the waiting engines'
+    that a change in the machine's load (on a shared host it moves an engine's figure between
+    identical runs minutes apart) meets every engine alike. The engines in processes of
+    their own are stopped (SIGSTOP) while another runs: even an idle vLLM's processes take CPU.
+    Returns each round's seconds per engine, and the CPU the waiting engines'
     processes used (in cores, while another ran; 0 when stopped)."""
     from tokenloom.entrypoints.bench.common import tree_cpu_seconds, tree_pids
 

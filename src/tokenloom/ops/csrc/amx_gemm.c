@@ -1,11 +1,11 @@
 /* bfloat16 matmul on AMX tiles, with the weight packed once at load.
  *
- * Why our own: on the Xeon (AMX) the decode steps' matmuls were either oneDNN's packed bf16
+ * Why our own: on AMX CPUs the decode steps' matmuls were either oneDNN's packed bf16
  * matmul, reached only through a PyTorch op call per matmul (which the fused decode step in
  * decode_step.c cannot make), or MKL's cblas_gemm_bf16bf16f32, which torch exports but which
  * re-packs the weight on every call: perf put MKL's copy routine at as much time as its AMX
  * kernel at 64 rows. Here the weight is packed once, in the layout a tile load reads, so a call
- * only streams it (benchmarks/README.md has the figures).
+ * only streams it (benchmarks/amx_matmul.py).
  *
  * Layout of a packed [N, K] weight (K padded to 32, N to 32 with zeros): tiles of 16 columns x
  * 32 k, ordered [N/16][K/32]; a tile is 16 rows (k pairs) x 16 columns x 2 bf16 -- row kk, lane
@@ -171,7 +171,7 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
     const int64_t npairs = up32(N) / 32;
     uint16_t *a = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     /* The activations in tile order, zero-padded: [Mp/16][K/32] tiles of 16 rows x 32 k, so a
-     * tile load reads 1 KiB in a row (with the rows' own stride it was ~10 % slower at 2048). */
+     * tile load reads 1 KiB in a row (with the rows' own stride, large prefills ran slower). */
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < Mp; m++) {
         uint16_t *dst = a + (m / 16) * nkb * 512 + (m % 16) * 32;
@@ -214,8 +214,8 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
             /* The next block's output rows (of the item this thread most likely takes next),
              * requested for writing a few per step of K while the tiles work: a block's stores
              * go to 32 rows in as many pages, which the hardware prefetchers do not follow, and
-             * each line fetch would otherwise wait at the end of the block. Writing the outputs
-             * was ~30 % of a 2,048-row matmul (benchmarks/README.md). */
+             * each line fetch would otherwise wait at the end of the block, a large part of a
+             * prefill-sized matmul (benchmarks/amx_matmul.py). */
             int64_t nrows = 0;
             if (!stream && prefetch_w && nnp >= 0) nrows = M - nmp * 32 < 32 ? M - nmp * 32 : 32;
             const char *ny = (const char *)(y + nmp * 32 * ldy + (nnp < 0 ? 0 : nnp) * 32);
@@ -224,8 +224,8 @@ int32_t tl_amx_bf16_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint
             /* The next column pair's weight tiles, requested into L2 while this item's tiles
              * work, each of the pair's row-pair items of this block a share of them (k tiles
              * [pf_k0, pf_k0 + pf_n)), a few per k step. At decode row counts the weight streams
-             * from memory, which the tile products alone left idle between their loads (figures
-             * in benchmarks/README.md, "Eighth session"). The next pair is the owner's next one;
+             * from memory, which the tile products alone left idle between their loads
+             * (benchmarks/matmul_builds_ab.py). The next pair is the owner's next one;
              * a thread that takes items over from the back of another's run requests a pair
              * already done, which costs only the requests. */
             const int64_t blk = mp / block, r = mp - blk * block;

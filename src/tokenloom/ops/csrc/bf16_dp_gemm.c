@@ -1,10 +1,10 @@
 /* bfloat16 matmul with AVX512-BF16 dot products (VDPBF16PS), on weights packed for AMX.
  *
- * Why: CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later) multiply bf16 pairs natively, and
+ * Why: CPUs with AVX512-BF16 but no AMX (AMD's, for one) multiply bf16 pairs natively, and
  * there the float path's matmuls were oneDNN's packed bf16 ones, reached only through a PyTorch
  * op per matmul: the fused decode step (decode_step.c) could not call them, so every decode step
- * of a bf16 model ran ~400 Python-level calls, during which the second thread waited (perf's
- * figures in benchmarks/README.md, "Zen 4"). This
+ * of a bf16 model ran a few hundred Python-level calls, during which the second thread waited
+ * (perf, benchmarks/README.md). This
  * kernel reads the AMX kernel's packed layout (amx_gemm.c): row kk of a 16-column tile holds
  * (w[n][2kk], w[n][2kk + 1]) for 16 columns n, which is exactly VDPBF16PS's second operand; so
  * one packed copy serves both kernels, and tl_bf16_packed_linear picks the tiles where the CPU
@@ -153,7 +153,7 @@ int32_t tl_bf16dp_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16
      * streams its share of the weight once and a pair's weight (K x 32 bf16, in L2) serves all
      * its row blocks in a row. A thread's first block of a pair, in the direction it walks (a
      * thief walks back), prefetches the pair it will take next: the hardware prefetcher alone
-     * left that first block waiting on memory (benchmarks/README.md, "Zen 4"). */
+     * left that first block waiting on memory (benchmarks/amx_matmul.py). */
     const int64_t items = npairs * mblocks;
     tl_run runs[TL_STEAL_MAX_THREADS];
 #pragma omp parallel if (items > 1)
@@ -197,8 +197,8 @@ int32_t tl_bf16_kernel(void) {
 /* The K chunks (0: one sum) a one-row bf16 F.linear sums K in on this kernel's CPUs, which the
  * kernel follows where asked for the one-row order (kchunk -1): one sum where the CPU has AMX
  * (ops/amx.py); in chunks of 512 with AVX512-BF16 only -- oneDNN's order there for one row (from
- * two rows it sums K > 1024 in chunks of 1024, ops/amx.py), found bit for bit on a Zen 4 with
- * torch 2.13's oneDNN for K = 576 to 3072 (benchmarks/README.md, "Zen 4"). */
+ * two rows it sums K > 1024 in chunks of 1024, ops/amx.py), found bit for bit against torch
+ * 2.13's oneDNN on such a CPU for K = 576 to 3072 (benchmarks/README.md). */
 int64_t tl_bf16_one_row_kchunk(int64_t K) {
     return tl_bf16_kernel() != 2 || K <= 512 ? 0 : 512;
 }

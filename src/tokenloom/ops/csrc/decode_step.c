@@ -5,8 +5,8 @@
  * Why: at batch 1 a quantized decode step of SmolLM2-135M reads ~96 MB of weights, which the
  * kernels stream in a few milliseconds, but the eager layer issues ~13 Python-level calls per
  * layer (norm, matmul, views, RoPE, two index_copy_ for the KV write, the attention call, ...):
- * 400 dispatches a step, during which the second OpenMP thread spins idle. perf on the Xeon
- * (benchmarks/README.md, "Quantized weights") put half of a 14 ms step there. This file runs
+ * 400 dispatches a step, during which the second OpenMP thread spins idle: perf put a large
+ * share of the step there (benchmarks/README.md). This file runs
  * the same C kernels in the same order from one ctypes call, so the results are the eager
  * path's bit for bit (tests/model/test_fused_decode.py compares them) and only the dispatch is
  * gone.

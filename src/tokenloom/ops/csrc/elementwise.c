@@ -5,9 +5,8 @@
  *   tl_silu_and_mul_{f32,bf16}  out = silu(gate) * up, gate and up the two halves of a fused row
  *   tl_rope_{f32,bf16}          rotate-half RoPE in place on a [T, heads, head_dim] strided view
  *
- * Per step of 30 layers on 2 cores (benchmarks/cpu_kernels.py), eager vs C: at 2048 rows
- * add+norm 29 vs 11 ms, RoPE 31 vs 4 ms, SiLU-and-mul 70 vs 31 ms; at 64 rows, where each of the
- * eager ops is mostly dispatch, 2.5 vs 0.7, 2.5 vs 0.2 and 2.5 vs 1.1 ms. The arithmetic follows
+ * One pass saves the temporaries' memory traffic at prefill sizes and the eager ops' dispatch at
+ * decode sizes (benchmarks/cpu_kernels.py). The arithmetic follows
  * the reference's order (the norm scales by 1/sqrt and then by the weight; silu is
  * x / (1 + exp(-x))), so float32 results differ from PyTorch's only by rounding of the
  * reductions and of exp (~1 ulp). The bfloat16 kernels compute in float32 and round to bfloat16
@@ -43,8 +42,8 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
         float ss = 0.0f;
         i = 0;
 #if TL_HAVE_AVX2
-        /* 8 lanes by hand: the compiler's own AVX-512 loop for this was 1.1-1.4x slower than
-         * its AVX2 one (benchmarks/cpu_isa_ab.py). */
+        /* 8 lanes by hand: the compiler's own AVX-512 loop for this was slower than its AVX2
+         * one (benchmarks/cpu_isa_ab.py). */
         __m256 ss8 = _mm256_setzero_ps();
         for (; i + 8 <= H; i += 8) {
             const __m256 v = _mm256_loadu_ps(r + i);
@@ -319,8 +318,9 @@ void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
 
 /* out[t] = the index of the first largest of x[t, 0..V) (float32 rows, stride x_stride), a NaN
  * counting as larger than any number, as torch.argmax has it: the greedy sampler's pick. torch's
- * argmax keeps an index beside every compared value and took 4.2 ms for 64 x 49,152 logits on two
- * threads (its max without indices 0.5 ms); here one vectorised pass finds the row's maximum and
+ * argmax keeps an index beside every compared value, which makes it far slower than its max
+ * without indices (benchmarks/README.md, "Greedy argmax"); here one vectorised pass finds the
+ * row's maximum and
  * whether it has a NaN, and a second stops at its first occurrence (16 lanes at a time). NaN is
  * told by its bits, which -ffast-math leaves alone. */
 void tl_argmax_f32(const float *x, int64_t x_stride, int32_t T, int64_t V, int64_t *out) {

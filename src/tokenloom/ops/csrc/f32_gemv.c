@@ -2,10 +2,10 @@
  *
  * Why: a batch-1 decode step of a float32 model is a pass over every weight for one row of
  * activations, so it runs at the speed the weights stream from memory. oneDNN's packed matmul
- * (model/packed_linear.py) and MKL's GEMV reached 6-9 GB/s on those shapes on a 2-core Zen 3,
- * where a plain sum over the same bytes reads 15 GB/s; this kernel reads each weight row once,
- * as it lies, four rows side by side (one independent stream each), and keeps the few activation
- * rows in L1 (benchmarks/README.md, "float32 GEMV"). From 16-32 rows the products, not the
+ * (model/packed_linear.py) and MKL's GEMV read those shapes well below the memory's own rate (a
+ * plain sum over the same bytes); this kernel reads each weight row once, as it lies, four rows
+ * side by side (one independent stream each), and keeps the few activation rows in L1
+ * (benchmarks/f32_gemv.py). From 16-32 rows the products, not the
  * memory, are the cost and oneDNN's blocked matmul catches up, then wins; the caller picks.
  *
  * Each output is summed the same way whatever M is and whichever thread computes it: VW lanes

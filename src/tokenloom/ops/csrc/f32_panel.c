@@ -7,7 +7,7 @@
  * This layout serves every row count from one copy, faster than either at decode sizes: a
  * thread reads its panels as one contiguous stream (the GEMV's four row streams are harder on
  * the prefetchers), and a 6 x 16 register tile does 12 FMAs per two weight vector loads and six
- * broadcast activations (benchmarks/README.md, "One panel-packed float32 copy on AVX2").
+ * broadcast activations (benchmarks/panel_gemm.py).
  *
  * Each output is summed the same way whatever M, the tile a row falls in or the thread that
  * computes it: k in order within chunks of KC (one FMA chain per output), the chunks' sums added

@@ -2,7 +2,7 @@
  * for each token t that runs with an adapter, on one of a layer's four projections.
  *
  * Why: a decode step with an adapter in it used to leave the one C call for the eager layers,
- * and at batch 1 that cost more than half the step rate (benchmarks/README.md, "LoRA adapters"),
+ * and at batch 1 that cost most of the step rate (benchmarks/lora.py),
  * while the adapter's own products are small (rank x (in + out) multiply-adds per token and
  * projection). Here they run between the step's kernels, in float32 activations.
  *

@@ -157,7 +157,7 @@ static void item_end(const item_state *st, int nh, int D, void *o0, int io_bf16,
  * next `per` bytes' lines. Blocks are scattered in memory, so without software prefetches the
  * kernel stalls at every block; but a whole block's prefetches issued at once stalled the core
  * until most of it had arrived, so that loading and computing took turns
- * (benchmarks/README.md, "Decode attention at batch 64"), and in the order of the range they
+ * (benchmarks/decode_attention.py), and in the order of the range they
  * also train the hardware's streaming prefetcher. */
 typedef struct {
     const char *p, *end;
@@ -177,7 +177,7 @@ static inline void pf_init(pf_stream *s, const void *p, int64_t bytes, int steps
 /* Besides the next rows (to L1), the rows a few blocks further on, to L2 at the same pace: a
  * block TL_PF_FAR blocks ahead of the one being read (K blocks, then V blocks). With the next
  * block alone in flight the loops waited on memory at every block; a block's worth of L2
- * prefetches sent at once gained less than paced ones (benchmarks/README.md, "Zen 4"). */
+ * prefetches sent at once gained less than paced ones (benchmarks/decode_attention.py). */
 #define TL_PF_FAR 3
 static inline void pf_far_init(pf_stream *s, const void *p, int64_t bytes, int steps) {
     s->fp = (const char *)p;
@@ -222,7 +222,7 @@ typedef void (*kv_chunk_fn)(item_state *st, const item_groups *gr, const void *c
                             int D, const void *nxt, int nxtn);
 
 /* Whether MKL's bf16 gemm sums in its AVX2 order on this AVX-512 CPU (it picks its kernel by the
- * CPU: on an AMD Zen 4 it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
+ * CPU: on AMD's AVX512-BF16 CPUs it runs the AVX2 one) while torch's vectors are AVX-512's, set at load by
  * ops/cpu_kernels.py from a probe of MKL. Then a bfloat16 model's decode follows MKL's AVX2 order
  * with the 16-lane softmax, which follows torch's (paged_decode_chunk.inc), so that it stays
  * torch's SDPA bit for bit: with AVX512-BF16 dot products where the build has them (1), else
@@ -573,7 +573,7 @@ int tl_paged_decode_f32_bf16kv(TL_DECODE_ARGS) { return decode(TL_DECODE_PASS, 1
 int tl_paged_decode_bf16(TL_DECODE_ARGS) { return decode(TL_DECODE_PASS, 1, 1); }
 
 /* For tests of work_steal.h: `items` items over the OpenMP threads as the kernels take them,
- * thread `slow` spinning ~20 us per item (a descheduled thread's stand-in); counts[it] += 1 per
+ * thread `slow` spinning 20,000 iterations per item (a descheduled thread's stand-in); counts[it] += 1 per
  * item taken. Returns how many items a thread took from another's run. */
 int64_t tl_work_steal_check(int64_t items, int32_t slow, int32_t *counts) {
     tl_run runs[TL_STEAL_MAX_THREADS];

@@ -467,8 +467,8 @@ int64_t tl_q_bf16_scratch_bytes(int64_t M, int64_t N, int64_t K) {
  * tl_q_linear_amx_bf16), so there a GGUF computed in bfloat16 gives the bf16 float path's
  * results bit for bit (its weights are the same dequantized values rounded to bf16). Below it
  * (and without the tiles) the rows are widened to float32 for the integer kernels: at one row
- * the VNNI kernel made a decode step of SmolLM2 take half the CPU time of the tiles
- * (benchmarks/README.md). */
+ * the VNNI kernel beats the tiles, whose 16-row tiles would be mostly padding
+ * (benchmarks/cpu_time_ab.py). */
 int32_t tl_q_linear_bf16(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const uint16_t *x,
                          int64_t ldx, int64_t M, uint16_t *y, int64_t ldy, const float *bias,
                          void *scratch, int32_t levels, int64_t kchunk) {

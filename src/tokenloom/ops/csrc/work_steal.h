@@ -3,10 +3,10 @@
  *
  * Why: the kernels split their items up front (a contiguous run each, so that a thread's next
  * item is the one after, whose data it prefetches), and the split cannot see how fast each
- * thread will run. On the 2-core VMs this project runs on, it is not the same: in a batch-64
- * decode step the master thread finished its share of the attention items last in 93 % of the
- * calls, 0.07 ms (11 %) after the other, which waited at the barrier (another process on the
- * host, interrupts, a thread woken late). Taking items from the back of the slower thread's
+ * thread will run. On the small shared VMs this project runs on, it is not the same: in a batch-64
+ * decode step the master thread finished its share of the attention items last in most calls,
+ * while the other waited at the barrier (another process on the host, interrupts, a thread woken
+ * late; benchmarks/README.md). Taking items from the back of the slower thread's
  * run keeps both busy to the end, and both runs stay contiguous: the owner walks forward, a
  * thief backward, each still prefetching the item it will most likely take next.
  *
