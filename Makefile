@@ -5,9 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tokenloom-installed
+DOCS_STAMP := $(VENV)/.tokenloom-docs-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test config-docs bench clean
+.PHONY: install run test config-docs bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +42,16 @@ config-docs: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/tokenloom bench throughput --baseline hf
 
+# The docs extra alone (mkdocs and its theme, read from pyproject.toml): the site needs neither torch
+# nor tokenloom itself, so `make docs` on a fresh clone installs a few MB, not the engine.
+$(DOCS_STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs'], sep='\n')" > $(VENV)/docs-requirements.txt
+	$(PIP) install -q -r $(VENV)/docs-requirements.txt
+	touch $(DOCS_STAMP)
+
+# Strict: a broken link or anchor, a missing page or one left out of the nav fails the build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) build dist site src/*.egg-info
