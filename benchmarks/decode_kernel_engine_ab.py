@@ -43,7 +43,7 @@ def main() -> None:
 
     from tokenloom.config import EngineConfig
     from tokenloom.core.engine_core import EngineCore
-    from tokenloom.entrypoints.bench.common import random_prompt_ids
+    from tokenloom.bench.common import random_prompt_ids
     from tokenloom.messages import EngineCoreRequest
     from tokenloom.model.loader import load_tokenizer
     from tokenloom.sampling_params import SamplingParams
