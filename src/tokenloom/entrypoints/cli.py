@@ -9,7 +9,7 @@ from tokenloom.bench import add_bench_parser
 from tokenloom.entrypoints.collect_env import add_env_parser
 from tokenloom.entrypoints.engine_args import EngineArgs, add_engine_args
 from tokenloom.entrypoints.openai import add_run_batch_parser, add_serve_parser
-from tokenloom.metrics.explain import add_explain_parser
+from tokenloom.analysis.explain import add_explain_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ _SUBCOMMANDS = [
     add_serve_parser,  # tokenloom.entrypoints.openai
     add_run_batch_parser,  # tokenloom.entrypoints.openai.run_batch
     add_bench_parser,  # tokenloom.bench (a group: bench serve | ...)
-    add_explain_parser,  # tokenloom.metrics.explain
+    add_explain_parser,  # tokenloom.analysis.explain
     add_env_parser,  # tokenloom.entrypoints.collect_env (versions, CPU, the kernel plan)
 ]
 
