@@ -33,8 +33,8 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenloom import LLM
-    from tokenloom.entrypoints.bench.common import load_hf_model
-    from tokenloom.entrypoints.bench.machine import format_machine, machine_info
+    from tokenloom.bench.common import load_hf_model
+    from tokenloom.bench.machine import format_machine, machine_info
     from tokenloom.model.loader import default_model_path
     from tokenloom.sampling_params import BeamSearchParams
 

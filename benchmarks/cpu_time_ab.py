@@ -46,7 +46,7 @@ def main() -> None:
 
     from tokenloom.config import EngineConfig
     from tokenloom.core.engine_core import EngineCore
-    from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model, random_prompt_ids
+    from tokenloom.bench.common import hf_generate, load_hf_model, random_prompt_ids
     from tokenloom.messages import EngineCoreRequest
     from tokenloom.model.loader import load_tokenizer
     from tokenloom.sampling_params import SamplingParams

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom import LLM
-from tokenloom.entrypoints.bench.common import load_hf_model, random_prompt_ids
-from tokenloom.entrypoints.bench.machine import format_machine, machine_info
+from tokenloom.bench.common import load_hf_model, random_prompt_ids
+from tokenloom.bench.machine import format_machine, machine_info
 
 
 def hf_embed(model, prompts: list[list[int]], batch: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ class VllmEmbedder:
     throughput bench runs it), embedding the prompts it is sent."""
 
     def __init__(self, python: str, dtype: str) -> None:
-        from tokenloom.entrypoints.bench.vllm_baseline import _libgomp, export_hf_checkpoint
+        from tokenloom.bench.vllm_baseline import _libgomp, export_hf_checkpoint
 
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{len(os.sched_getaffinity(0)) - 1}")

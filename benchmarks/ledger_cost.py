@@ -58,7 +58,7 @@ def _abba(args: argparse.Namespace, run_once: Callable[[str], dict[str, float]],
 
 def run_engine_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tokenloom import LLM, SamplingParams
-    from tokenloom.entrypoints.bench.common import CpuMeter, random_prompt_ids
+    from tokenloom.bench.common import CpuMeter, random_prompt_ids
 
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     common = dict(kv_cache_memory_bytes=args.kv_cache_memory_bytes, multiprocess=not args.inprocess)

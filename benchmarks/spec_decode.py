@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenloom import LLM, SamplingParams
-    from tokenloom.entrypoints.bench.machine import format_machine, machine_info
+    from tokenloom.bench.machine import format_machine, machine_info
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min,

@@ -47,8 +47,8 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from tokenloom import LLM, SamplingParams
-    from tokenloom.entrypoints.bench.common import CpuMeter, random_prompt_ids
-    from tokenloom.entrypoints.bench.machine import format_machine, machine_info
+    from tokenloom.bench.common import CpuMeter, random_prompt_ids
+    from tokenloom.bench.machine import format_machine, machine_info
     from tokenloom.messages import LedgerBucket
     from tokenloom.sampling_params import StructuredOutputsParams
 

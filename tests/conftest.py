@@ -36,7 +36,7 @@ def smollm2(smollm2_path: str):
 def hf_smollm2(smollm2_path: str):
     """transformers' LlamaForCausalLM dequantized from the same GGUF, float32, eval mode (loaded
     as `bench --baseline hf` loads it: gguf-py parses the file once, not twice)."""
-    from tokenloom.entrypoints.bench.common import load_hf_model
+    from tokenloom.bench.common import load_hf_model
 
     return load_hf_model(smollm2_path, "float32", "cpu")[0]
 
@@ -47,7 +47,7 @@ def hf_smollm2_tokenizer(smollm2_path: str):
     the HF model fixtures parse it (gguf_read_once: the same tokenizer, a third of the time)."""
     from transformers import AutoTokenizer
 
-    from tokenloom.entrypoints.bench.common import gguf_read_once
+    from tokenloom.bench.common import gguf_read_once
 
     with gguf_read_once():
         return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
@@ -77,7 +77,7 @@ def gemma3(gemma3_path: str):
 @pytest.fixture(scope="session")
 def hf_gemma3(gemma3_path: str):
     """transformers' Gemma3ForCausalLM dequantized from the same GGUF, float32, eval mode."""
-    from tokenloom.entrypoints.bench.common import load_hf_model
+    from tokenloom.bench.common import load_hf_model
 
     return load_hf_model(gemma3_path, "float32", "cpu")[0]
 

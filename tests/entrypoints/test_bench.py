@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tokenloom.entrypoints.bench.common import format_spec_decode, random_prompt_ids, spec_decode_summary, step_profile
+from tokenloom.bench.common import format_spec_decode, random_prompt_ids, spec_decode_summary, step_profile
 from tokenloom.messages import SchedulerStats
 
 SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
@@ -291,7 +291,7 @@ def test_explain_url_takes_the_api_key(server):
 
 
 def test_a_figure_a_baseline_does_not_report_is_a_dash():
-    from tokenloom.entrypoints.bench.common import megabytes_cell
+    from tokenloom.bench.common import megabytes_cell
 
     assert megabytes_cell(None) == megabytes_cell(0) == "-"  # transformers reports no weight bytes
     assert megabytes_cell(96_412_345) == "96.4"
@@ -300,7 +300,7 @@ def test_a_figure_a_baseline_does_not_report_is_a_dash():
 def test_the_transformers_baseline_runs_in_the_dtype_tokenloom_runs_on_its_device():
     """float32 on the CPU (transformers' best there), bfloat16 on CUDA (like for like with
     tokenloom's dtype="auto"); an explicit --baseline-dtype wins; vLLM compares both."""
-    from tokenloom.entrypoints.bench.throughput import baseline_dtypes
+    from tokenloom.bench.throughput import baseline_dtypes
 
     def args(**kw):
         return argparse.Namespace(**{"baseline": "hf", "baseline_dtype": None, "vllm_dtype": None, "device": "cpu", **kw})

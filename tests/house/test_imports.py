@@ -23,6 +23,14 @@ PACKAGE_DIR = Path(tokenloom.__file__).parent
 # shared vocabulary (messages, outputs, sampling_params, config, the scheduler-to-runner
 # contract) and sit at the bottom.
 LAYERS: dict[str, int] = {
+    # The `tokenloom` command: each subcommand's wiring, over everything it runs. Listed before
+    # `tokenloom.entrypoints` (the first matching prefix names a module's layer).
+    "tokenloom.entrypoints.cli": 11,
+    # Tools beside the engine, which only the command imports (test_only_the_command_imports_tools):
+    # the benchmarks drive the engine through the entry points and their baselines; the ledger's
+    # offline analysis reads a trace the ledger wrote.
+    "tokenloom.bench": 10,
+    "tokenloom.analysis": 10,
     "tokenloom.entrypoints": 9,
     "tokenloom.engine": 8,
     "tokenloom.core": 7,
@@ -186,6 +194,23 @@ def test_no_import_cycle() -> None:
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# Packages the engine never runs: the command line reaches them, nothing on the serving path does.
+TOOLS = ("tokenloom.bench", "tokenloom.analysis")
+COMMAND = "tokenloom.entrypoints.cli"
+
+
+def test_only_the_command_imports_tools() -> None:
+    def tool_of(module: str) -> str | None:
+        return next((t for t in TOOLS if module == t or module.startswith(t + ".")), None)
+
+    reached = [
+        f"{mod} imports {dep}"
+        for mod, deps in sorted(package_imports().items()) if mod != COMMAND
+        for dep in sorted(deps) if tool_of(dep) is not None and tool_of(dep) != tool_of(mod)
+    ]
+    assert not reached, "imports of bench/analysis outside the command line:\n" + "\n".join(reached)
 
 
 @pytest.mark.parametrize("module", ["tokenloom.messages", "tokenloom.outputs",

@@ -42,7 +42,7 @@ def check_plot():
     """Draws a trace's picture and checks it: the verdict, in a sentence, is its title. With
     TOKENLOOM_LEDGER_PLOTS=DIR the picture is kept there as <verdict>.png (how docs/ledger/ is
     made)."""
-    from tokenloom.metrics.plot import figure_title, plot_trace
+    from tokenloom.analysis.plot import figure_title, plot_trace
     from tokenloom.metrics.timeline import VERDICT_HEADLINES
 
     def check(trace: dict, report: dict, verdict: str, tmp_path: Path) -> Path:

@@ -70,7 +70,7 @@ def test_planted_slow_front_end(tmp_path, check_plot):
     machine. While the loop is blocked the core's outputs wait in the socket, so the requests'
     time goes to the front end, and `explain` says frontend-bound."""
     from tokenloom.engine.async_llm import AsyncLLM
-    from tokenloom.metrics.explain import analyze, format_report
+    from tokenloom.analysis.explain import analyze, format_report
     from tokenloom.metrics.timeline import VERDICT_HEADLINES
 
     trace = tmp_path / "frontend.json"

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenloom import SamplingParams
-from tokenloom.metrics.explain import analyze, format_report
+from tokenloom.analysis.explain import analyze, format_report
 from tokenloom.metrics.stats import CounterMetric, GaugeMetric, HistogramMetric
 from tokenloom.metrics.buckets import WAIT_CAUSES
 from tokenloom.metrics.timeline import PART_NAMES, VERDICT_HEADLINES

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from tokenloom.messages import EngineCoreOutputs, LedgerBucket, RequestTiming, SchedulerStats
-from tokenloom.metrics.explain import analyze, format_report
+from tokenloom.analysis.explain import analyze, format_report
 from tokenloom.metrics.timeline import PART_NAMES, decompose, settle
 from tokenloom.metrics.trace import TraceRecorder, load_trace
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -100,7 +100,7 @@ def test_bounded_memory():
 def test_a_run_waiting_for_grammars_is_grammar_bound_and_the_plot_shows_the_wait(tmp_path):
     """Time spent waiting for a structured-output grammar to compile is its own verdict group and
     its own slice of the plot's bars, so the slices still add up to each request's e2e."""
-    from tokenloom.metrics.plot_parts import request_slices
+    from tokenloom.analysis.plot_parts import request_slices
 
     path = tmp_path / "t.json"
     rec = TraceRecorder(path, config={"max_num_batched_tokens": 16, "num_kv_blocks": 4, "block_size": 16})

@@ -5,11 +5,11 @@ import argparse
 import json
 import sys
 
-from tokenloom.entrypoints.bench import add_bench_parser
+from tokenloom.bench import add_bench_parser
 from tokenloom.entrypoints.collect_env import add_env_parser
 from tokenloom.entrypoints.engine_args import EngineArgs, add_engine_args
 from tokenloom.entrypoints.openai import add_run_batch_parser, add_serve_parser
-from tokenloom.metrics.explain import add_explain_parser
+from tokenloom.analysis.explain import add_explain_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -54,8 +54,8 @@ _SUBCOMMANDS = [
     _add_generate,
     add_serve_parser,  # tokenloom.entrypoints.openai
     add_run_batch_parser,  # tokenloom.entrypoints.openai.run_batch
-    add_bench_parser,  # tokenloom.entrypoints.bench (a group: bench serve | ...)
-    add_explain_parser,  # tokenloom.metrics.explain
+    add_bench_parser,  # tokenloom.bench (a group: bench serve | ...)
+    add_explain_parser,  # tokenloom.analysis.explain
     add_env_parser,  # tokenloom.entrypoints.collect_env (versions, CPU, the kernel plan)
 ]
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 PART_NAMES = ("tokenize", "ipc_in", *dict.fromkeys(BUCKET_PART),
               "core_overhead", "ipc_out", "detokenize", "frontend_other", "core_unattributed")
 
-# The verdict of a run (see explain.py): which group of parts holds the most request time, and
+# The verdict of a run (see analysis/explain.py): which group of parts holds the most request time, and
 # what it means in a sentence.
 VERDICT_HEADLINES = {
     "budget-bound": "requests wait for the token budget",

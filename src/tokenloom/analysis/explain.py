@@ -86,7 +86,7 @@ def _run_explain(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.trace} is not a JSON trace: {e}") from None
     report = analyze(trace, top=args.top)
     if args.plot is not None:
-        from tokenloom.metrics.plot import plot_trace
+        from tokenloom.analysis.plot import plot_trace
 
         report["plot"] = plot_trace(trace, args.plot, report)
     if args.json:

@@ -17,7 +17,7 @@ import textwrap
 from typing import Any
 
 from tokenloom.metrics.core_ledger import is_long_prefill
-from tokenloom.metrics.plot_parts import SLICES, bars
+from tokenloom.analysis.plot_parts import SLICES, bars
 from tokenloom.metrics.trace import trace_config, trace_requests, trace_steps
 
 NUM_SLOWEST = 3

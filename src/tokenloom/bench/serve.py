@@ -359,7 +359,7 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import check_output_json, emit, positive
+    from tokenloom.bench.common import check_output_json, emit, positive
 
     for name in ("num_prompts", "input_len", "output_len"):
         positive(name, getattr(args, name))

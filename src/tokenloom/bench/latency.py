@@ -8,7 +8,7 @@ to the last request's first token; decode = the time after that to the last toke
 iterations after `--warmup`. The transformers baseline (`--baseline hf`) runs the same prompts
 at the same batch size through `generate()`, timed by a logits processor that notes when each
 step's logits are ready; llama.cpp (`--baseline llamacpp`, batch 1) runs them on the same GGUF
-in its own environment (entrypoints/bench/llamacpp_baseline.py). Baseline iterations alternate
+in its own environment (bench/llamacpp_baseline.py). Baseline iterations alternate
 with ours. Next to the times: the bytes of matrix weights each decode step reads and the resident
 memory of the process that holds the model (our engine core, llama.cpp's process).
 """
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _iteration_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
-    from tokenloom.entrypoints.bench.common import random_prompt_ids
+    from tokenloom.bench.common import random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
@@ -56,7 +56,7 @@ def _iteration_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
 
 
 def _summarize(prefill: list[float], decode: list[float], e2e: list[float], cpu_s: list[float]) -> dict[str, Any]:
-    from tokenloom.entrypoints.bench.common import summary_ms
+    from tokenloom.bench.common import summary_ms
 
     # CPU seconds per iteration (both processes for tokenloom): unlike the wall times, barely
     # moved by other load on a shared machine.
@@ -68,7 +68,7 @@ class _Ours:
     """tokenloom side: one LLM (engine core in its child process) for all iterations."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tokenloom.entrypoints.bench.common import StepRecorder, make_llm
+        from tokenloom.bench.common import StepRecorder, make_llm
         from tokenloom.sampling_params import SamplingParams
 
         self.args = args
@@ -83,7 +83,7 @@ class _Ours:
         self.memory: dict[str, float] = {}
 
     def iteration(self, prompts: list[list[int]], timed: bool) -> None:
-        from tokenloom.entrypoints.bench.common import CpuMeter, process_memory_mib
+        from tokenloom.bench.common import CpuMeter, process_memory_mib
 
         self.recorder.recording = timed
         with CpuMeter(self.info.pid) as cpu:
@@ -101,7 +101,7 @@ class _Ours:
         self.memory = process_memory_mib(self.info.pid)
 
     def result(self) -> dict[str, Any]:
-        from tokenloom.entrypoints.bench.common import spec_decode_summary, step_profile
+        from tokenloom.bench.common import spec_decode_summary, step_profile
 
         out = {"backend": "tokenloom", "dtype": self.info.dtype, "quantization": self.info.quantization,
                "weight_bytes_per_token": self.info.weight_bytes_per_token, "memory": self.memory,
@@ -121,7 +121,7 @@ class _HF:
     """transformers side, in this process, at the same batch size."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tokenloom.entrypoints.bench.common import load_hf_model
+        from tokenloom.bench.common import load_hf_model
         from tokenloom.model.loader import load_tokenizer
 
         self.args = args
@@ -137,7 +137,7 @@ class _HF:
     def iteration(self, prompts: list[list[int]], timed: bool) -> None:
         import os
 
-        from tokenloom.entrypoints.bench.common import CpuMeter, hf_generate
+        from tokenloom.bench.common import CpuMeter, hf_generate
 
         with CpuMeter(os.getpid()) as cpu:
             res = hf_generate(self.hf, prompts, self.args.output_len, self.args.batch_size, self.pad, self.args.device)
@@ -158,7 +158,7 @@ class _LlamaCpp:
     """llama.cpp side: a subprocess in its own environment, one prompt at a time."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from tokenloom.entrypoints.bench.llamacpp_baseline import LlamaCppBaseline
+        from tokenloom.bench.llamacpp_baseline import LlamaCppBaseline
 
         self.args = args
         self.base = LlamaCppBaseline(args, n_ctx=args.input_len + args.output_len + 8)
@@ -169,7 +169,7 @@ class _LlamaCpp:
         self.memory: dict[str, float] = {}
 
     def iteration(self, prompts: list[list[int]], timed: bool) -> None:
-        from tokenloom.entrypoints.bench.common import process_cpu_seconds
+        from tokenloom.bench.common import process_cpu_seconds
 
         cpu0 = process_cpu_seconds(self.base.proc.pid)
         run = self.base.run(prompts, self.args.output_len)[0]
@@ -189,7 +189,7 @@ class _LlamaCpp:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenloom.entrypoints.bench.common import check_output_json, default_hf_dtype, emit, positive
+    from tokenloom.bench.common import check_output_json, default_hf_dtype, emit, positive
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         positive(name, getattr(args, name))
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     check_output_json(args.output_json)
     args.baseline_dtype = args.baseline_dtype or default_hf_dtype(args.device)
-    from tokenloom.entrypoints.bench.machine import Progress, machine_info
+    from tokenloom.bench.machine import Progress, machine_info
 
     batches = _iteration_prompts(args)
     result: dict[str, Any] = {
@@ -251,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(result: dict[str, Any]) -> None:
-    from tokenloom.entrypoints.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell, result_runs
-    from tokenloom.entrypoints.bench.machine import format_machine
+    from tokenloom.bench.common import format_profile, format_spec_decode, megabytes_cell, memory_cell, result_runs
+    from tokenloom.bench.machine import format_machine
 
     print(f"{' tokenloom bench latency ':=^72}")
     print(f"model: {result['model']}")

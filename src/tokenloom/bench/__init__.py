@@ -10,9 +10,9 @@ import argparse
 import importlib
 
 _BENCH_MODULES = [
-    "tokenloom.entrypoints.bench.serve",
-    "tokenloom.entrypoints.bench.throughput",
-    "tokenloom.entrypoints.bench.latency",
+    "tokenloom.bench.serve",
+    "tokenloom.bench.throughput",
+    "tokenloom.bench.latency",
 ]
 
 
