@@ -10,8 +10,9 @@ ledger's live view). Every error leaves in OpenAI's shape `{"error": {"message",
 
 Shutting down (SIGTERM, SIGINT): no new connections; requests in flight get `DRAIN_S` to finish,
 then end with a 503 (`server_shutting_down`; a stream with that error event and `[DONE]`)
-instead of being cut off mid-body. This module builds the app; serve.py runs the process around
-it (socket, engine, uvicorn, the drain and the engine watchdog).
+instead of being cut off mid-body. This module builds the app (its routes: routes/, one
+APIRouter per resource); serve.py runs the process around it (socket, engine, uvicorn, the drain
+and the engine watchdog).
 """
 from __future__ import annotations
 
