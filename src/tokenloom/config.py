@@ -213,6 +213,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         """Refuses what the engine core could not use, naming the field, in the caller: a value
         of the wrong type would otherwise end the core at start-up (it decodes this struct with
         its types) with only "exited with code 1" to show for it."""
+        self._check_types()
+        self._check_values()
+        self._check_parallelism_and_features()
+
+    def _check_types(self) -> None:
+        """Paths and option dicts made what the core decodes, then every field's type checked."""
         for name in ("model", "trace_path"):  # a pathlib.Path is a path too (it cannot cross to the core)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
@@ -236,6 +242,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                 raise ValueError(f"{name} must be of type {expected}, got {getattr(self, name)!r}.") from None
             if not str(e).startswith("Invalid enum value"):  # those are named with their choices below
                 raise ValueError(f"invalid engine configuration: {e}") from None
+
+    def _check_values(self) -> None:
+        """The device, sizes, seed and the fields that name one of a few choices."""
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -265,6 +274,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if self.quantization not in (None, "auto", "gguf", "int8", "none"):
             raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
                              f"{self.quantization!r}.")
+
+    def _check_parallelism_and_features(self) -> None:
+        """Tensor parallelism and what it rules out, LoRA, structured-output limits, the trace."""
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")

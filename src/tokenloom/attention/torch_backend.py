@@ -32,6 +32,7 @@ query's window may be a null block: they are never read, or read and masked.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,22 @@ class TorchAttentionBackend(AttentionBackend):
         decode_reqs = is_decode.nonzero().squeeze(1)
         prefill_reqs = (query_lens > 1).nonzero().squeeze(1)
 
+        decode = self._plan_decode(decode_reqs, qsl, seq_lens, W, bs, device, bt_cpu)
+        padded_prefill, request_prefills = self._plan_prefills(prefill_reqs, qsl, query_lens, seq_lens, W, bs,
+                                                               device, bt_cpu)
+
+        return TorchAttentionPlan(
+            num_actual_tokens=T,
+            block_size=bs,
+            write_slots=write_slots,
+            decode=decode,
+            padded_prefill=padded_prefill,
+            request_prefills=request_prefills,
+        )
+
+    def _plan_decode(self, decode_reqs: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, W: int | None,
+                     bs: int, device: torch.device, bt_cpu: Callable[[], torch.Tensor]) -> _DecodePlan | None:
+        """The step's decodes (one query token each) as one batched plan over their blocks."""
         decode = None
         if decode_reqs.numel():
             Bd = decode_reqs.numel()
@@ -237,7 +254,13 @@ class TorchAttentionBackend(AttentionBackend):
                 seq_lens_i32=d_seq.to(torch.int32) if kernel else None,
                 sliding_window=W,
             )
+        return decode
 
+    def _plan_prefills(self, prefill_reqs: torch.Tensor, qsl: torch.Tensor, query_lens: torch.Tensor,
+                       seq_lens: torch.Tensor, W: int | None, bs: int, device: torch.device,
+                       bt_cpu: Callable[[], torch.Tensor]) -> tuple[_PaddedPrefillPlan | None, list[_RequestPrefill]]:
+        """The step's prefills: batched into one padded call where that pays (prefill_mode), else
+        one by one."""
         padded_prefill = None
         request_prefills: list[_RequestPrefill] = []
         if prefill_reqs.numel():
@@ -296,15 +319,7 @@ class TorchAttentionBackend(AttentionBackend):
                             m &= kp > qp - W
                         mask = m.to(device)
                     request_prefills.append(_RequestPrefill(start, end, ctx, slots, mask))
-
-        return TorchAttentionPlan(
-            num_actual_tokens=T,
-            block_size=bs,
-            write_slots=write_slots,
-            decode=decode,
-            padded_prefill=padded_prefill,
-            request_prefills=request_prefills,
-        )
+        return padded_prefill, request_prefills
 
     @staticmethod
     def _plan_padded_prefill(qsl, reqs, q_lens, seq_lens, Lq, Lk, block_table_cpu, bs, device,

@@ -81,6 +81,28 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
+class _Metrics:
+    """Declares a metric in `registry`, under its name and labels as `naming` gives them, and
+    returns its one labelled child."""
+
+    def __init__(self, naming: MetricNaming, registry: CollectorRegistry) -> None:
+        self.naming = naming
+        self.registry = registry
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        labels = self.naming.labels(name)
+        return Gauge(self.naming.full(name), doc, list(labels), registry=self.registry).labels(**labels)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        labels = self.naming.labels(name)
+        return Counter(self.naming.full(name), doc, list(labels), registry=self.registry).labels(**labels)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        labels = self.naming.labels(name)
+        return Histogram(self.naming.full(name), doc, list(labels), buckets=buckets,
+                         registry=self.registry).labels(**labels)
+
+
 class PrometheusMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
                  metrics_prefix: str = "tokenloom", data_parallel_size: int = 1,
@@ -94,18 +116,17 @@ class PrometheusMetrics:
         full = naming.full
         r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            labels = naming.labels(name)
-            return Gauge(full(name), doc, list(labels), registry=r).labels(**labels)
+        make = _Metrics(naming, r)
+        self._add_scheduler_gauges(make)
+        self._add_counters(make)
+        self._add_freshness_gauges(make)
+        self._add_histograms(make, max_model_len)
+        self.ledger = LedgerMetrics(r, naming)  # the ledger's metrics, in the same registry
+        self.replicas: ReplicaMetrics | None = (
+            ReplicaMetrics(r, model_name, full, data_parallel_size) if data_parallel_size > 1 else None)
 
-        def counter(name: str, doc: str) -> Counter:
-            labels = naming.labels(name)
-            return Counter(full(name), doc, list(labels), registry=r).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            labels = naming.labels(name)
-            return Histogram(full(name), doc, list(labels), buckets=buckets, registry=r).labels(**labels)
-
+    def _add_scheduler_gauges(self, make: _Metrics) -> None:
+        gauge = make.gauge
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set of the scheduler.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
@@ -120,6 +141,8 @@ class PrometheusMetrics:
             "num_requests_in_model_runner", "Requests holding a row of the model runner's persistent batch."
         )
 
+    def _add_counters(self, make: _Metrics) -> None:
+        counter, naming, full, r = make.counter, make.naming, make.naming.full, make.registry
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -145,6 +168,9 @@ class PrometheusMetrics:
             "Requests the engine failed on their own (finish_reason=error) while it kept running: rejected "
             "by the engine core or faulted while sampling. A dead engine core is not counted here.",
         )
+
+    def _add_freshness_gauges(self, make: _Metrics) -> None:
+        gauge = make.gauge
         # How old the scrape-time gauges are (see AsyncLLM.refresh_metrics): 0 right after a
         # refresh; growing while the engine core does not answer in time.
         self.metrics_staleness = gauge(
@@ -157,6 +183,8 @@ class PrometheusMetrics:
             "recently) last sent anything; an idle core sends a heartbeat every 0.5 s.",
         )
 
+    def _add_histograms(self, make: _Metrics, max_model_len: int | None) -> None:
+        histogram = make.histogram
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", _TTFT_BUCKETS
         )
@@ -180,9 +208,6 @@ class PrometheusMetrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens of each finished request (once per completion).",
             token_buckets)
-        self.ledger = LedgerMetrics(r, naming)  # the ledger's metrics, in the same registry
-        self.replicas: ReplicaMetrics | None = (
-            ReplicaMetrics(r, model_name, full, data_parallel_size) if data_parallel_size > 1 else None)
 
     def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         """One step of engine core `engine` (its data-parallel index; 0 without DP)."""

@@ -139,18 +139,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
-        self.attn_backend = get_attn_backend(config.attention_backend, self.device)
-        if (self.device.type == "cpu" and self.kv_cache_dtype == torch.bfloat16
-                and self.dtype == torch.float32 and hasattr(self.attn_backend, "prefill_in_cache_dtype")
-                and cpu_features.detect().native_bf16):
-            # A bfloat16 cache under float32 activations: prefill attends in bfloat16 too where
-            # the CPU multiplies it natively (see TorchAttentionBackend.prefill_in_cache_dtype).
-            setattr(self.attn_backend, "prefill_in_cache_dtype", True)
-        if (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                and hasattr(self.attn_backend, "prefill_16bit_model")):
-            # A 16-bit model: each prompt's prefill attention as it would be alone (transformers'
-            # bf16 greedy replies depended on the neighbours a padded batch gave a prompt).
-            setattr(self.attn_backend, "prefill_16bit_model", True)
+        self._set_up_attention(config)
         # KV cache groups (kv_cache_spec.py): one block table, slot mapping and attention plan
         # per group each step. A model with full attention only has one group of every layer.
         self.kv_cache_groups: list[KVCacheGroupSpec] = kv_cache_groups(loaded.config)
@@ -170,21 +159,8 @@ class ModelRunner:
         # +1 column: the token sampled at max_model_len is written before the scheduler stops it.
         self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, max_blocks_per_req, num_groups)
         self.sampler = Sampler(self.max_num_reqs, cfg.vocab_size, device=self.device, seed=config.seed)
-        # The flat batch's buffers, sized for the largest step (the token budget, max_num_seqs).
-        max_tokens, dev = config.max_num_batched_tokens, self.device
-        self._input_ids = _StagedInput((max_tokens,), torch.int64, dev)
-        self._positions = _StagedInput((max_tokens,), torch.int64, dev)
-        self._slot_mapping = [_StagedInput((max_tokens,), torch.int64, dev) for _ in range(num_groups)]
-        # With draft tokens a step's attention may see each token as a query of its own (see
-        # _prepare_inputs): up to 1 + num_speculative_tokens rows per request.
+        self._allocate_step_buffers(config, max_blocks_per_req, num_groups)
         spec = config.speculative_config
-        attn_rows = self.max_num_reqs if spec is None else min(
-            max(max_tokens, self.max_num_reqs), self.max_num_reqs * (1 + spec.num_speculative_tokens))
-        self._query_start_loc = _StagedInput((attn_rows + 1,), torch.int32, dev)
-        self._seq_lens = _StagedInput((attn_rows,), torch.int32, dev)
-        self._block_table = [_StagedInput((attn_rows, max_blocks_per_req), torch.int32, dev)
-                             for _ in range(num_groups)]
-        self._arange = np.arange(max(max_tokens, self.max_num_reqs) + 1, dtype=np.int64)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         # Requests that asked for prompt logprobs and have not finished their prefill: k, and the
@@ -205,6 +181,39 @@ class ModelRunner:
                        if config.is_pooling else None)
         # On CUDA: decode steps replayed from graphs captured now (None: every step eager).
         self.graphs = build_decode_graphs(self, config)
+
+    def _set_up_attention(self, config: EngineConfig) -> None:
+        """The attention backend, told how the model's and the cache's dtypes want prefills run."""
+        self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        if (self.device.type == "cpu" and self.kv_cache_dtype == torch.bfloat16
+                and self.dtype == torch.float32 and hasattr(self.attn_backend, "prefill_in_cache_dtype")
+                and cpu_features.detect().native_bf16):
+            # A bfloat16 cache under float32 activations: prefill attends in bfloat16 too where
+            # the CPU multiplies it natively (see TorchAttentionBackend.prefill_in_cache_dtype).
+            setattr(self.attn_backend, "prefill_in_cache_dtype", True)
+        if (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                and hasattr(self.attn_backend, "prefill_16bit_model")):
+            # A 16-bit model: each prompt's prefill attention as it would be alone (transformers'
+            # bf16 greedy replies depended on the neighbours a padded batch gave a prompt).
+            setattr(self.attn_backend, "prefill_16bit_model", True)
+
+    def _allocate_step_buffers(self, config: EngineConfig, max_blocks_per_req: int, num_groups: int) -> None:
+        """The staged inputs of a step (tokens, positions, slots, query starts, lengths, block tables)."""
+        # The flat batch's buffers, sized for the largest step (the token budget, max_num_seqs).
+        max_tokens, dev = config.max_num_batched_tokens, self.device
+        self._input_ids = _StagedInput((max_tokens,), torch.int64, dev)
+        self._positions = _StagedInput((max_tokens,), torch.int64, dev)
+        self._slot_mapping = [_StagedInput((max_tokens,), torch.int64, dev) for _ in range(num_groups)]
+        # With draft tokens a step's attention may see each token as a query of its own (see
+        # _prepare_inputs): up to 1 + num_speculative_tokens rows per request.
+        spec = config.speculative_config
+        attn_rows = self.max_num_reqs if spec is None else min(
+            max(max_tokens, self.max_num_reqs), self.max_num_reqs * (1 + spec.num_speculative_tokens))
+        self._query_start_loc = _StagedInput((attn_rows + 1,), torch.int32, dev)
+        self._seq_lens = _StagedInput((attn_rows,), torch.int32, dev)
+        self._block_table = [_StagedInput((attn_rows, max_blocks_per_req), torch.int32, dev)
+                             for _ in range(num_groups)]
+        self._arange = np.arange(max(max_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     def _num_kv_blocks(self, loaded: LoadedModel, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -377,6 +386,7 @@ class ModelRunner:
         out.prepare_time, out.forward_time, out.sample_time = t1 - t0, t2 - t1, t3 - t2
         return out
 
+    # long because: the step's hot path, numpy ops over a dozen shared arrays that helpers would pass around
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         """The flat batch of this step, gathered from the persistent batch with numpy vector ops
         into the staged buffers (no per-step tensor allocation), and the attention plan."""

@@ -57,6 +57,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from tokenloom.entrypoints.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_endpoint_args(p)
+    _add_admission_args(p)
+    _add_chat_args(p)
+    _add_http_args(p)
+    _add_api_args(p)
+    _add_logging_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    """What is served, where, to whom: the model, address, API keys, model names."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -68,6 +80,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "$TOKENLOOM_API_KEY, else $VLLM_API_KEY); /health, /ping, /version and /metrics stay open",
     )
     p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (default: the model path)")
+
+
+def _add_admission_args(p: argparse.ArgumentParser) -> None:
+    """What the server refuses (the waiting queue, bodies, prompts per request) and when it calls
+    itself unhealthy."""
     p.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -114,6 +131,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="/health answers 503 (tokenizer_pool_saturated) once every thread that parses, tokenizes and "
         "renders requests has been on the same job for more than this many seconds (default: 10.0)",
     )
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    """How chat requests are rendered and their replies read (tools, reasoning, templates) and
+    what a reply shows."""
     p.add_argument(
         "--tool-call-parser",
         default="hermes",
@@ -146,6 +168,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="usage gets prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens as 'token_id:<id>' (a request's return_tokens_as_token_ids overrides it)")
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """HTTP around the API: CORS, the proxy's root path, TLS."""
     p.add_argument("--allowed-origins", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
                    help="CORS: origins that may call the API from a browser (values or vLLM's JSON list; default: *)")
     p.add_argument("--allowed-methods", nargs="+", type=_json_or_plain_list, action=_Flatten, default=["*"],
@@ -160,6 +186,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="whether a client certificate is required: 0 no (default), 1 optional, 2 required "
                         "(Python's ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED, as vLLM's)")
+
+
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """What the API serves besides the model (LoRA adapters, stored responses, usage chunks, docs)
+    and how much of a prompt a request log line shows."""
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, action=_Flatten, default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served as models of their own name: name=path or vLLM's JSON "
                    "'{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
@@ -173,6 +204,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="every streamed completion ends with a usage chunk, as if its stream_options asked for it")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json (served by default, without the API key, as vLLM does)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """What the server logs and how /metrics names its series."""
     p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                    help="log one INFO line per accepted request (its id, prompt and sampling parameters)")
     p.add_argument("--disable-log-requests", action="store_false", dest="log_requests",
@@ -194,8 +229,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "core); info shows the engine's start-up line (CPU path) and access logs")
     p.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level)")
-    add_engine_args(p)
-    p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

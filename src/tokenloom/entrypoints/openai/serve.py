@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fastapi import FastAPI
+
 from tokenloom.engine.async_llm import DEFAULT_TOKENIZER_POOL_LIMIT_S, AsyncLLM
 from tokenloom.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from tokenloom.entrypoints.openai.api_server import DRAIN_S, build_app
@@ -155,26 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from tokenloom.entrypoints.engine_args import engine_config_from_args
 
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}.")
-        args.model = args.model_tag
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
-    if getattr(args, "responses_store_size", 0) < 0:
-        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}.")
-    if getattr(args, "max_log_len", 0) < 0:
-        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
-    if not getattr(args, "health_heartbeat_timeout", 1.0) > 0:
-        raise ValueError(f"--health-heartbeat-timeout must be > 0, got {args.health_heartbeat_timeout}.")
-    if not getattr(args, "health_tokenizer_pool_limit", 1.0) > 0:
-        raise ValueError(f"--health-tokenizer-pool-limit must be > 0, got {args.health_tokenizer_pool_limit}.")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
-    if getattr(args, "max_prompts_per_request", 1) < 1:
-        raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}.")
-    if not getattr(args, "multiprocess", True):
-        raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
+    _check_serve_args(args)
     chat_template = read_chat_template(getattr(args, "chat_template", None))
     limits = render_limits(args)
     ssl_options = _ssl_options(args)
@@ -193,35 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise
     engine.set_health_limits(getattr(args, "health_heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S),
                              getattr(args, "health_tokenizer_pool_limit", DEFAULT_TOKENIZER_POOL_LIMIT_S))
-    app = build_app(
-        engine,
-        served_model_names=names,
-        api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests,
-        shutdown_engine_on_exit=True,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_prompts_per_request=getattr(args, "max_prompts_per_request", DEFAULT_MAX_PROMPTS_PER_REQUEST),
-        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
-        reasoning_parser=getattr(args, "reasoning_parser", None),
-        chat_template=chat_template,
-        response_role=getattr(args, "response_role", "assistant"),
-        allowed_origins=getattr(args, "allowed_origins", None),
-        allowed_methods=getattr(args, "allowed_methods", None),
-        allowed_headers=getattr(args, "allowed_headers", None),
-        allow_credentials=getattr(args, "allow_credentials", False),
-        root_path=getattr(args, "root_path", ""),
-        default_sampling_params=sampling_defaults,
-        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
-        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
-        log_requests=getattr(args, "log_requests", False),
-        responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
-        lora_modules=dict(getattr(args, "lora_modules", None) or []),
-        max_log_len=getattr(args, "max_log_len", 200),
-        force_include_usage=getattr(args, "enable_force_include_usage", False),
-        enable_docs=not getattr(args, "disable_fastapi_docs", False),
-        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
-        render_limits=limits,
-    )
+    app = _build_app(args, engine, names, chat_template, sampling_defaults, limits)
     server = _server_class()(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
                        access_log=not getattr(args, "disable_uvicorn_access_log", False),
@@ -255,6 +210,64 @@ def run_serve(args: argparse.Namespace) -> int:
     # Exit status 1 tells a supervisor to restart: only when the engine's death stopped the server
     # (kept up by hand, a later stop is a clean exit; so is a stop by SIGINT or SIGTERM).
     return 0 if server.started and not (engine_died.is_set() and not keep_alive) else 1
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    """The serve flags' own rules, checked before anything starts (`model_tag` becomes --model)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}.")
+        args.model = args.model_tag
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}.")
+    if getattr(args, "responses_store_size", 0) < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}.")
+    if getattr(args, "max_log_len", 0) < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
+    if not getattr(args, "health_heartbeat_timeout", 1.0) > 0:
+        raise ValueError(f"--health-heartbeat-timeout must be > 0, got {args.health_heartbeat_timeout}.")
+    if not getattr(args, "health_tokenizer_pool_limit", 1.0) > 0:
+        raise ValueError(f"--health-tokenizer-pool-limit must be > 0, got {args.health_tokenizer_pool_limit}.")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}.")
+    if getattr(args, "max_prompts_per_request", 1) < 1:
+        raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}.")
+    if not getattr(args, "multiprocess", True):
+        raise ValueError("tokenloom serve runs the engine core in a child process; --inprocess is not supported.")
+
+
+def _build_app(args: argparse.Namespace, engine: AsyncLLM, names: list[str], chat_template: str | None,
+               sampling_defaults: dict[str, Any], limits: RenderLimits) -> FastAPI:
+    """The app for these serve flags (read with getattr where a Namespace built elsewhere may lack one)."""
+    return build_app(
+        engine,
+        served_model_names=names,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_engine_on_exit=True,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=getattr(args, "max_prompts_per_request", DEFAULT_MAX_PROMPTS_PER_REQUEST),
+        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        chat_template=chat_template,
+        response_role=getattr(args, "response_role", "assistant"),
+        allowed_origins=getattr(args, "allowed_origins", None),
+        allowed_methods=getattr(args, "allowed_methods", None),
+        allowed_headers=getattr(args, "allowed_headers", None),
+        allow_credentials=getattr(args, "allow_credentials", False),
+        root_path=getattr(args, "root_path", ""),
+        default_sampling_params=sampling_defaults,
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        log_requests=getattr(args, "log_requests", False),
+        responses_store_size=getattr(args, "responses_store_size", DEFAULT_STORE_SIZE),
+        lora_modules=dict(getattr(args, "lora_modules", None) or []),
+        max_log_len=getattr(args, "max_log_len", 200),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
+        enable_docs=not getattr(args, "disable_fastapi_docs", False),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        render_limits=limits,
+    )
 
 
 async def _end_requests_when_stopping(server: Any, engine: AsyncLLM, drain_s: float,

@@ -38,6 +38,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     sse_event,
     usage,
 )
+from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import StructuredOutputsParams
 
 
@@ -108,7 +109,13 @@ class OpenAIServingChat(OpenAIServing):
         result = await run_until_disconnected(raw_request, self.collect_final(streams))
         if result is None:
             return Response(status_code=499)
-        out = result[0]
+        return self._chat_completion(req, request_id, model, created, result[0], num_top, as_ids, choice, echo,
+                                     reasoning)
+
+    def _chat_completion(self, req: ChatCompletionRequest, request_id: str, model: str, created: int,
+                         out: RequestOutput, num_top: int | None, as_ids: bool, choice: ToolChoice, echo: str,
+                         reasoning: bool | None) -> Response:
+        """The chat.completion body of a finished (not streamed) request."""
         choices = []
         for c in out.outputs:
             text, thought = c.text, None
