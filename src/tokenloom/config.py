@@ -131,7 +131,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # request's phases (not only their totals).
     trace_path: str | None = None
     # torch.compile (inductor) of the model forward, dynamic shapes. Off by default: on the CPU
-    # it compiled for minutes and then ran decode steps slower than eager (benchmarks/README.md,
+    # it compiled for minutes and then ran decode steps slower than eager (benchmarks/CHANGELOG.md,
     # "CPU: what was tried").
     compile: bool = False
     # vLLM's switch: True runs every step eagerly. Otherwise, on CUDA, decode steps replay CUDA

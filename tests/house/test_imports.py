@@ -168,7 +168,7 @@ def test_string_imports_are_read() -> None:
     assert not unresolved, "string imports whose module this test cannot read:\n" + "\n".join(unresolved)
     # They are seen: the lazy facade of tokenloom.model and the bench subcommands' registry.
     assert "tokenloom.model.loader" in graph["tokenloom.model"]
-    assert "tokenloom.entrypoints.bench.serve" in graph["tokenloom.entrypoints.bench"]
+    assert "tokenloom.bench.serve" in graph["tokenloom.bench"]
 
 
 def test_no_import_cycle() -> None:

@@ -81,7 +81,7 @@ class EngineCore:
         self._aborted_outputs: list[EngineCoreOutput] = []
         # What start-up built (the model, its tables, the tokenizer) lives as long as the engine:
         # moved out of the collector's generations, each collection walks only what the steps
-        # allocate, as vLLM's engine core does (perf showed the collections: benchmarks/README.md).
+        # allocate, as vLLM's engine core does (perf showed the collections: benchmarks/CHANGELOG.md).
         gc.collect()
         gc.freeze()
         logger.info("engine core ready in %.1fs: %s", time.perf_counter() - t0, self.info)

@@ -104,7 +104,7 @@ class EngineArgs:
     multiprocess: bool = arg("run the engine core in this process", default=True, flags=(),
                              negative=("--inprocess",))
     enable_ledger: bool = arg("turn the ledger (per-request timing, metrics) off", flags=(), negative=("--no-ledger",))
-    compile: bool = arg("torch.compile the model forward (slower on CPU today: see benchmarks/README.md)")
+    compile: bool = arg("torch.compile the model forward (slower on CPU today: see benchmarks/CHANGELOG.md)")
     enforce_eager: bool = arg("run every step eagerly: on CUDA, no decode steps replayed from CUDA graphs (as vLLM's)")
     quantization: str | None = arg(
         "auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model "

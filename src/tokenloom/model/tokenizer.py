@@ -65,7 +65,7 @@ def _gc_paused():
     """Python's cycle collector off while a vocabulary's worth of tuples is built: they hold no
     cycles, but every 700 allocations the collector walks the young ones, and with half a million
     merges its older generations again and again (for Gemma 3's vocabulary that cost more than the
-    build itself: benchmarks/README.md, "Gemma 3's tokenizer from the disk cache")."""
+    build itself: benchmarks/CHANGELOG.md, "Gemma 3's tokenizer from the disk cache")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

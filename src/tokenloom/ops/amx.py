@@ -150,7 +150,7 @@ def pack(weight: torch.Tensor) -> AmxPackedWeight:
 # rows it splits K between its threads instead, from ~400 it sums in one go again, and K = 1024
 # or 2048 follow other splits (not modelled: one sum). Our matmul follows it for calls of more
 # than 32 rows (prefills; decode steps keep one sum, as transformers' one-row decode matmuls do),
-# so a prefill rounds as transformers' does (benchmarks/README.md, "bf16 parity, the prefill made
+# so a prefill rounds as transformers' does (benchmarks/CHANGELOG.md, "bf16 parity, the prefill made
 # bit-identical"). With AVX512-BF16 and no AMX (the dot products' CPUs) oneDNN sums K > 512 in
 # chunks of 512 for one row, and from two rows in chunks of 512 up to K = 1024 and of 1024 above
 # (read off torch 2.13's oneDNN on such a CPU, K 576 to 3072, 1 to 1024 rows, 2 threads;

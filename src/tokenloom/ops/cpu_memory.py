@@ -11,7 +11,7 @@ Huge pages: a decode step streams every weight and the whole KV cache once, hund
 4 KiB pages, a TLB miss every 4 KiB and the hardware prefetchers stopping at each page's end.
 Linux backs a mapping with transparent 2 MiB pages when asked (`madvise`, the usual setting of
 /sys/kernel/mm/transparent_hugepage/enabled) or always; the packed weights (ops/amx) and the KV
-cache ask (benchmarks/README.md). `TOKENLOOM_HUGEPAGES=0` turns it off.
+cache ask (benchmarks/CHANGELOG.md). `TOKENLOOM_HUGEPAGES=0` turns it off.
 """
 from __future__ import annotations
 

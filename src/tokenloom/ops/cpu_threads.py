@@ -6,7 +6,7 @@ its thread count) spin while they wait for each other, which is what makes a qui
 at batch 1 a step has a few hundred parallel regions, and a passive wait (sleep, wake) on each
 costs a large part of the decode rate there. On a core that another process keeps busy, the same
 spinning is ruinous: the region's last thread is descheduled for a scheduler slice while its
-partners spin, and batch-1 decode falls far below one thread's (benchmarks/README.md, the thread
+partners spin, and batch-1 decode falls far below one thread's (benchmarks/CHANGELOG.md, the thread
 policies in "what was tried").
 
 So the engine starts with one thread per core of `os.sched_getaffinity(0)` and keeps the

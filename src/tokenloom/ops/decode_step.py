@@ -4,7 +4,7 @@ weights (bfloat16 activations) or on plain float32 weights (float32 activations)
 
 Why: at batch 1 the quantized kernels stream a step's weights in a few milliseconds, and the
 eager decoder spent about as long again issuing its few hundred per-layer calls while the second
-OpenMP thread waited (perf, benchmarks/README.md). `DecodeStep` strings the same C
+OpenMP thread waited (perf, benchmarks/CHANGELOG.md). `DecodeStep` strings the same C
 kernels together in C, in the eager order: on quantized weights it returns the eager path's
 hidden states bit for bit. In bfloat16 its matmuls run on AMX tiles or AVX512-BF16 dot
 products (ops/amx), as the eager layers' do, each output rounded to bfloat16 once. On float32 weights it

@@ -43,7 +43,7 @@ _C_FORMAT = {"Q4_0": "TL_Q4_0", "Q4_1": "TL_Q4_1", "Q8_0": "TL_Q8", "Q5_0": "TL_
              "Q4_K": "TL_Q4_K", "Q5_K": "TL_Q5_K", "Q6_K": "TL_Q6_K"}
 _NO_AMX_INT8 = frozenset({"Q6_K"})
 
-# The thresholds, in one place (each named by its benchmarks/README.md section).
+# The thresholds, in one place (each named by its benchmarks/CHANGELOG.md section).
 QUANT_BF16_ROWS = 16  # "Quantized matmuls on AMX-BF16 tiles"
 QUANT_F32_ROWS = 16  # "Float32 panels from 16 rows on AVX2"
 AMX_INT8_ROWS = {1: 16, 2: 8}  # csrc/quant_gemm_amx.inc's AMX_MIN_ROWS, by activation planes

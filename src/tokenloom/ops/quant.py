@@ -379,7 +379,7 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
     if any(p.out_features % TILE_N for p in parts[:-1]):
         return None
     # numpy's concatenate: torch.cat of uint8 tensors takes a slow element-wise path here, a large
-    # part of every engine start (benchmarks/README.md, "Server start-up")
+    # part of every engine start (benchmarks/CHANGELOG.md, "Server start-up")
     data = torch.from_numpy(np.concatenate([p.data.numpy() for p in parts]))
     return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
 

@@ -141,7 +141,7 @@ class StructuredOutputManager:
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         # xgrammar and its view of the vocabulary load with the first structured request, on
-        # the compile thread (the import, then the vocabulary: benchmarks/README.md, "Server start-up"),
+        # the compile thread (the import, then the vocabulary: benchmarks/CHANGELOG.md, "Server start-up"),
         # as vLLM builds its grammar backend: an engine that never sees one never pays for it,
         # and the busy loop never waits for it (the request waits in `queue_grammar_compile`).
         self._cache: OrderedDict[tuple, Future] = OrderedDict()

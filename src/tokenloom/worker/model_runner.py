@@ -54,7 +54,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """The KV cache's dtype for `EngineConfig.kv_cache_dtype`. "auto" is the model's, except on
     the quantized CPU path (a GGUF's blocks, or int8), whose float32 model keeps K and V in
     bfloat16 as llama.cpp keeps them in float16 by default: half the bytes a batch's decode
-    attention reads, which bounds it (faster end to end, the answers as good: benchmarks/README.md,
+    attention reads, which bounds it (faster end to end, the answers as good: benchmarks/CHANGELOG.md,
     "The quantized path keeps K and V in bfloat16"); float32 stays one `kv_cache_dtype="float32"` away. That needs the C
     decode kernel, which reads bfloat16 K/V under float32 queries directly (without it the torch
     path would cast every gathered context). Another dtype than the model's is for the CPU: the

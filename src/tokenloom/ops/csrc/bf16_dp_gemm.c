@@ -4,7 +4,7 @@
  * there the float path's matmuls were oneDNN's packed bf16 ones, reached only through a PyTorch
  * op per matmul: the fused decode step (decode_step.c) could not call them, so every decode step
  * of a bf16 model ran a few hundred Python-level calls, during which the second thread waited
- * (perf, benchmarks/README.md). This
+ * (perf, benchmarks/CHANGELOG.md). This
  * kernel reads the AMX kernel's packed layout (amx_gemm.c): row kk of a 16-column tile holds
  * (w[n][2kk], w[n][2kk + 1]) for 16 columns n, which is exactly VDPBF16PS's second operand; so
  * one packed copy serves both kernels, and tl_bf16_packed_linear picks the tiles where the CPU
@@ -198,7 +198,7 @@ int32_t tl_bf16_kernel(void) {
  * kernel follows where asked for the one-row order (kchunk -1): one sum where the CPU has AMX
  * (ops/amx.py); in chunks of 512 with AVX512-BF16 only -- oneDNN's order there for one row (from
  * two rows it sums K > 1024 in chunks of 1024, ops/amx.py), found bit for bit against torch
- * 2.13's oneDNN on such a CPU for K = 576 to 3072 (benchmarks/README.md). */
+ * 2.13's oneDNN on such a CPU for K = 576 to 3072 (benchmarks/CHANGELOG.md). */
 int64_t tl_bf16_one_row_kchunk(int64_t K) {
     return tl_bf16_kernel() != 2 || K <= 512 ? 0 : 512;
 }

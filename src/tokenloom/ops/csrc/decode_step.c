@@ -6,7 +6,7 @@
  * kernels stream in a few milliseconds, but the eager layer issues ~13 Python-level calls per
  * layer (norm, matmul, views, RoPE, two index_copy_ for the KV write, the attention call, ...):
  * 400 dispatches a step, during which the second OpenMP thread spins idle: perf put a large
- * share of the step there (benchmarks/README.md). This file runs
+ * share of the step there (benchmarks/CHANGELOG.md). This file runs
  * the same C kernels in the same order from one ctypes call, so the results are the eager
  * path's bit for bit (tests/model/test_fused_decode.py compares them) and only the dispatch is
  * gone.

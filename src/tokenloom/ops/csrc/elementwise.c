@@ -71,7 +71,7 @@ void tl_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int6
  * the 8 lanes in order. transformers' bf16 RMSNorm takes `pow(2).mean(-1)` of the float32 row
  * (the squares of bf16 values are exact in float32) and then `torch.rsqrt`, so following that
  * order makes the norm match it bit for bit; one 16-lane accumulator rounded the output of ~1
- * row in 10^4 differently, enough to flip a greedy reply (benchmarks/README.md, "bf16 parity").
+ * row in 10^4 differently, enough to flip a greedy reply (benchmarks/CHANGELOG.md, "bf16 parity").
  * The build's -ffast-math would let the compiler reorder the sums and approximate the 1 / sqrt,
  * so this function is compiled without it. */
 __attribute__((noinline, optimize("no-fast-math")))
@@ -218,7 +218,7 @@ void tl_silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, in
  * ops/cpu_kernels.py at load; NULL: computed here. bf16 inputs take only 2^16 values, so the
  * table gives F.silu's bits exactly (torch's x / (1 + exp(-x)) with its own expf, Sleef's, whose
  * last bit ours missed now and then: ~1 output in 2,000 rounded to the other bf16 value,
- * benchmarks/README.md, "bf16 parity") and costs a gather instead of an exp and a division. */
+ * benchmarks/CHANGELOG.md, "bf16 parity") and costs a gather instead of an exp and a division. */
 static const uint16_t *silu_bf16_table;
 
 void tl_set_silu_bf16_table(const uint16_t *table) { silu_bf16_table = table; }
@@ -319,7 +319,7 @@ void tl_rope_bf16(uint16_t *x, int64_t row_stride, int32_t T, int32_t num_heads,
 /* out[t] = the index of the first largest of x[t, 0..V) (float32 rows, stride x_stride), a NaN
  * counting as larger than any number, as torch.argmax has it: the greedy sampler's pick. torch's
  * argmax keeps an index beside every compared value, which makes it far slower than its max
- * without indices (benchmarks/README.md, "Greedy argmax"); here one vectorised pass finds the
+ * without indices (benchmarks/CHANGELOG.md, "Greedy argmax"); here one vectorised pass finds the
  * row's maximum and
  * whether it has a NaN, and a second stops at its first occurrence (16 lanes at a time). NaN is
  * told by its bits, which -ffast-math leaves alone. */

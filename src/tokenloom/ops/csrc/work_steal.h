@@ -6,7 +6,7 @@
  * thread will run. On the small shared VMs this project runs on, it is not the same: in a batch-64
  * decode step the master thread finished its share of the attention items last in most calls,
  * while the other waited at the barrier (another process on the host, interrupts, a thread woken
- * late; benchmarks/README.md). Taking items from the back of the slower thread's
+ * late; benchmarks/CHANGELOG.md). Taking items from the back of the slower thread's
  * run keeps both busy to the end, and both runs stay contiguous: the owner walks forward, a
  * thief backward, each still prefetching the item it will most likely take next.
  *
