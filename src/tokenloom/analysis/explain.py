@@ -36,7 +36,7 @@ from typing import Any
 
 from tokenloom import envs
 from tokenloom.metrics.core_ledger import is_long_prefill
-from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
+from tokenloom.metrics.timeline import DOMINANT_WAIT_FLOOR, VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
 
@@ -248,6 +248,18 @@ def describe_step(b: dict[str, Any]) -> str:
     return f"behind step {b['step']} ({why}{full}, {b['duration'] * 1000:.0f} ms{gap})"
 
 
+def waited_most(r: dict[str, Any]) -> str:
+    """The request's dominant wait, or, when no wait reached DOMINANT_WAIT_FLOOR of its e2e, what
+    did take its time (its largest part)."""
+    if r.get("dominant_wait"):
+        return f"waited most for: {r['dominant_wait']}"
+    parts = r.get("parts") or {}
+    took = max(parts, key=parts.__getitem__) if parts else None
+    e2e = r.get("e2e") or sum(parts.values())
+    most = f"; most of its time: {took} ({parts[took] / e2e:.0%})" if took and e2e else ""
+    return f"no significant wait (none reached {DOMINANT_WAIT_FLOOR:.0%} of e2e){most}"
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -290,7 +302,7 @@ def format_report(report: dict[str, Any]) -> str:
         for r in report["slowest"]:
             lines.append(
                 f"  {r['request_id']}: e2e {_ms(r['e2e'])}  ttft {_ms(r['ttft'])}  tpot {_ms(r['tpot'])}  "
-                f"waited most for: {r['dominant_wait'] or 'nothing'}"
+                + waited_most(r)
                 + (f"  preempted {r['num_preemptions']}x" if r["num_preemptions"] else "")
             )
             if r.get("behind_step"):

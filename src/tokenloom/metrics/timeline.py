@@ -173,9 +173,21 @@ def wait_by_cause(seconds: list[float] | None) -> dict[str, float]:
     return causes
 
 
-def dominant_wait(causes: dict[str, float]) -> str | None:
+# A wait is the one a request "waited most for" only when it holds at least this share of the
+# request's e2e latency: below it the wait is not what made the request slow (a fraction of a
+# millisecond behind the step in flight, in a request that decoded for seconds), and naming it
+# would point at the wrong remedy. A tenth is the share where a wait is a change worth making: the
+# parts it would be compared against (prefill, decode) are then at most nine times as large.
+DOMINANT_WAIT_FLOOR = 0.1
+
+
+def dominant_wait(causes: dict[str, float], e2e: float | None) -> str | None:
+    """The cause the request waited longest for, if that wait is at least DOMINANT_WAIT_FLOOR of
+    its e2e latency; None ("no significant wait") otherwise, or without an e2e."""
     cause = max(causes, key=causes.__getitem__) if causes else None
-    return cause if cause is not None and causes[cause] > 0.0 else None
+    if cause is None or not e2e or e2e <= 0.0:
+        return None
+    return cause if causes[cause] > 0.0 and causes[cause] >= DOMINANT_WAIT_FLOOR * e2e else None
 
 
 def settle(m: RequestMetrics) -> None:
@@ -183,7 +195,7 @@ def settle(m: RequestMetrics) -> None:
     the request's final output is built and again when it is returned (the end of its e2e)."""
     m.parts = decompose(m)
     m.wait_by_cause = wait_by_cause(core_seconds(m))
-    m.dominant_wait = dominant_wait(m.wait_by_cause)
+    m.dominant_wait = dominant_wait(m.wait_by_cause, sum(m.parts.values()))
 
 
 def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str, float]:
@@ -224,5 +236,5 @@ def summarize(request_id: str, m: RequestMetrics, finish_reason: str | None = No
         "finish_reason": finish_reason,
         "parts": parts,
         "wait_by_cause": causes,
-        "dominant_wait": dominant_wait(causes),
+        "dominant_wait": dominant_wait(causes, sum(parts.values())),
     }
