@@ -219,6 +219,8 @@ class EngineInfo(msgspec.Struct, array_like=True, gc=False):  # type: ignore[cal
     # kernel, note] rows; empty on other devices or from older engines.
     kernel_plan_summary: str = ""
     kernel_plan: list[list[str]] = msgspec.field(default_factory=list)
+    # Seconds the warm-up took before ready (core/warmup.py); 0.0: none ran.
+    warmup_seconds: float = 0.0
 
     def __repr__(self) -> str:
         # The plan's rows are logged once as a table at start-up; a repr counts them.
@@ -250,6 +252,9 @@ class LedgerBucket(enum.IntEnum):
     DECODE_BEHIND_PREFILL = 11
     PREEMPTED = 12  # from a preemption until it decodes again: waiting to resume, then recompute
     GRAMMAR_COMPILE = 13  # waiting for its structured-output grammar to compile
+    # In the engine's first step after ready, beyond what the start-up warm-up's step took: the
+    # one-time work the warm-up did not reach (core/warmup.py), never booked as prefill.
+    FIRST_STEP = 14
 
 
 class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -14,6 +14,7 @@ import time
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.warmup import warm_up
 from tokenloom.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, now
 from tokenloom.executor import executor_class
 from tokenloom.kv_cache_spec import kv_cache_groups
@@ -75,10 +76,17 @@ class EngineCore:
             logger.info("CPU: %s", self.info.cpu)
             self.info.kernel_plan_summary, self.info.kernel_plan = info.kernel_plan_summary, info.kernel_plan
             logger.info("kernel plan: %s\n%s", info.kernel_plan_summary, format_plan_rows(info.kernel_plan))
-        # Where each request's time goes, step by step (see metrics/core_ledger.py).
-        self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
         # The accounts of aborted requests, owed to the caller: sent with the next step.
         self._aborted_outputs: list[EngineCoreOutput] = []
+        # The one-time work of the first steps, done before ready (core/warmup.py), unledgered.
+        self.ledger: CoreLedger | None = None
+        warm = warm_up(self)
+        # Where each request's time goes, step by step (see metrics/core_ledger.py).
+        self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
+        if warm is not None:
+            self.info.warmup_seconds = warm.seconds
+            if self.ledger is not None:
+                self.ledger.expect_first_step(warm.num_tokens, warm.step_seconds)
         # What start-up built (the model, its tables, the tokenizer) lives as long as the engine:
         # moved out of the collector's generations, each collection walks only what the steps
         # allocate, as vLLM's engine core does (perf showed the collections: benchmarks/CHANGELOG.md).

@@ -49,6 +49,7 @@ BUCKETS: dict[LedgerBucket, Bucket] = {
     B.PREEMPTED: Bucket("preempted", "preempted", "preempted", wait=W.PREEMPTED),
     B.GRAMMAR_COMPILE: Bucket("queue_grammar_compile", "grammar_compile", "queued: grammar_compile",
                               wait=W.GRAMMAR_COMPILE),
+    B.FIRST_STEP: Bucket("first_step", None, "first step"),
 }
 del B, W
 assert list(BUCKETS) == list(LedgerBucket), "one row per bucket, in the enum's order"

@@ -13,6 +13,11 @@ prefill step waits in BEHIND_PREFILL (else STEP_BOUNDARY), and a request that co
 few tokens in a step that is mostly someone else's long prefill is in DECODE_BEHIND_PREFILL or
 PREFILL_BEHIND_PREFILL (`is_long_prefill`): "long prefills starve decodes", in numbers.
 
+The engine's first step after ready may still hold one-time work its start-up warm-up did not
+reach (core/warmup.py). Given the warm-up's measure of a warm step (`expect_first_step`), the
+first step's time beyond it is taken out of the bucket of every request in the core during that
+step and booked as FIRST_STEP: the first request's prefill is then a prefill like the next one's.
+
 An aborted request's account is not dropped: `abort()` closes it and returns it as a final output
 of its own, which the core sends to the caller (engine/accounts.py waits for it).
 
@@ -86,6 +91,15 @@ class CoreLedger:
         # The last step scheduled: whether it was a long prefill, and when it ended.
         self._step_long_prefill = False
         self._step_end = 0.0
+        # (tokens, seconds) of a warm step the warm-up measured; then (start, expected seconds)
+        # of the first step after ready, until its end books its excess.
+        self._first_step_reference: tuple[int, float] | None = None
+        self._first_step: tuple[float, float] | None = None
+
+    def expect_first_step(self, num_tokens: int, seconds: float) -> None:
+        """The warm-up's warm step: `num_tokens` computed in `seconds`. The first step after ready
+        is expected to take as long per token (at least as long as it), its excess is FIRST_STEP."""
+        self._first_step_reference = (max(num_tokens, 1), max(seconds, 0.0))
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -145,6 +159,10 @@ class CoreLedger:
         # prefill chunk far smaller than the others' (one check per request, only then).
         long_prefill = is_long_prefill(num_prefill, num_decodes)
         self._step_long_prefill = long_prefill
+        if self._first_step_reference is not None and num_prefill + num_decodes:
+            ref_tokens, ref_seconds = self._first_step_reference
+            self._first_step_reference = None
+            self._first_step = (t, ref_seconds * max(1.0, (num_prefill + num_decodes) / ref_tokens))
         decode_bucket = LedgerBucket.DECODE_BEHIND_PREFILL if long_prefill else LedgerBucket.DECODE
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             e = entries.get(req_id)
@@ -187,6 +205,8 @@ class CoreLedger:
     def on_update(self, outputs: list[EngineCoreOutput], step_end: float) -> None:
         """Stamps first tokens and attaches the timing to every final output of the step."""
         self._step_end = step_end
+        if self._first_step is not None:
+            self._book_first_step(step_end)
         entries = self.entries
         for out in outputs:
             e = entries.get(out.request_id)
@@ -197,6 +217,20 @@ class CoreLedger:
             if out.finish_reason is not None:
                 del entries[out.request_id]
                 out.timing = self._finish(e, step_end)
+
+    def _book_first_step(self, step_end: float) -> None:
+        """The first step's time beyond what it was expected to take, out of the bucket of every
+        request that was in the core when it began, into FIRST_STEP (at the step's start)."""
+        start, expected = self._first_step  # type: ignore[misc]
+        self._first_step = None
+        excess = step_end - start - expected
+        if excess <= 0.0:
+            return
+        for e in self.entries.values():
+            if e.since <= start:
+                bucket = e.bucket
+                self._switch(e, LedgerBucket.FIRST_STEP, start)
+                self._switch(e, bucket, start + excess)
 
     def _finish(self, e: _Entry, t: float) -> RequestTiming:
         self._switch(e, e.bucket, t)

@@ -24,6 +24,8 @@ The parts (caller side, then the core's buckets, then caller side again):
   prefill              steps in which it computed prompt tokens
   decode               steps in which it computed a decode token
   preempted            from a preemption until it decodes again (waiting, then recompute)
+  first_step           the engine's first step after ready, beyond the warm-up step it was
+                       expected to take (core/warmup.py): one-time work left over, not prefill
   core_overhead        finished in core (the end of its last step) → its output sent: waiting in
                        the output queue behind earlier messages (0 with the in-process client)
   ipc_out              output sent → final output received: encode, socket, decode, and any time
