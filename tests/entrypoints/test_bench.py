@@ -15,6 +15,7 @@ import pytest
 
 from tokenloom.bench.common import format_spec_decode, random_prompt_ids, spec_decode_summary, step_profile
 from tokenloom.messages import SchedulerStats
+from tokenloom.metrics.timeline import VERDICT_HEADLINES
 
 SMALL_ENGINE = ["--kv-cache-memory-bytes", str(32 * 1024**2), "--max-model-len", "64"]
 # The module's `server` (tests/entrypoints/conftest.py), for bench serve and explain --url.
@@ -309,3 +310,23 @@ def test_the_transformers_baseline_runs_in_the_dtype_tokenloom_runs_on_its_devic
     assert baseline_dtypes(args(device="cuda")) == baseline_dtypes(args(device="cuda:1")) == ["bfloat16"]
     assert baseline_dtypes(args(device="cuda", baseline_dtype="float32")) == ["float32"]
     assert baseline_dtypes(args(baseline="vllm")) == ["float32", "bfloat16"]
+
+
+def test_bench_serve_prints_the_machine_progress_and_verdict(server):
+    # As the other bench commands: the machine line, a progress bar while it runs (tqdm, on
+    # stderr), and the ledger's verdict for the run (the server's /ledger, as explain --url).
+    proc = _cli("bench", "serve", "--port", str(server.port), "--input-len", "8", "--output-len", "3",
+                "--num-prompts", "3", "--api-key", SERVER_API_KEY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "machine: " in proc.stdout and "load average" in proc.stdout
+    assert "machine: " in proc.stderr  # before the run, while it is silent otherwise
+    assert "requests: 100%" in proc.stderr and "3/3" in proc.stderr
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("ledger verdict"))
+    assert any(f": {v}: " in verdict for v in VERDICT_HEADLINES), verdict
+    assert "share of their time:" in proc.stdout
+    proc = _cli("bench", "serve", "--port", str(server.port), "--input-len", "8", "--output-len", "3",
+                "--num-prompts", "2", "--api-key", SERVER_API_KEY, "--json", "--disable-tqdm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["machine"]["usable_cores"] >= 1 and r["ledger"]["verdict"] in VERDICT_HEADLINES
+    assert r["ledger"]["num_requests"] >= 2 and "requests:" not in proc.stderr

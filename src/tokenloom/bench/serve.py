@@ -13,6 +13,12 @@ ms, plus the request and output-token throughputs over the whole run.
 `--random-output-len`, `--ignore-eos`. Before the run one `GET /v1/models` checks that the server
 answers and takes the key: a server that is not there, a bad URL or a refused key end the command
 with one line and exit status 1.
+
+Like the other bench commands, the report names the machine (the client's: the server's too when
+it runs on the same host) and its load, shows a progress bar of the requests done while it runs
+(tqdm, on stderr; `--disable-tqdm` as vLLM's), and ends with the ledger's verdict for the run:
+the server's `GET /ledger` read after it, as `tokenloom explain --url` reads it, over the
+requests the ledger still holds (this run's, and any it still keeps from before).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom import envs
+from tokenloom.bench.machine import format_machine, machine_info
 
 # Ordinary token ids for random prompts: above the special tokens most vocabularies put first,
 # and below the size of even small vocabularies.
@@ -79,6 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the server's API key (default: $TOKENLOOM_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (vllm bench serve's flag)")
     p.add_argument("--output-json", metavar="FILE", default=None,
                    help="also write the results, as --json prints them, to FILE")
     p.set_defaults(func=run)
@@ -271,7 +279,9 @@ def request_body(target: Target, model: str, prompt: Any, output_len: int) -> di
     return body
 
 
-async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+async def benchmark(args: argparse.Namespace, machine_line: str | None = None) -> dict[str, Any]:
+    """The run; `machine_line` is printed on stderr once the server answered (before the run's
+    progress, so a refused run still ends with its one line)."""
     import httpx
 
     target = resolve_target(args)
@@ -279,6 +289,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
         models = await list_models(client, target.base, bool(args.api_key))
+        if machine_line:
+            print(machine_line, file=sys.stderr, flush=True)
         model = args.model
         if model is None:
             if not models:
@@ -288,11 +300,17 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         delays = arrival_delays(args.num_prompts, args.request_rate, args.seed)
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
+        bar = _progress_bar(args)
+
         async def limited(body: dict[str, Any]) -> RequestResult:
-            if limit is None:
-                return await _one_request(client, target.url, body, args.timeout, target.kind)
-            async with limit:
-                return await _one_request(client, target.url, body, args.timeout, target.kind)
+            try:
+                if limit is None:
+                    return await _one_request(client, target.url, body, args.timeout, target.kind)
+                async with limit:
+                    return await _one_request(client, target.url, body, args.timeout, target.kind)
+            finally:
+                if bar is not None:
+                    bar.update(1)
 
         tasks = []
         start = time.perf_counter()
@@ -302,7 +320,31 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(limited(request_body(target, model, prompt, args.output_len))))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
     return report(results, duration, args, model) | {"endpoint": target.endpoint, "base_url": target.base}
+
+
+def _progress_bar(args: argparse.Namespace) -> Any:
+    """The requests done, as vllm bench serve draws them (tqdm on stderr); None when disabled."""
+    if args.disable_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=args.num_prompts, desc="requests", unit="req", file=sys.stderr)
+
+
+def ledger_verdict(base: str, api_key: str | None) -> dict[str, Any]:
+    """The ledger's verdict over the server's recent requests (its `GET /ledger`, as `tokenloom
+    explain --url`): verdict, headline, advice and shares; or `error` when the server keeps no
+    ledger that can be read (an older server, the ledger off)."""
+    from tokenloom.analysis.explain import analyze, fetch_live_trace
+
+    try:
+        report = analyze(fetch_live_trace(base, api_key=api_key), top=0)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {k: report[k] for k in ("verdict", "headline", "advice", "group_shares", "num_requests")}
 
 
 def report(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -356,6 +398,20 @@ def _print_table(result: dict[str, Any]) -> None:
     for error in result.get("errors", ()):
         print(f"error: {error}", file=sys.stderr)
     print("=" * 60)
+    print(format_machine(result["machine"]))
+    print(format_verdict(result.get("ledger") or {}))
+
+
+def format_verdict(ledger: dict[str, Any]) -> str:
+    """The ledger's verdict as `tokenloom explain` prints it, in two or three lines."""
+    if "verdict" not in ledger:
+        return f"ledger: no verdict ({ledger.get('error', 'not read')})"
+    shares = ", ".join(f"{g} {s:.0%}" for g, s in sorted(ledger["group_shares"].items(), key=lambda kv: -kv[1]) if s)
+    lines = [f"ledger verdict ({ledger['num_requests']} requests the server's ledger holds): "
+             f"{ledger['verdict']}: {ledger['headline']}", f"  share of their time: {shares or '-'}"]
+    if ledger.get("advice"):
+        lines.append(f"  what to change: {ledger['advice']}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -372,10 +428,13 @@ def run(args: argparse.Namespace) -> int:
     elif kind == "chat" and args.prompt_kind == "token-ids":
         raise ValueError("--prompt-kind token-ids needs /v1/completions: a chat message is text (use words).")
     check_output_json(args.output_json)
+    machine = machine_info()
     try:
-        result = asyncio.run(benchmark(args))
+        result = asyncio.run(benchmark(args, None if args.json else format_machine(machine)))
     except ServerUnreachable as e:
         print(f"tokenloom: error: {e}", file=sys.stderr)
         return 1
+    result["machine"] = machine
+    result["ledger"] = ledger_verdict(result["base_url"], args.api_key)
     emit(result, args.json, _print_table, args.output_json)
     return 0 if result["completed"] else 1
