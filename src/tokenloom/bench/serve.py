@@ -17,7 +17,7 @@ with one line and exit status 1.
 Like the other bench commands, the report names the machine (the client's: the server's too when
 it runs on the same host) and its load, shows a progress bar of the requests done while it runs
 (tqdm, on stderr; `--disable-tqdm` as vLLM's), and ends with the ledger's verdict for the run:
-the server's `GET /ledger` read after it, as `tokenloom explain --url` reads it, over the
+the server's `GET /ledger` read after it, by the rule of `tokenloom explain --url`, over the
 requests the ledger still holds (this run's, and any it still keeps from before).
 """
 from __future__ import annotations
@@ -322,7 +322,9 @@ async def benchmark(args: argparse.Namespace, machine_line: str | None = None) -
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
-    return report(results, duration, args, model) | {"endpoint": target.endpoint, "base_url": target.base}
+        ledger = await ledger_verdict(client, target.base)
+    return report(results, duration, args, model) | {"endpoint": target.endpoint, "base_url": target.base,
+                                                      "ledger": ledger}
 
 
 def _progress_bar(args: argparse.Namespace) -> Any:
@@ -334,17 +336,29 @@ def _progress_bar(args: argparse.Namespace) -> Any:
     return tqdm(total=args.num_prompts, desc="requests", unit="req", file=sys.stderr)
 
 
-def ledger_verdict(base: str, api_key: str | None) -> dict[str, Any]:
-    """The ledger's verdict over the server's recent requests (its `GET /ledger`, as `tokenloom
-    explain --url`): verdict, headline, advice and shares; or `error` when the server keeps no
-    ledger that can be read (an older server, the ledger off)."""
-    from tokenloom.analysis.explain import analyze, fetch_live_trace
+async def ledger_verdict(client: Any, base: str) -> dict[str, Any]:
+    """The ledger's verdict over the server's recent requests, by `tokenloom explain`'s rule (the
+    verdict group holding the most request seconds, timeline.group_seconds) on its `GET /ledger`:
+    verdict, headline and shares; or `error` when the server keeps no ledger that can be read."""
+    from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
+    from tokenloom.metrics.trace import trace_requests
 
     try:
-        report = analyze(fetch_live_trace(base, api_key=api_key), top=0)
-    except ValueError as e:
-        return {"error": str(e)}
-    return {k: report[k] for k in ("verdict", "headline", "advice", "group_shares", "num_requests")}
+        resp = await client.get(base + "/ledger", params={"format": "trace"})
+        resp.raise_for_status()
+        requests = trace_requests(resp.json())
+    except Exception as e:  # noqa: BLE001 - the run's figures stand without it
+        return {"error": f"could not read {base}/ledger: {e!r}"}
+    totals = dict.fromkeys(VERDICT_GROUPS, 0.0)
+    for r in requests:
+        for group, seconds in group_seconds(r.get("parts") or {}, r.get("wait_by_cause") or {}).items():
+            totals[group] += seconds
+    whole = sum(totals.values())
+    if whole <= 0:
+        return {"error": "the server's ledger holds no finished request"}
+    verdict = max(totals, key=totals.__getitem__)
+    return {"verdict": verdict, "headline": VERDICT_HEADLINES[verdict], "num_requests": len(requests),
+            "group_shares": {g: s / whole for g, s in totals.items()}}
 
 
 def report(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -399,7 +413,7 @@ def _print_table(result: dict[str, Any]) -> None:
         print(f"error: {error}", file=sys.stderr)
     print("=" * 60)
     print(format_machine(result["machine"]))
-    print(format_verdict(result.get("ledger") or {}))
+    print(format_verdict({"base_url": result.get("base_url")} | (result.get("ledger") or {})))
 
 
 def format_verdict(ledger: dict[str, Any]) -> str:
@@ -409,8 +423,7 @@ def format_verdict(ledger: dict[str, Any]) -> str:
     shares = ", ".join(f"{g} {s:.0%}" for g, s in sorted(ledger["group_shares"].items(), key=lambda kv: -kv[1]) if s)
     lines = [f"ledger verdict ({ledger['num_requests']} requests the server's ledger holds): "
              f"{ledger['verdict']}: {ledger['headline']}", f"  share of their time: {shares or '-'}"]
-    if ledger.get("advice"):
-        lines.append(f"  what to change: {ledger['advice']}")
+    lines.append(f"  what to change, and the slowest requests: tokenloom explain --url {ledger.get('base_url', 'URL')}")
     return "\n".join(lines)
 
 
@@ -435,6 +448,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenloom: error: {e}", file=sys.stderr)
         return 1
     result["machine"] = machine
-    result["ledger"] = ledger_verdict(result["base_url"], args.api_key)
     emit(result, args.json, _print_table, args.output_json)
     return 0 if result["completed"] else 1
