@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from typing import Any
@@ -39,7 +40,7 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike, report: dict[str,
     slowest = sorted(requests, key=lambda r: r["e2e"], reverse=True)[:NUM_SLOWEST]
 
     fig = plt.figure(figsize=(16, 10))
-    grid = fig.add_gridspec(4, 2, width_ratios=(1, 1.5), hspace=0.45, wspace=0.22, top=0.86, bottom=0.07,
+    grid = fig.add_gridspec(4, 2, width_ratios=(1, 1.5), hspace=0.6, wspace=0.22, top=0.86, bottom=0.07,
                             left=0.12, right=0.97)
     _title(fig, report)
     _request_bars(fig.add_subplot(grid[:, 0]), requests)
@@ -54,8 +55,10 @@ def plot_trace(trace: dict[str, Any], path: str | os.PathLike, report: dict[str,
     if series is not steps:
         axes[1].set_title(f"token budget spent per step (mean of the steps in each of {len(series)} intervals)",
                           fontsize=11)
-    axes[3].set_xlabel("time since the first event (s)")
     for ax in axes:
+        # Every axis with its ticks and units: the shared time axis is labelled on each panel.
+        ax.tick_params(axis="x", labelbottom=True)
+        ax.set_xlabel("time since the first event (s)", fontsize=8 if ax is not axes[3] else None)
         _mark_slowest(ax, slowest)
     path = os.fspath(path)
     fig.savefig(path, dpi=dpi)
@@ -105,6 +108,7 @@ def _request_bars(ax, requests: list[dict[str, Any]]) -> None:
                     color=_SLOW_COLORS[i % 3])
         labels.append(label)
     ax.set_yticks(range(len(rows)), labels, fontsize=8 if len(rows) > 20 else 9)
+    ax.set_ylabel("request (id), fastest at the bottom" if len(rows) == len(requests) else "requests")
     ax.set_xlabel("seconds (the slices add up to each request's e2e latency)")
     if len(rows) == len(requests):
         ax.set_title("where each request's time went", fontsize=11)
@@ -137,7 +141,7 @@ def _steps_xy(steps, key) -> tuple[list[float], list[float]]:
 
 
 def _step_durations(ax, steps: list[dict[str, Any]]) -> None:
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     kinds = (
         ("long prefill step", "#e7298a", lambda s: is_long_prefill(s.get("prefill", 0), s.get("decode", 0))),
@@ -152,13 +156,28 @@ def _step_durations(ax, steps: list[dict[str, Any]]) -> None:
             x, y = _steps_xy(chosen, lambda s: s["dur"] * 1000)
             ax.scatter(x, y, s=size, color=color, label=f"{label} ({len(chosen)})", zorder=3)
     ax.set_yscale("log")
+    durations = [s["dur"] * 1000 for s in steps if s["dur"] > 0]
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=_log_subs(durations)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-    ax.set_ylabel("ms (log)")
+    ax.set_ylabel("step duration, ms (log)")
     ax.set_title("step duration", fontsize=11)
     ax.grid(alpha=0.3, which="both")
     if steps:
         ax.legend(loc="upper right", fontsize=8)
+
+
+def _log_subs(values: list[float]) -> tuple[float, ...]:
+    """The mantissas of a log axis's labelled ticks: the powers of ten alone over several
+    decades, more within fewer, so that a range inside one decade still gets labelled ticks."""
+    if not values or min(values) <= 0:
+        return (1.0,)
+    decades = math.log10(max(values) / min(values))
+    if decades > 2:
+        return (1.0,)
+    if decades > 0.7:
+        return (1.0, 2.0, 5.0)
+    return tuple(float(m) for m in range(1, 10))
 
 
 def _step_tokens(ax, steps: list[dict[str, Any]], budget: int | None) -> None:
