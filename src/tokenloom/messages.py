@@ -143,6 +143,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Machine contention (ops/schedstat.py; 0 where /proc has no schedstat): over the step, the
+    # CPU seconds of the engine core's compute threads, and the seconds the most delayed of them
+    # was runnable but not running (its run_delay); the cores other processes used (/proc/stat,
+    # refreshed every half second) and the cores this engine may use.
+    cpu_time: float = 0.0
+    run_delay: float = 0.0
+    other_cores: float = 0.0
+    num_cores: int = 0
 
 
 # The engine core's output thread sends an empty EngineCoreOutputs after this many seconds in which
@@ -250,6 +258,9 @@ class LedgerBucket(enum.IntEnum):
     DECODE_BEHIND_PREFILL = 11
     PREEMPTED = 12  # from a preemption until it decodes again: waiting to resume, then recompute
     GRAMMAR_COMPILE = 13  # waiting for its structured-output grammar to compile
+    # Never a request's bucket: the seconds of its PREFILL / DECODE steps in which the engine's
+    # threads were runnable but not running (other processes held the cores), taken out of them.
+    MACHINE_CONTENTION = 14
 
 
 class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -22,6 +22,7 @@ SLICES = (
     ("preempted", "#8c564b"),
     ("prefill", "#1f77b4"),
     ("decode", "#2ca02c"),
+    ("machine contention", "#17becf"),
     ("front end", "#7f7f7f"),
     ("unattributed", "#000000"),
 )
@@ -56,6 +57,7 @@ def request_slices(r: dict[str, Any]) -> dict[str, float]:
         "preempted": causes.get("preempted", 0.0),
         "prefill": prefill,
         "decode": max(decode - stretched, 0.0),
+        "machine contention": parts.get("machine_contention", 0.0),
         "front end": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
         "unattributed": parts.get("core_unattributed", 0.0),
     }
