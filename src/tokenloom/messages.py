@@ -143,6 +143,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Machine contention (ops/schedstat.py; 0 where /proc has no schedstat): over the step, the
+    # CPU seconds of the engine core's compute threads, and the seconds the most delayed of them
+    # was runnable but not running (its run_delay); the cores other processes used (/proc/stat,
+    # refreshed every half second) and the cores this engine may use.
+    cpu_time: float = 0.0
+    run_delay: float = 0.0
+    other_cores: float = 0.0
+    num_cores: int = 0
 
 
 # The engine core's output thread sends an empty EngineCoreOutputs after this many seconds in which
@@ -255,6 +263,9 @@ class LedgerBucket(enum.IntEnum):
     # In the engine's first step after ready, beyond what the start-up warm-up's step took: the
     # one-time work the warm-up did not reach (core/warmup.py), never booked as prefill.
     FIRST_STEP = 14
+    # Never a request's bucket: the seconds of its PREFILL / DECODE steps in which the engine's
+    # threads were runnable but not running (other processes held the cores), taken out of them.
+    MACHINE_CONTENTION = 15
 
 
 class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

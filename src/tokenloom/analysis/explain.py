@@ -19,6 +19,7 @@ and summed over all requests; the verdict is the group with the largest total:
 | seq-limit-bound | waiting because max_num_seqs requests were running (directly or behind the head) |
 | prefill-bound ("long prefills starve decodes") | waiting for a long prefill step to end, and decodes computed in steps that were mostly someone else's prefill |
 | grammar-bound | waiting for a structured-output grammar to compile |
+| contended | the steps' time the engine's threads were runnable but not running: other processes held the cores (machine_contention) |
 | compute-bound | prefill and decode steps, and waiting for any other step in flight to end |
 | frontend-bound | tokenize, detokenize, IPC in and out (with the core's output queue), the caller's other work |
 
@@ -36,7 +37,9 @@ from typing import Any
 
 from tokenloom import envs
 from tokenloom.metrics.core_ledger import is_long_prefill
-from tokenloom.metrics.timeline import DOMINANT_WAIT_FLOOR, VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
+from tokenloom.metrics.contention import (CONTENDED, CONTENTION_ADVICE, contention_sentence, machine_summary,
+                                          verdict_of)
+from tokenloom.metrics.timeline import DOMINANT_WAIT_FLOOR, VERDICT_HEADLINES
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
 
@@ -51,6 +54,7 @@ VERDICT_ADVICE = {
                      "--long-prefill-token-threshold)",
     "grammar-bound": "reuse structured-output specs (compiled grammars are cached by spec), or send a "
                      "request's schema before the burst that needs it",
+    CONTENDED: CONTENTION_ADVICE,
     "compute-bound": "the steps themselves: a faster dtype or quantization, more cores; batching more "
                      "(--max-num-seqs) buys throughput at this latency",
     "frontend-bound": "the caller's work per request: fewer n children or logprobs, smaller outputs per message",
@@ -145,19 +149,6 @@ def distribution(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
-def verdict_of(requests: list[dict[str, Any]]) -> tuple[str, dict[str, float], dict[str, float]]:
-    """(verdict, seconds per group, share per group) over the given request summaries."""
-    totals = dict.fromkeys(VERDICT_GROUPS, 0.0)
-    for r in requests:
-        for group, seconds in group_seconds(r.get("parts") or {}, r.get("wait_by_cause") or {}).items():
-            totals[group] += seconds
-    whole = sum(totals.values())
-    if whole <= 0:
-        return "unknown", totals, dict.fromkeys(VERDICT_GROUPS, 0.0)
-    shares = {g: s / whole for g, s in totals.items()}
-    return max(totals, key=totals.__getitem__), totals, shares
-
-
 def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
     requests = trace_requests(trace)
     steps = trace_steps(trace)
@@ -171,12 +162,17 @@ def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
         (s.get("prefill", 0) + s.get("decode", 0)) / s["budget"] for s in steps if s.get("budget")
     ]
     config = trace_config(trace)
+    machine = machine_summary(steps)
+    headline = VERDICT_HEADLINES.get(verdict, "no finished requests")
+    if verdict == CONTENDED:
+        headline = f"{headline}: {contention_sentence(machine)}"
     return {
         "config": config,
         "num_requests": len(requests),
         "num_steps": len(steps),
         "verdict": verdict,
-        "headline": VERDICT_HEADLINES.get(verdict, "no finished requests"),
+        "headline": headline,
+        "machine": machine,
         "advice": VERDICT_ADVICE.get(verdict, ""),
         "group_seconds": totals,
         "group_shares": shares,
@@ -297,6 +293,10 @@ def format_report(report: dict[str, Any]) -> str:
             f"min free blocks {st['min_free_blocks']}, max waiting {st['max_waiting']}, "
             f"preemptions {report['num_preemptions']}",
         ]
+    machine = report.get("machine")
+    if machine:
+        lines += ["", f"machine: {contention_sentence(machine)} "
+                      f"({machine['cpu_s']:.2f} CPU s over {machine['step_s']:.2f} s of steps)"]
     if report["slowest"]:
         lines += ["", f"slowest {len(report['slowest'])} requests (parts in ms, they add up to e2e):"]
         for r in report["slowest"]:

@@ -4,7 +4,8 @@
 - Left: where each request's time went, a stacked bar per request (slices: plot_parts.SLICES),
   or for many requests the mean request of each e2e percentile group plus the slowest few.
 - Right, on one time axis: each step's duration (log scale, long prefill steps apart from the
-  rest, so short decode steps and long prefills are both visible); the tokens each step
+  rest, so short decode steps and long prefills are both visible, with how long each waited to
+  run: machine contention); the tokens each step
   computed, prefill and decode apart on a log scale with the budget; KV blocks used as a share of
   the pool, scaled to what was used (a few dozen of thousands of blocks still show); the queue.
 - The slowest requests are marked on every panel: their bars are outlined and numbered, and
@@ -155,6 +156,11 @@ def _step_durations(ax, steps: list[dict[str, Any]]) -> None:
         if chosen:
             x, y = _steps_xy(chosen, lambda s: s["dur"] * 1000)
             ax.scatter(x, y, s=size, color=color, label=f"{label} ({len(chosen)})", zorder=3)
+    delayed = [s for s in steps if s.get("run_delay_s", 0.0) > 0 and s["dur"] > 0]
+    if delayed:
+        x, y = _steps_xy(delayed, lambda s: min(s["run_delay_s"], s["dur"]) * 1000)
+        ax.scatter(x, y, s=size * 2, marker="x", color="#17becf", zorder=4,
+                   label=f"of which waited to run: machine contention ({len(delayed)})")
     ax.set_yscale("log")
     durations = [s["dur"] * 1000 for s in steps if s["dur"] > 0]
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=_log_subs(durations)))

@@ -23,6 +23,7 @@ SLICES = (
     ("prefill", "#1f77b4"),
     ("decode", "#2ca02c"),
     ("first step", "#fdae6b"),
+    ("machine contention", "#17becf"),
     ("front end", "#7f7f7f"),
     ("unattributed", "#000000"),
 )
@@ -58,6 +59,7 @@ def request_slices(r: dict[str, Any]) -> dict[str, float]:
         "prefill": prefill,
         "decode": max(decode - stretched, 0.0),
         "first step": parts.get("first_step", 0.0),
+        "machine contention": parts.get("machine_contention", 0.0),
         "front end": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
         "unattributed": parts.get("core_unattributed", 0.0),
     }

@@ -20,6 +20,7 @@ from tokenloom.executor import executor_class
 from tokenloom.kv_cache_spec import kv_cache_groups
 from tokenloom.metrics.core_ledger import CoreLedger
 from tokenloom.ops.kernel_plan import format_plan_rows
+from tokenloom.ops.schedstat import StepCpuMeter
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputManager
 
@@ -80,9 +81,14 @@ class EngineCore:
         self._aborted_outputs: list[EngineCoreOutput] = []
         # The one-time work of the first steps, done before ready (core/warmup.py), unledgered.
         self.ledger: CoreLedger | None = None
+        self.cpu_meter: StepCpuMeter | None = None
         warm = warm_up(self)
         # Where each request's time goes, step by step (see metrics/core_ledger.py).
         self.ledger = CoreLedger(record_segments=config.trace_path is not None) if config.enable_ledger else None
+        # Each step's CPU time and machine contention (ops/schedstat.py), with the ledger on.
+        self.cpu_meter = StepCpuMeter() if self.ledger is not None else None
+        if self.cpu_meter is not None and not self.cpu_meter.available:
+            self.cpu_meter = None
         if warm is not None:
             self.info.warmup_seconds = warm.seconds
             if self.ledger is not None:
@@ -156,6 +162,9 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=aborted, timestamp=now())
         step_start = now()
+        meter = self.cpu_meter
+        if meter is not None:
+            meter.begin(step_start)
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.ledger is not None:
@@ -168,8 +177,12 @@ class EngineCore:
             # Part of this (empty) step, so the ledger counts it as queue_grammar_compile.
             self.scheduler.wait_for_grammars(GRAMMAR_POLL_SECONDS)
         outputs.timestamp = now()
+        cpu_time = run_delay = 0.0
+        if meter is not None:
+            cpu_time, run_delay = meter.measure(outputs.timestamp)
+            run_delay = min(run_delay, outputs.timestamp - step_start)
         if self.ledger is not None:
-            self.ledger.on_update(outputs.outputs, outputs.timestamp)
+            self.ledger.on_update(outputs.outputs, outputs.timestamp, run_delay)
         if aborted:
             outputs.outputs[:0] = aborted
         self._release_if_idle()
@@ -186,10 +199,15 @@ class EngineCore:
             stats.sample_time = ro.sample_time
             stats.update_time = (t2 - t1 - ro.prepare_time - ro.forward_time - ro.sample_time) + (t3 - t2)
             stats.step_time = t3 - t0
+            if meter is not None:
+                stats.cpu_time, stats.run_delay = cpu_time, run_delay
+                stats.other_cores, stats.num_cores = meter.other_cores, len(meter.cores)
         return outputs
 
     def shutdown(self) -> None:
         """Stops the executor's workers (worker processes or Ray actors)."""
+        if self.cpu_meter is not None:
+            self.cpu_meter.close()
         self.executor.shutdown()
 
     # ---- utility calls (msgpack-able results) -----------------------------------------------

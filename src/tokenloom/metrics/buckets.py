@@ -50,6 +50,7 @@ BUCKETS: dict[LedgerBucket, Bucket] = {
     B.GRAMMAR_COMPILE: Bucket("queue_grammar_compile", "grammar_compile", "queued: grammar_compile",
                               wait=W.GRAMMAR_COMPILE),
     B.FIRST_STEP: Bucket("first_step", None, "first step"),
+    B.MACHINE_CONTENTION: Bucket("machine_contention", None, "machine contention"),
 }
 del B, W
 assert list(BUCKETS) == list(LedgerBucket), "one row per bucket, in the enum's order"
@@ -61,4 +62,7 @@ BUCKET_PHASE = tuple(b.phase for b in BUCKETS.values())
 WAIT_BUCKET = {b.wait: k for k, b in BUCKETS.items() if b.wait is not None}
 HOL_BUCKET = {reason: k for k, b in BUCKETS.items() for reason in b.behind}
 # The causes in table order, without repeats.
+# The buckets of a request's computing steps, whose machine contention is taken out of them.
+COMPUTE_BUCKETS = frozenset({LedgerBucket.PREFILL, LedgerBucket.DECODE, LedgerBucket.PREFILL_BEHIND_PREFILL,
+                             LedgerBucket.DECODE_BEHIND_PREFILL})
 WAIT_CAUSES = tuple(dict.fromkeys(b.cause for b in BUCKETS.values() if b.cause is not None))

@@ -21,6 +21,13 @@ step and booked as FIRST_STEP: the first request's prefill is then a prefill lik
 An aborted request's account is not dropped: `abort()` closes it and returns it as a final output
 of its own, which the core sends to the caller (engine/accounts.py waits for it).
 
+Machine contention (ops/schedstat.py measures it: the seconds the engine's threads were runnable
+but not running) is taken out of the steps it stretched: `on_update` gets each step's, and every
+request that computed in the step (PREFILL, DECODE and their behind-a-prefill kinds) owes it
+to MACHINE_CONTENTION; when the request leaves that bucket, the owed seconds (never more than its
+time there) go to MACHINE_CONTENTION instead, and its trace phase ends with a "machine
+contention" phase as long. The seconds still add up to finished - received.
+
 Cost: per step, one dict lookup and a comparison per scheduled or waiting request (the
 scheduler already loops over both); per request a list of len(LedgerBucket) floats. The totals
 cross the process boundary once, with the request's final output. Phases (bucket, start, end)
@@ -31,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenloom.messages import EngineCoreOutput, FinishReason, LedgerBucket, RequestTiming
-from tokenloom.metrics.buckets import BUCKET_PHASE, HOL_BUCKET, WAIT_BUCKET
+from tokenloom.metrics.buckets import BUCKET_PHASE, COMPUTE_BUCKETS, HOL_BUCKET, WAIT_BUCKET
 from tokenloom.sched_output import SchedulerOutput, WaitReason
 
 NUM_BUCKETS = len(LedgerBucket)
+CONTENTION = LedgerBucket.MACHINE_CONTENTION
 # A step is "a long prefill" for a request it holds up (one waiting for it to end, or one that
 # computes a few tokens in it) when the prefill tokens of the others number at least this many
 # and are the most of the step's tokens. Below that a step's cost is mostly its fixed part
@@ -64,6 +72,7 @@ class _Entry:
         "num_preemptions",
         "segments",
         "num_dropped",
+        "contention",
     )
 
     def __init__(self, sent: float, received: float, queued: float, segments: list | None,
@@ -81,6 +90,8 @@ class _Entry:
         self.num_preemptions = 0
         self.segments = segments
         self.num_dropped = 0
+        # Machine contention of the steps it computed in since it entered its bucket (owed).
+        self.contention = 0.0
 
 
 class CoreLedger:
@@ -95,6 +106,7 @@ class CoreLedger:
         # of the first step after ready, until its end books its excess.
         self._first_step_reference: tuple[int, float] | None = None
         self._first_step: tuple[float, float] | None = None
+        self._step_scheduled: dict[str, int] = {}
 
     def expect_first_step(self, num_tokens: int, seconds: float) -> None:
         """The warm-up's warm step: `num_tokens` computed in `seconds`. The first step after ready
@@ -137,13 +149,20 @@ class CoreLedger:
         ]
 
     def _switch(self, e: _Entry, bucket: LedgerBucket, t: float) -> None:
-        e.seconds[e.bucket] += t - e.since
+        owed = min(e.contention, t - e.since) if e.contention else 0.0
+        e.seconds[e.bucket] += t - e.since - owed
         segments = e.segments
         if segments is not None and t > e.since:
-            if len(segments) < self.max_segments:
-                segments.append((int(e.bucket), e.since, t))
+            phases = [(int(e.bucket), e.since, t - owed), (int(CONTENTION), t - owed, t)] if owed else [
+                (int(e.bucket), e.since, t)]
+            phases = [p for p in phases if p[2] > p[1]]
+            if len(segments) + len(phases) <= self.max_segments:
+                segments += phases
             else:
                 e.num_dropped += 1
+        if owed:
+            e.seconds[CONTENTION] += owed
+            e.contention = 0.0
         e.bucket = bucket
         e.since = t
 
@@ -163,6 +182,7 @@ class CoreLedger:
             ref_tokens, ref_seconds = self._first_step_reference
             self._first_step_reference = None
             self._first_step = (t, ref_seconds * max(1.0, (num_prefill + num_decodes) / ref_tokens))
+        self._step_scheduled = so.num_scheduled_tokens
         decode_bucket = LedgerBucket.DECODE_BEHIND_PREFILL if long_prefill else LedgerBucket.DECODE
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             e = entries.get(req_id)
@@ -202,12 +222,18 @@ class CoreLedger:
             if bucket != e.bucket:
                 switch(e, bucket, t)
 
-    def on_update(self, outputs: list[EngineCoreOutput], step_end: float) -> None:
-        """Stamps first tokens and attaches the timing to every final output of the step."""
+    def on_update(self, outputs: list[EngineCoreOutput], step_end: float, contention: float = 0.0) -> None:
+        """Stamps first tokens and attaches the timing to every final output of the step.
+        `contention`: the seconds of the step its threads waited to run (see the docstring)."""
         self._step_end = step_end
         if self._first_step is not None:
             self._book_first_step(step_end)
         entries = self.entries
+        if contention > 0.0:
+            for req_id in self._step_scheduled:
+                e = entries.get(req_id)
+                if e is not None and e.bucket in COMPUTE_BUCKETS:
+                    e.contention += contention
         for out in outputs:
             e = entries.get(out.request_id)
             if e is None:

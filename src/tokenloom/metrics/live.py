@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenloom.metrics.contention import machine_verdict
 from tokenloom.metrics.trace import STEP_FIELDS, TraceRecorder
 
 # The recent past a server keeps for the live view: enough for a picture, small enough to keep
@@ -24,7 +25,10 @@ def live_view(recorder: TraceRecorder, in_core: list[dict[str, Any]], caller_ids
     `in_flight` (every request the caller holds, with its state in the core: "queued:
     <reason>", "prefill", "decode", ... or "in the caller" when the core does not hold it:
     tokenized and not yet received, or finished and not yet returned), `finished` (the last
-    `num_requests` finished requests' summaries)."""
+    `num_requests` finished requests' summaries), `verdict` (over every step and request the
+    recorder holds: the group holding the most request time, the engine's machine contention
+    and other processes' use of its cores, and for a contended run the sentence that says so:
+    metrics/contention.py)."""
     steps = list(recorder.steps)[-num_steps:] if num_steps > 0 else []
     step_rows = []
     for values in steps:
@@ -54,4 +58,6 @@ def live_view(recorder: TraceRecorder, in_core: list[dict[str, Any]], caller_ids
         "steps": step_rows,
         "in_flight": in_flight,
         "finished": finished,
+        "verdict": machine_verdict(list(recorder.requests),
+                                   [dict(zip(STEP_FIELDS, values)) for values in recorder.steps]),
     }

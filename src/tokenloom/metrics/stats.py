@@ -27,7 +27,11 @@ vLLM's names where the meaning is the same (`request_queue_time_seconds`,
   the queue asked of it in the last step it was left waiting for KV blocks (0 otherwise): what
   `queue_no_kv_blocks` waits for, group by group. The totals stay in `kv_blocks`;
 - `step_duration_seconds{phase=schedule|execute|update}` and `engine_steps_total`;
-- `serialize_seconds_total`: what the core's output thread spent encoding and sending.
+- `serialize_seconds_total`: what the core's output thread spent encoding and sending;
+- `step_cpu_seconds` and `step_contention_ratio` (per step, where /proc has schedstat: the CPU
+  seconds of the engine core's compute threads, and the share of the step they were runnable
+  but not running, other processes holding the cores: machine contention, ops/schedstat.py), and
+  `machine_other_cores` (the cores other processes used, of the `machine_cores` it may use).
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
                     320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The scheduler's wait reasons, and the part of the decomposition each one's seconds are in.
 WAIT_REASON_PARTS = {
@@ -152,6 +157,7 @@ class LedgerMetrics:
         self.serialize_seconds = Counter(
             PREFIX + "serialize_seconds", "Seconds the engine core's output thread spent encoding and sending.",
             ["model_name"], registry=registry).labels(model_name)
+        self._contention_metrics()
         kv = Gauge(PREFIX + "kv_blocks",
                    "KV cache blocks by state: free (empty), cached (free, holding a cached prefix), used.",
                    ["model_name", "state"], registry=registry)
@@ -161,6 +167,27 @@ class LedgerMetrics:
             "KV cache blocks per KV cache group (models with sliding-window layers): used, and wanted "
             "by the head of the queue when it waits for KV blocks.",
             ["model_name", "kv_cache_group", "state"], registry=registry)
+
+    def _contention_metrics(self) -> None:
+        self.step_cpu = self._histogram(
+            "step_cpu_seconds", "Per engine step: CPU seconds of the engine core's compute threads.", _STEP_BUCKETS)
+        self.step_contention = self._histogram(
+            "step_contention_ratio",
+            "Per engine step: the share of it the engine's threads were runnable but not running (machine "
+            "contention: other processes held the cores).", _RATIO_BUCKETS)
+        labels = self._naming.labels("machine_other_cores")
+        self.other_cores = Gauge(self._naming.full("machine_other_cores"),
+                                 "Cores other processes used, of those the engine core may run on.",
+                                 list(labels), registry=self.registry).labels(**labels)
+        self.num_cores = Gauge(self._naming.full("machine_cores"), "Cores the engine core may run on.",
+                               list(labels), registry=self.registry).labels(**labels)
+
+    def _record_contention(self, stats: SchedulerStats) -> None:
+        self.step_cpu.observe(stats.cpu_time)
+        span = stats.step_time + stats.loop_time
+        self.step_contention.observe(min(stats.run_delay / span, 1.0) if span > 0 else 0.0)
+        self.other_cores.set(stats.other_cores)
+        self.num_cores.set(stats.num_cores)
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Any:
         labels = self._naming.labels(name)
@@ -187,6 +214,8 @@ class LedgerMetrics:
             self.step_duration["schedule"].observe(stats.schedule_time)
             self.step_duration["execute"].observe(stats.prepare_time + stats.forward_time + stats.sample_time)
             self.step_duration["update"].observe(stats.update_time)
+        if stats.num_cores:
+            self._record_contention(stats)
         if stats.serialize_time > 0:
             self.serialize_seconds.inc(stats.serialize_time)
         self.set_blocks(stats.num_free_blocks, stats.num_cached_free_blocks, stats.num_total_blocks)

@@ -26,6 +26,9 @@ The parts (caller side, then the core's buckets, then caller side again):
   preempted            from a preemption until it decodes again (waiting, then recompute)
   first_step           the engine's first step after ready, beyond the warm-up step it was
                        expected to take (core/warmup.py): one-time work left over, not prefill
+  machine_contention   the seconds of its prefill and decode steps in which the engine's
+                       threads were runnable but not running: other processes held the cores
+                       (their run_delay, ops/schedstat.py), taken out of prefill and decode
   core_overhead        finished in core (the end of its last step) → its output sent: waiting in
                        the output queue behind earlier messages (0 with the in-process client)
   ipc_out              output sent → final output received: encode, socket, decode, and any time
@@ -66,6 +69,7 @@ VERDICT_HEADLINES = {
     "seq-limit-bound": "max_num_seqs is reached",
     "prefill-bound": "long prefills starve decodes",
     "grammar-bound": "requests wait for their structured-output grammars to compile",
+    "contended": "other processes held the cores the engine needed",
     "compute-bound": "the model's own steps take the time",
     "frontend-bound": "the front end (tokenize, detokenize, IPC) takes the time",
 }
@@ -205,8 +209,8 @@ def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str
     waits for what blocked the head); waiting for the step in flight and decoding count as
     compute, except behind or alongside a long prefill chunk, which counts as prefill-bound
     (core_ledger.is_long_prefill); the output queue (core_overhead) counts with IPC as
-    frontend; waiting for a grammar to compile is its own group; core_unattributed counts for no
-    group."""
+    frontend; waiting for a grammar to compile is its own group, and so is machine contention
+    (the steps' time the engine waited to run); core_unattributed counts for no group."""
     long_prefill = causes.get("long_prefill", 0.0)
     return {
         "budget-bound": causes.get("token_budget", 0.0),
@@ -214,6 +218,7 @@ def group_seconds(parts: dict[str, float], causes: dict[str, float]) -> dict[str
         "seq-limit-bound": causes.get("max_num_seqs", 0.0),
         "prefill-bound": long_prefill,
         "grammar-bound": causes.get("grammar_compile", 0.0),
+        "contended": parts.get("machine_contention", 0.0),
         "compute-bound": max(sum(parts.get(p, 0.0) for p in COMPUTE_PARTS) - long_prefill, 0.0),
         "frontend-bound": sum(parts.get(p, 0.0) for p in FRONTEND_PARTS),
     }

@@ -56,6 +56,12 @@ STEP_FIELDS = (
     "preemptions",
     "loop",
     "serialize",
+    # Machine contention (SchedulerStats): CPU seconds of the compute threads, their run_delay,
+    # the cores other processes used, the cores the engine may use.
+    "cpu",
+    "run_delay",
+    "other_cores",
+    "cores",
 )
 
 
@@ -104,6 +110,10 @@ class TraceRecorder:
                 stats.num_preemptions,
                 stats.loop_time,
                 stats.serialize_time,
+                stats.cpu_time,
+                stats.run_delay,
+                stats.other_cores,
+                stats.num_cores,
             )
         )
 
@@ -217,6 +227,8 @@ def _step_events(s: dict[str, Any], us, not_before: int) -> list[dict[str, Any]]
     args = {k: s[k] for k in ("prefill", "decode", "budget", "running", "waiting", "free", "cached", "used")}
     # The busy loop's time before this step, and the output thread's encode+send since the last.
     args.update(loop_s=s["loop"], serialize_s=s["serialize"])
+    if s.get("cores"):  # measured (ops/schedstat.py)
+        args.update(cpu_s=s["cpu"], run_delay_s=s["run_delay"], other_cores=s["other_cores"], cores=s["cores"])
     pid, tid = ENGINE_PID, STEPS_TID
     return [
         _slice(f"step {s['step']}", "step", t0, t3, pid, tid, {"step": s["step"], **args}),
