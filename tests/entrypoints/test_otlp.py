@@ -7,6 +7,8 @@ With the environment variable OTLP_DUMP set to a path, the served request's trac
 there as OTLP-JSON (how docs/ledger/otlp-trace.json is made)."""
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -194,7 +196,20 @@ def test_served_request_span_is_the_callers_child_and_adds_up(served):
         trace = trace_service_pb2.ExportTraceServiceRequest()
         for req in receiver.requests:
             trace.MergeFrom(req)
-        Path(dump).write_text(MessageToJson(trace, indent=2) + "\n")
+        Path(dump).write_text(otlp_json(trace))
+
+
+def otlp_json(trace: trace_service_pb2.ExportTraceServiceRequest) -> str:
+    """OTLP-JSON (the OTLP specification's JSON encoding): protobuf's JSON mapping, with the
+    trace and span ids in hex rather than base64."""
+    data = json.loads(MessageToJson(trace))
+    for rs in data.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for span in ss.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return json.dumps(data, indent=2) + "\n"
 
 
 def test_served_request_without_traceparent_is_a_root(served):
