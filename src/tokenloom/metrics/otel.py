@@ -27,6 +27,7 @@ sends what is pending (at shutdown).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -38,6 +39,8 @@ from tokenloom.metrics.timeline import critical_path
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestMetrics, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 OTEL_EXTRA = "pip install 'tokenloom[otel]'"
 SPAN_NAME = "llm_request"
@@ -128,12 +131,22 @@ class OtlpExporter:
         self._propagator = TraceContextTextMapPropagator()
         # The ledger's clock is monotonic; spans are stamped in Unix nanoseconds.
         self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._failed = False
 
     def _ns(self, t: float) -> int:
         return int(round(t * 1e9)) + self._offset_ns
 
     def export(self, output: RequestOutput) -> None:
-        """A finished request whose account is complete (FrontendLedger.record_finished)."""
+        """A finished request whose account is complete (FrontendLedger.record_finished). A span
+        that cannot be made is logged, once, and never fails the request path."""
+        try:
+            self._export(output)
+        except Exception:  # noqa: BLE001 - tracing must not break serving
+            if not self._failed:
+                self._failed = True
+                logger.exception("could not export the OpenTelemetry span of request %s", output.request_id)
+
+    def _export(self, output: RequestOutput) -> None:
         m = output.metrics
         if m is None or m.finished_time is None or m.e2e_latency is None:
             return
