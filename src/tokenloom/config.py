@@ -130,6 +130,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # Chrome trace JSON written by the caller at shutdown; the core then also keeps each
     # request's phases (not only their totals).
     trace_path: str | None = None
+    # OTLP endpoint the caller sends one OpenTelemetry span per request to (metrics/otel.py).
+    otlp_traces_endpoint: str | None = None
     # torch.compile (inductor) of the model forward, dynamic shapes. Off by default: on the CPU
     # it compiled for minutes and then ran decode steps slower than eager (benchmarks/CHANGELOG.md,
     # "CPU: what was tried").
@@ -311,6 +313,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
             raise ValueError(f"structured_outputs_compile_threads must be a positive integer, got {threads!r}.")
         if self.trace_path is not None and not self.enable_ledger:
             raise ValueError("trace_path needs the ledger: do not combine it with enable_ledger=False.")
+        if self.otlp_traces_endpoint is not None and not self.enable_ledger:
+            raise ValueError("otlp_traces_endpoint needs the ledger: do not combine it with enable_ledger=False.")
 
 
     def structured_output_limits(self) -> StructuredOutputLimits:

@@ -69,6 +69,11 @@ class RequestMetrics:
     n: int = 1
     max_tokens: int | None = None
     completion_tokens: list[int] = field(default_factory=list)
+    # Its sampling temperature and top_p, and the W3C trace-context headers it came with
+    # (traceparent, tracestate): the OpenTelemetry span's (metrics/otel.py).
+    temperature: float | None = None
+    top_p: float | None = None
+    trace_headers: dict[str, str] | None = None
 
     def record_tokens(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens <= 0:

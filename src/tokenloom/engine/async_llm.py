@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,14 +165,16 @@ class AsyncLLM(EngineFrontend):
         max_tokens_within_context: bool = False,
         lora_request: LoRARequest | None = None,
         pooling_task: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Validates and queues one request; its outputs arrive on the returned stream. Raises
         ValueError for a bad prompt or parameters (with `max_tokens_within_context`, also for a
         max_tokens the context cannot hold: see InputProcessor.process), EngineDeadError if the
-        core is gone."""
+        core is gone. `trace_headers`: its W3C trace context (traceparent, tracestate), the parent
+        of its OpenTelemetry span."""
         request, prompt_text = await self.process_request(request_id, prompt, params, priority,
                                                           max_tokens_within_context, lora_request, pooling_task)
-        return await self.add_processed_request(request, prompt_text)
+        return await self.add_processed_request(request, prompt_text, trace_headers=trace_headers)
 
     async def process_request(
         self,
@@ -206,7 +208,8 @@ class AsyncLLM(EngineFrontend):
             self._num_pending_seqs -= pending
 
     async def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None,
-                                    arrives_now: bool = False) -> RequestStream:
+                                    arrives_now: bool = False,
+                                    trace_headers: Mapping[str, str] | None = None) -> RequestStream:
         """Queues a request from process_request(); its outputs arrive on the returned stream.
         `arrives_now`: its arrival time is now, not when it was processed, so that the priority
         policy orders it after requests that arrived meanwhile (a caller that held it back)."""
@@ -219,7 +222,8 @@ class AsyncLLM(EngineFrontend):
             request.arrival_time = now()
         n = request.sampling_params.n
         stream = RequestStream(request_id, n, RequestOutputCollector(request.sampling_params.output_kind))
-        children = self.output_processor.add_user_request(request, prompt_text)
+        children = self.output_processor.add_user_request(
+            request, prompt_text, trace_headers=dict(trace_headers) if trace_headers else None)
         self._streams[request_id] = stream
         self._num_unfinished_seqs += n
         try:
@@ -261,7 +265,7 @@ class AsyncLLM(EngineFrontend):
         *,
         lora_request: Any = None,
         tokenization_kwargs: Any = None,
-        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
+        trace_headers: Mapping[str, str] | None = None,  # W3C trace context: its span's parent (metrics/otel.py)
         data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (cumulative, delta or final only, as
@@ -269,7 +273,8 @@ class AsyncLLM(EngineFrontend):
         generator before then aborts the request in the core. vLLM's other arguments are taken
         as None (see check_vllm_only_args)."""
         check_vllm_only_args(tokenization_kwargs, data_parallel_rank)
-        stream = await self.add_request(request_id, prompt, sampling_params, priority, lora_request=lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority, lora_request=lora_request,
+                                        trace_headers=trace_headers)
         outputs = self.stream_outputs(stream)
         try:
             async for out in outputs:
@@ -287,7 +292,7 @@ class AsyncLLM(EngineFrontend):
         *,
         pooling_task: str | None = None,
         tokenization_kwargs: Any = None,
-        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
+        trace_headers: Mapping[str, str] | None = None,  # W3C trace context: its span's parent
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """vLLM's: a pooling request (runner="pooling"); yields its one, final output, whose
         `outputs.data` is the pooled tensor. `pooling_task` "embed" or "token_embed" (an embedding
@@ -295,7 +300,8 @@ class AsyncLLM(EngineFrontend):
         Closing the generator first aborts the request."""
         check_vllm_only_args(tokenization_kwargs)
         stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(), priority,
-                                        lora_request=lora_request, pooling_task=pooling_task)
+                                        lora_request=lora_request, pooling_task=pooling_task,
+                                        trace_headers=trace_headers)
         outputs = self.stream_outputs(stream)
         try:
             async for out in outputs:

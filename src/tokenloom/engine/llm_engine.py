@@ -7,6 +7,7 @@ multiprocess mode the core runs its own busy loop), detokenizes it and returns `
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -73,7 +74,7 @@ class LLMEngine(EngineFrontend):
         lora_request: Any = None,
         pooling_task: str | None = None,
         tokenization_kwargs: Any = None,
-        trace_headers: Any = None,  # vLLM's OpenTelemetry headers: accepted, not traced
+        trace_headers: Mapping[str, str] | None = None,  # W3C trace context: its span's parent (metrics/otel.py)
     ) -> None:
         check_vllm_only_args(tokenization_kwargs)
         if self._dead_error is not None:
@@ -83,7 +84,8 @@ class LLMEngine(EngineFrontend):
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority,
                                                             lora_request=lora_request, pooling_task=pooling_task)
-        self.engine_core.add_requests(self.output_processor.add_user_request(request, prompt_text))
+        self.engine_core.add_requests(self.output_processor.add_user_request(
+            request, prompt_text, trace_headers=dict(trace_headers) if trace_headers else None))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)

@@ -170,7 +170,7 @@ class RequestState:
         # Registered right after tokenizing and validating: the ledger's "tokenized" stamp.
         self.metrics = RequestMetrics(
             request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now(),
-            max_tokens=params.max_tokens,
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         )
         self.num_cached_tokens = 0
         self.queue = queue
@@ -245,10 +245,23 @@ class OutputProcessor:
     # ------------------------------------------------------------------------------ requests
 
     def add_user_request(self, request: EngineCoreRequest, prompt: str | None,
-                         queue: RequestOutputCollector | None = None) -> list[EngineCoreRequest]:
+                         queue: RequestOutputCollector | None = None,
+                         trace_headers: dict[str, str] | None = None) -> list[EngineCoreRequest]:
         """Registers a user's request and returns what to send to the engine core: the request
         itself, or with n > 1 its n children. They share the prompt (and so its KV blocks, via
-        the prefix cache); their outputs are folded back into one RequestOutput per step."""
+        the prefix cache); their outputs are folded back into one RequestOutput per step.
+        `trace_headers`: its W3C trace context, kept in its metrics for its span (metrics/otel.py)."""
+        children = self._add_user_request(request, prompt, queue)
+        if trace_headers:
+            state = self.request_states.get(request.request_id)
+            parent = self.parent_requests.get(request.request_id)
+            metrics = state.metrics if state is not None else parent.metrics if parent is not None else None
+            if metrics is not None:
+                metrics.trace_headers = dict(trace_headers)
+        return children
+
+    def _add_user_request(self, request: EngineCoreRequest, prompt: str | None,
+                          queue: RequestOutputCollector | None) -> list[EngineCoreRequest]:
         # The user's id, whatever n it came with: an n = 1 request and the parent of an n > 1
         # one under the same id would both be answered as that id.
         if request.request_id in self.parent_requests or request.request_id in self.request_states:
@@ -298,7 +311,7 @@ class OutputProcessor:
                 parent.prompt_token_ids = request.prompt_token_ids
                 parent.metrics = RequestMetrics(
                     request.arrival_time, num_prompt_tokens=len(request.prompt_token_ids), tokenized_time=now(),
-                    n=parent.n, max_tokens=params.max_tokens,
+                    n=parent.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 )
                 parent.account = Account(parent.metrics)
             if queue is not None:

@@ -154,6 +154,10 @@ class EngineArgs:
         "vLLM's older name of pooler_config (give one of them)", default=None, cli=False)
     trace_path: str | None = arg("write a Chrome trace (Perfetto) of the run to PATH at shutdown; see "
                                  "`tokenloom explain`", flags=("--trace",), metavar="PATH")
+    otlp_traces_endpoint: str | None = arg(
+        "send one OpenTelemetry span per request to this OTLP endpoint, as vLLM's (gen_ai.* attributes), with a "
+        "child span per ledger part and an event per wait; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) "
+        "or http/protobuf; needs pip install 'tokenloom[otel]'", metavar="URL")
     structured_outputs_max_grammar_chars: int = arg(
         "most characters of a grammar or a regex (a compile's time grows faster than linearly with a grammar's rules)",
         parse=human_int, group=STRUCTURED)
@@ -190,6 +194,10 @@ class EngineArgs:
             raise ValueError("headless=True is not supported: tokenloom's engine cores always run "
                              "under the front end that starts them.")
         warn_ignored_vllm_args(self, spelling)
+        if self.otlp_traces_endpoint is not None:
+            from tokenloom.metrics.otel import require_otel
+
+            require_otel()  # the optional extra, named, before any process starts
         if self.pooler_config is not None and self.override_pooler_config is not None:
             raise ValueError("give pooler_config or override_pooler_config (its older name), not both.")
         values = {name: getattr(self, name) for name in EngineConfig.__struct_fields__}

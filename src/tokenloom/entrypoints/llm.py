@@ -82,7 +82,8 @@ class LLM:
                            "own).", self.default_sampling_params,
                            defaults_source(config.generation_config, config.override_generation_config))
         self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess)
-        if config.trace_path is not None:  # written at shutdown, or at exit if nobody shuts us down
+        if config.trace_path is not None or config.otlp_traces_endpoint is not None:
+            # The trace written (and the spans sent) at shutdown, or at exit if nobody shuts us down.
             weakref.finalize(self, self.llm_engine.flush_trace)
 
     def get_tokenizer(self) -> Any:

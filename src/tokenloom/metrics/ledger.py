@@ -3,7 +3,8 @@
 It sees every message from the engine core (its `SchedulerStats`) and every finished
 `RequestOutput` as it is handed to the caller (stamping `returned_time`), and feeds the
 Prometheus metrics (`PrometheusMetrics`: vLLM's basic set plus the ledger's `LedgerMetrics`)
-and, when a trace path is set, the `TraceRecorder`. The per-request accounting itself happens in
+and, when a trace path is set, the `TraceRecorder`; when an OTLP endpoint is set, the
+OpenTelemetry exporter (`OtlpExporter`, metrics/otel.py, imported only then). The per-request accounting itself happens in
 the core (core_ledger.py) and in `RequestMetrics` (timeline.py).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokenloom.metrics.trace import TraceRecorder
 
 if TYPE_CHECKING:
     from tokenloom.config import EngineConfig
+    from tokenloom.metrics.otel import OtlpExporter
     from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ class FrontendLedger:
         self.trace: TraceRecorder | None = None
         if config.trace_path is not None:
             self.trace = TraceRecorder(config.trace_path, _run_config(config, model_name, info))
+        self.otel: OtlpExporter | None = None
+        if config.otlp_traces_endpoint is not None:
+            from tokenloom.metrics.otel import OtlpExporter  # the optional extra: only when asked for
+
+            self.otel = OtlpExporter(config.otlp_traces_endpoint, model_name)
         # The live view reads the trace when there is one, else a small recorder of its own.
         self.recent: TraceRecorder | None = self.trace
         if live and self.trace is None:
@@ -78,6 +85,8 @@ class FrontendLedger:
             self.metrics.record_finished_output(output, m.e2e_latency if m.e2e_latency is not None else 0.0)
         if self.recent is not None:
             self.recent.record_request(output)
+        if self.otel is not None:
+            self.otel.export(output)
 
     def record(self, outputs: EngineCoreOutputs, request_outputs: Iterable[RequestOutput],
                ready: Iterable[RequestOutput]) -> None:
@@ -96,7 +105,10 @@ class FrontendLedger:
         return read_metrics(self.metrics.registry)
 
     def flush(self) -> str | None:
-        """Writes the trace file (if tracing); returns its path."""
+        """Writes the trace file (if tracing) and sends the pending OpenTelemetry spans; returns
+        the trace file's path."""
+        if self.otel is not None:
+            self.otel.flush()
         if self.trace is None:
             return None
         path = self.trace.write()

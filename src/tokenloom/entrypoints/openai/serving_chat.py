@@ -38,6 +38,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     sse_event,
     usage,
 )
+from tokenloom.metrics.otel import trace_headers_of
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import StructuredOutputsParams
 
@@ -97,7 +98,8 @@ class OpenAIServingChat(OpenAIServing):
                                                      max_name, lora_request=self.lora_of(model))
         else:
             streams = await self.add_requests(request_id, [prompt], params, req.priority, "messages",
-                                              {"max_tokens": max_name}, lora_request=self.lora_of(model))
+                                              {"max_tokens": max_name}, lora_request=self.lora_of(model),
+                                              trace_headers=trace_headers_of(raw_request.headers))
         created = unix_time()
         if req.stream:
             options = req.stream_options

@@ -36,6 +36,7 @@ from tokenloom.entrypoints.openai.serving_engine import (
     top_entries,
     usage,
 )
+from tokenloom.metrics.otel import trace_headers_of
 from tokenloom.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
@@ -111,7 +112,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                      lora_request=self.lora_of(model))
         else:
             streams = await self.add_requests(request_id, prompts, params, req.priority, "prompt",
-                                              lora_request=self.lora_of(model))
+                                              lora_request=self.lora_of(model),
+                                              trace_headers=trace_headers_of(raw_request.headers))
         created = unix_time()
         if req.stream:
             options = req.stream_options

@@ -99,10 +99,12 @@ class WindowedStream:
     join the engine's queue between them."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, num_seqs: int, slots: asyncio.Semaphore,
-                 held: tuple[EngineCoreRequest, str | None] | None = None, stream: RequestStream | None = None
-                 ) -> None:
+                 held: tuple[EngineCoreRequest, str | None] | None = None, stream: RequestStream | None = None,
+                 trace_headers: dict[str, str] | None = None) -> None:
         """Either `stream` (queued at once, holding one of the window's `slots`) or `held` (the
-        processed request and its prompt text, queued when it gets a slot)."""
+        processed request and its prompt text, queued when it gets a slot, with its W3C
+        `trace_headers`)."""
+        self._trace_headers = trace_headers
         self.engine = engine
         self.request_id = request_id
         self.num_seqs = num_seqs
@@ -130,7 +132,8 @@ class WindowedStream:
                     return
                 try:
                     # Arrives now, as a request sent now would: after those that came meanwhile.
-                    self.stream = await self.engine.add_processed_request(request, self._prompt_text, arrives_now=True)
+                    self.stream = await self.engine.add_processed_request(request, self._prompt_text, arrives_now=True,
+                                                                          trace_headers=self._trace_headers)
                 except ValueError as e:  # its id came in flight meanwhile (a client-given request_id)
                     raise bad_request(str(e), param="request_id") from None
             gen = self.engine.stream_outputs(self.stream)
@@ -453,12 +456,14 @@ class OpenAIServing:
     async def add_requests(
         self, base_id: str, prompts: list[Any], params: SamplingParams | PoolingParams, priority: int,
         prompt_param: str, field_names: dict[str, str] | None = None, lora_request: LoRARequest | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> list[RequestStream] | list[WindowedStream]:
         """Queues one engine request per prompt (ids `base_id` or `base_id-i`); all or nothing. A
         max_tokens that does not fit in the context after a prompt is a 400, as in vLLM's server
         (`field_names`: the request's name for max_tokens, as in `sampling_params`). Every prompt
         is checked first; past a window of --max-num-seqs sequences the rest are queued one as
-        each earlier one ends (WindowedStream), so that one request cannot hold the queue."""
+        each earlier one ends (WindowedStream), so that one request cannot hold the queue.
+        `trace_headers`: the client's W3C trace context (trace_headers_of), its spans' parent."""
         n = params.n if isinstance(params, SamplingParams) else 1
         window = max(1, self.engine.config.max_num_seqs // n)
         streams: list[RequestStream] = []
@@ -469,7 +474,7 @@ class OpenAIServing:
                 request, text = await self.engine.process_request(
                     request_id, prompt, params, priority, max_tokens_within_context=True, lora_request=lora_request)
                 if i < window:  # the first run while the rest are checked
-                    streams.append(await self.engine.add_processed_request(request, text))
+                    streams.append(await self.engine.add_processed_request(request, text, trace_headers=trace_headers))
                 else:
                     held.append((request, text))
         except ValueError as e:
@@ -491,7 +496,8 @@ class OpenAIServing:
         slots = asyncio.Semaphore(0)
         return ([WindowedStream(self.engine, stream.request_id, stream.num_seqs, slots, stream=stream)
                  for stream in streams]
-                + [WindowedStream(self.engine, request.request_id, request.sampling_params.n, slots, (request, text))
+                + [WindowedStream(self.engine, request.request_id, request.sampling_params.n, slots, (request, text),
+                                  trace_headers=trace_headers)
                    for request, text in held])
 
     async def merged_outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
