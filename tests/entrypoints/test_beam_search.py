@@ -65,6 +65,10 @@ def test_offline_sequences_are_ranked_scored_and_end_as_they_say(llm, chat_promp
     assert seqs[0].finish_reason == "stop"
 
 
+# Serial: beside another worker's load the engine core's thread governor gives up a thread, and
+# on an AMX CPU a search's steps then round differently from the other search's (seen only in the
+# full suite, never alone); alone on the cores both searches run at the same thread count.
+@pytest.mark.serial
 def test_one_beam_without_eos_is_greedy_and_groups_change_nothing(llm, chat_prompt):
     """beam_width=1 with ignore_eos keeps the most likely token at every step: greedy decoding.
     Searching one prompt at a time (concurrency_limit=1) finds what searching both together does."""

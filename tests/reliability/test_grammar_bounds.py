@@ -89,6 +89,7 @@ def test_a_grammar_that_dead_ends_while_generating_is_a_400_naming_the_field(ser
     assert post(server, {"guided_choice": ["yes", "no"]}).status_code == 200
 
 
+@pytest.mark.serial  # asserts how soon another request completes
 def test_a_slow_compile_does_not_hold_another_users_trivial_request(server):
     """The issue's bar: a new trivial guided_json completes in under 10 s while a slow compile is
     in flight; the slow one fails at the compile time limit (a 400 naming it), and the ledger shows
@@ -121,6 +122,7 @@ def test_a_slow_compile_does_not_hold_another_users_trivial_request(server):
     assert ledger_parts(server, "trivial-json")["queue_grammar_compile"] > 0
 
 
+@pytest.mark.serial  # asserts how soon another request completes
 def test_aborted_requests_compiles_do_not_hold_others(server):
     """Twelve slower-than-usual compiles whose clients leave at once: those not yet started are
     cancelled, so a new request waits at most for the two already running (within its compile
