@@ -340,7 +340,8 @@ async def ledger_verdict(client: Any, base: str) -> dict[str, Any]:
     """The ledger's verdict over the server's recent requests, by `tokenloom explain`'s rule (the
     verdict group holding the most request seconds, timeline.group_seconds) on its `GET /ledger`:
     verdict, headline and shares; or `error` when the server keeps no ledger that can be read."""
-    from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
+    from tokenloom.metrics.contention import verdict_of
+    from tokenloom.metrics.timeline import VERDICT_HEADLINES
     from tokenloom.metrics.trace import trace_requests
 
     try:
@@ -349,16 +350,11 @@ async def ledger_verdict(client: Any, base: str) -> dict[str, Any]:
         requests = trace_requests(resp.json())
     except Exception as e:  # noqa: BLE001 - the run's figures stand without it
         return {"error": f"could not read {base}/ledger: {e!r}"}
-    totals = dict.fromkeys(VERDICT_GROUPS, 0.0)
-    for r in requests:
-        for group, seconds in group_seconds(r.get("parts") or {}, r.get("wait_by_cause") or {}).items():
-            totals[group] += seconds
-    whole = sum(totals.values())
-    if whole <= 0:
+    verdict, _, shares = verdict_of(requests)
+    if verdict == "unknown":
         return {"error": "the server's ledger holds no finished request"}
-    verdict = max(totals, key=totals.__getitem__)
     return {"verdict": verdict, "headline": VERDICT_HEADLINES[verdict], "num_requests": len(requests),
-            "group_shares": {g: s / whole for g, s in totals.items()}}
+            "group_shares": shares}
 
 
 def report(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str) -> dict[str, Any]:
