@@ -214,8 +214,10 @@ def test_planted_bottleneck(verdict, make_llm, tmp_path, check_plot):
     for out in outputs:
         check_parts(out)
     # The slowest half waited most for the planted cause (head-of-line counted for its cause).
+    # (None: no wait reached the floor, timeline.DOMINANT_WAIT_FLOOR; the verdict below still names the cause.)
     slowest = sorted(outputs, key=lambda o: o.metrics.e2e_latency, reverse=True)[: len(outputs) // 2]
-    assert {o.metrics.dominant_wait for o in slowest} <= causes, [o.metrics.wait_by_cause for o in slowest]
+    named = {o.metrics.dominant_wait for o in slowest} - {None}
+    assert named <= causes, [o.metrics.wait_by_cause for o in slowest]
     llm.flush_trace()
     trace = check_trace_file(path)
     report = analyze(trace, top=3)

@@ -36,6 +36,7 @@ def test_engine_core_killed_mid_run(fresh_server):
     async def run() -> tuple[list, list, float]:
         async with srv.async_client() as client:
             first_chunk = asyncio.Event()
+            response_started = asyncio.Event()
 
             async def streamed(i: int):
                 stream = await client.completions.create(model=MODEL, prompt=f"Story {i}:", stream=True, extra_body=LONG)
@@ -62,7 +63,7 @@ def test_engine_core_killed_mid_run(fresh_server):
                 last = None
                 async for event in stream:
                     last = event
-                    first_chunk.set()
+                    response_started.set()
                 return last
 
             async def response_plain():
@@ -76,7 +77,9 @@ def test_engine_core_killed_mid_run(fresh_server):
             tasks = [asyncio.ensure_future(streamed(i)) for i in range(2)]
             tasks += [asyncio.ensure_future(plain(i)) for i in range(2)]
             tasks += [asyncio.ensure_future(response_streamed()), asyncio.ensure_future(response_plain())]
+            # Killed once the streams are under way (the response's chat template renders first).
             await asyncio.wait_for(first_chunk.wait(), 300)
+            await asyncio.wait_for(response_started.wait(), 300)
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
