@@ -95,8 +95,10 @@ def test_max_tokens_cut_reports_length(llm):
 
 
 def test_first_request_of_a_new_schema_waits_for_its_grammar_in_the_ledger(llm):
-    schema = {"type": "object", "properties": {"fresh_field_for_ledger": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["fresh_field_for_ledger"]}
+    # A schema whose compile takes tens of milliseconds (300 patterned fields): a one-field schema
+    # compiles in about 2 ms, which a busy machine can finish before the core's first step looks.
+    fields = {f"ledger_field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"} for i in range(300)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)}
     params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(json=schema))
     first = llm.generate(["Ledger:"], params, use_tqdm=False)[0]
     again = llm.generate(["Ledger:"], params, use_tqdm=False)[0]

@@ -202,7 +202,7 @@ def _lifespan(engine: AsyncLLM, renderer: ChatTemplateRenderer,
         with contextlib.suppress(EngineDeadError):  # EngineDeadMiddleware answers for a dead one
             engine.start()
         yield
-        renderer.close()
+        await renderer.aclose()
         if shutdown_engine_on_exit:
             engine.shutdown()
 

@@ -61,8 +61,9 @@ class RenderError(Exception):
 
 
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, reapers: set[asyncio.Future]) -> None:
         self.proc = proc
+        self._reapers = reapers  # the renderer's: aclose() waits for them
 
     async def read_reply(self) -> RenderReply:
         assert self.proc.stdout is not None
@@ -79,7 +80,10 @@ class _Worker:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        asyncio.ensure_future(self.proc.wait())  # reaped, no zombie
+        # Reaped, no zombie; kept, so that a loop that ends soon after does not destroy the wait.
+        reaper = asyncio.ensure_future(self.proc.wait())
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
 
 
 class ChatTemplateRenderer:
@@ -94,6 +98,7 @@ class ChatTemplateRenderer:
         self._num_workers = 0  # started or starting, idle or busy
         self._busy: dict[int, tuple[_Worker, float]] = {}  # id(worker) -> it, when its render began
         self._closed = False
+        self._tasks: set[asyncio.Future] = set()  # background spawns and reaps of killed workers
 
     def start(self) -> None:
         """Starts the workers in the background, so that the first chat request does not wait for
@@ -157,6 +162,14 @@ class ChatTemplateRenderer:
         for worker, _ in self._busy.values():
             worker.kill()
 
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """close(), then waits for the killed workers to be reaped and the spawns under way to end,
+        so that the loop can stop with no task of ours pending."""
+        self.close()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._tasks and asyncio.get_running_loop().time() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+
     # ------------------------------------------------------------------------------ internals
 
     async def _take(self) -> _Worker:
@@ -192,7 +205,9 @@ class ChatTemplateRenderer:
             else:
                 self._idle.put_nowait(worker)
 
-        asyncio.ensure_future(spawn())
+        task = asyncio.ensure_future(spawn())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _spawn(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
@@ -201,7 +216,7 @@ class ChatTemplateRenderer:
             # A session of its own: a terminal's Ctrl-C (sent to the server's process group) is
             # the server's to handle; the worker ends when the server kills it or dies itself.
             start_new_session=True)
-        worker = _Worker(proc)
+        worker = _Worker(proc, self._tasks)
         try:
             hello = await asyncio.wait_for(worker.read_reply(), _START_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.CancelledError) as e:

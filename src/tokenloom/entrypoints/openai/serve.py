@@ -201,6 +201,7 @@ def run_serve(args: argparse.Namespace) -> int:
         await task
         watchdog.cancel()
         drain.cancel()
+        await app.state.renderer.aclose()  # the drain may have killed workers after the lifespan ended
 
     try:
         asyncio.run(serve())
