@@ -269,6 +269,7 @@ def _python(code: str, **env: str) -> str:
                           capture_output=True, text=True, timeout=120).stdout.strip()
 
 
+@pytest.mark.slow
 def test_switched_off_by_env_and_cached_build(tmp_path):
     code = ("from tokenloom.ops import cpu_kernels; lib = cpu_kernels.load(); "
             "print(lib is None or lib._name)")

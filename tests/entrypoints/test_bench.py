@@ -79,6 +79,7 @@ def _check_rates(run: dict, num_prompts: int, output_len: int) -> None:
         assert run[key] > 0, key
 
 
+@pytest.mark.slow
 def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
     r = _result(hf_baseline_runs["throughput"], output_json=hf_baseline_runs["folder"] / "throughput.json")
     assert (r["num_prompts"], r["input_len"], r["output_len"]) == (4, 8, 4)
@@ -256,6 +257,7 @@ def test_bench_serve_completions_through_base_url(server):
         "/v1/completions", 2, 16, 6)
 
 
+@pytest.mark.slow
 def test_bench_serve_errors_are_one_line(server):
     import socket
 

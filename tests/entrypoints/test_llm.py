@@ -98,7 +98,7 @@ def test_outputs_in_input_order_with_text(default_llm):
         (dict(enable_prefix_caching=False), None, 1),
         # One sequence at a time: a third of the prompts (short to long) shows it as well.
         (dict(max_num_seqs=1), None, 3),
-        (dict(max_num_seqs=64, multiprocess=True), None, 1),
+        pytest.param(dict(max_num_seqs=64, multiprocess=True), None, 1, marks=pytest.mark.slow),
         # 16 blocks of 16 tokens cannot hold 12 prompts of 30-130 tokens and their outputs at
         # once: running requests are preempted and recomputed.
         (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions", 1),
@@ -216,6 +216,7 @@ MORE_QUESTIONS = [
 ]
 
 
+@pytest.mark.slow
 def test_bfloat16_follows_transformers_in_bfloat16(hf_smollm2, llm_tokenizer):
     """dtype="bfloat16" (what "auto" picks on CPUs with native bf16: packed bf16 matmuls and the
     C kernels' bf16 variants) against transformers run in bfloat16 on the same weights, greedy.
@@ -302,6 +303,7 @@ def test_bfloat16_prompt_logprobs_do_not_depend_on_its_batch(llm_tokenizer):
     assert {t: v.logprob for t, v in pair.items()} == {t: v.logprob for t, v in alone.items()}
 
 
+@pytest.mark.slow
 def test_beam_search_is_transformers_beam_search(default_llm, hf_smollm2, prompt_ids):
     """Where no sequence ends (ignore_eos here, no EOS there), vLLM's beam search and
     transformers' are the same search: the beam_width best sequences by cumulative log

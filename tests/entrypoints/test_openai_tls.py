@@ -19,6 +19,7 @@ def _self_signed(directory, name: str) -> tuple[str, str]:
     return key, cert
 
 
+@pytest.mark.slow
 def test_https_with_vllms_flags(tmp_path):
     key, cert = _self_signed(tmp_path, "server")
     srv = ServerProcess(["--ssl-keyfile", key, "--ssl-certfile", cert, "--max-model-len", "256",

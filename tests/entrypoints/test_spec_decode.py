@@ -67,6 +67,7 @@ def test_greedy_tokens_are_those_without_drafts(llms):
     assert spec_counters(plain)["spec_decode_num_drafts"] == 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_draws_the_same_tokens_and_logprobs(llms):
     plain, spec = llms
     params = [SamplingParams(temperature=1.0, max_tokens=96, seed=seed, logprobs=2) for seed in (1, 2, 3)]
@@ -82,7 +83,8 @@ def test_seeded_sampling_draws_the_same_tokens_and_logprobs(llms):
         assert g.cumulative_logprob == pytest.approx(e.cumulative_logprob, abs=1e-2)
 
 
-@pytest.mark.parametrize("stop", [["return x * y"], ["with_zero"], ["0123456"]])
+@pytest.mark.parametrize("stop", [["return x * y"], pytest.param(["with_zero"], marks=pytest.mark.slow),
+                                  pytest.param(["0123456"], marks=pytest.mark.slow)])
 def test_a_stop_string_among_accepted_drafts_ends_the_output_there(llms, stop):
     """Several tokens arrive in one step: the output must still end at the token that completed
     the stop string (text, token ids and logprobs as without drafts)."""
@@ -144,6 +146,7 @@ def test_served_with_drafts_streamed_or_not(spec_server):
     assert m["tokenloom:spec_decode_num_accepted_tokens_per_pos_total"] == m["tokenloom:spec_decode_num_accepted_tokens_total"]
 
 
+@pytest.mark.slow
 def test_sliding_window_model_same_tokens_with_drafts(gemma3_path):
     """Gemma 3 (five layers in six attend to the last 512 positions only): draft tokens shown
     to attention as decode queries of their own keep each one's window, past the window's end

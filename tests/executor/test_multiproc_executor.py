@@ -28,6 +28,7 @@ def test_two_ranks_match_one(kind, tiny_model_dir):
 CHAT = ["Who wrote Hamlet?", "Give me a haiku about autumn leaves."]
 
 
+@pytest.mark.slow
 def test_smollm2_three_ranks_same_greedy_answers(smollm2_path, monkeypatch):
     """SmolLM2-135M (9 query heads, 3 KV heads: one KV head per rank) on its shipped Q4_1
     weights: the quantized tiles are cut per rank, and the answers do not change.

@@ -25,6 +25,7 @@ _spec.loader.exec_module(server_helpers)
 PROMPTS = ["The quick brown fox", "Once upon a time,"]
 
 
+@pytest.mark.slow
 def test_served_two_ranks_answer_like_one_and_die_cleanly(tiny_model_dir):
     model = tiny_model_dir("llama")
     with LLM(model, dtype="float32", multiprocess=False) as whole:

@@ -65,6 +65,7 @@ def test_async_llm_ledger(tmp_path):
     assert sorted(e["args"]["request_id"] for e in data["traceEvents"] if e.get("cat") == "request") == ["r0", "r1", "r2"]
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_planted_slow_front_end(tmp_path, check_plot):
     """A front end that cannot keep up: 6 requests of n=4 children with 20 logprobs per token,

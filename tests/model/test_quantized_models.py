@@ -131,7 +131,10 @@ def _greedy(loaded, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+# Through the engine: the formats a Q4_K_M file holds (Q4_K, Q6_K) and Q8_0 in the fast tier; the
+# rest (each checked against the gguf reference above) in the slow one.
+@pytest.mark.parametrize("qtype", [q if q in (Q.Q8_0, Q.Q4_K, Q.Q6_K) else pytest.param(q, marks=pytest.mark.slow)
+                                   for q in QTYPES], ids=lambda t: t.name)
 def test_tiny_gguf_through_the_engine(tmp_path, qtype):
     """LLM on a tiny GGUF of each type, engine core in its own process: EngineInfo says which
     path ran, greedy tokens are the argmax of the quantized model's own logits, and the same

@@ -171,6 +171,7 @@ def test_argmax_is_torchs(lib, T, V):
     assert torch.equal(elementwise.argmax(wide), wide.argmax(-1))
 
 
+@pytest.mark.slow
 def test_kernel_benchmark_script_runs():
     """benchmarks/cpu_kernels.py (the figures in benchmarks/README.md) still runs and reports
     every case, on a one-layer, one-round workload."""

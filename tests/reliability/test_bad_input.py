@@ -283,12 +283,14 @@ _CHAT_FIELDS = sorted(ChatCompletionRequest.model_fields)
 _FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.slow
 @_FUZZ
 @given(changes=_mutations(_COMPLETION_FIELDS, {"prompt": st.one_of(_JSON, _TOKEN_LISTS, st.lists(_TOKEN_LISTS, max_size=3))}))
 def test_fuzzed_completion_bodies_get_a_4xx_naming_a_field(shared_server, changes):
     _fuzz_one(shared_server, "/v1/completions", _COMPLETION, changes, set(_COMPLETION_FIELDS))
 
 
+@pytest.mark.slow
 @_FUZZ
 @given(changes=_mutations(_CHAT_FIELDS, {"messages": st.one_of(_MESSAGES, _JSON)}))
 @example(changes={"chat_template": "hello " * 500})  # found by CI's run: a template that renders too long

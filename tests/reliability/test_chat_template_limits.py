@@ -157,6 +157,7 @@ def test_a_client_that_leaves_ends_its_render(trusted):
     assert chat(trusted).status_code == 200
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_server_with_an_endless_render_in_flight():
     """A wedged render once kept the server alive until SIGKILL. Now the render gets the drain
     that every request in flight gets, then its worker is killed: a 503 server_shutting_down, and

@@ -146,6 +146,7 @@ def _post_slow_requests(srv, results: list, num_prompts: int) -> list[threading.
     return threads
 
 
+@pytest.mark.slow
 def test_a_saturated_tokenizer_pool_turns_health_red_with_the_reason():
     with running_server(SMALL_SERVER_ARGS + ["--health-tokenizer-pool-limit", "1"]) as srv:
         results: list = []
@@ -163,6 +164,7 @@ def test_a_saturated_tokenizer_pool_turns_health_red_with_the_reason():
         assert _health(srv).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_sigterm_ends_the_server_while_every_tokenizer_thread_is_busy():
     """Each request's 20 prompts keep a tokenizer thread busy far longer than the drain (over a
@@ -194,6 +196,7 @@ def test_sigterm_ends_the_server_while_every_tokenizer_thread_is_busy():
         assert "Traceback" not in srv.log_text(), srv.log_text()
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_a_stalled_data_parallel_replica_is_not_alive_for_routing():
     """-dp 2: one replica SIGSTOPped leaves /health 200 "degraded" without it, and new requests
