@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class ModelArchConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    architecture: str  # our name for it: a ModelEntry.architecture of model/registry.py
     num_hidden_layers: int
     hidden_size: int
     intermediate_size: int
@@ -47,31 +47,3 @@ class ModelArchConfig:
     # How a one-label classifier reads a scored pair (vLLM's name): True, the tokenizer's pair
     # encoding (a cross-encoder's separator); False, the two texts joined (an LM as reranker).
     use_sep_token: bool = True
-
-
-# The architectures we run (registry.py maps them to model classes), under the names each file
-# format uses for them. Here, not in the registry: the caller's process reads configs without
-# importing the model classes (and torch).
-# config.json `architectures[0]` -> our architecture name.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    # Checkpoints of the bare decoder (no LM head): embedding models, run with runner="pooling".
-    "LlamaModel": "llama",
-    "Qwen2Model": "qwen2",
-    "Qwen3Model": "qwen3",
-    # Sequence classifiers (a `score` head, no LM head): run with runner="pooling" (classify, and
-    # score as cross-encoders when they have one label).
-    "LlamaForSequenceClassification": "llama",
-    "Qwen2ForSequenceClassification": "qwen2",
-    "Qwen3ForSequenceClassification": "qwen3",
-    # transformers' text-only Gemma 3 classifier, and the name convert="classify" gives a
-    # Gemma3ForCausalLM (a gemma3_text config either way).
-    "Gemma3TextForSequenceClassification": "gemma3",
-    "Gemma3ForSequenceClassification": "gemma3",
-}
-
-# GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}

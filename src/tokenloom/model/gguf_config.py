@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile
-from tokenloom.model.config import GGUF_ARCHITECTURES
+from tokenloom.model.registry import GGUF_ARCHITECTURES
 
 
 def gguf_model_config(g: GGUFFile) -> ModelArchConfig:

@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
-from tokenloom.model.config import GGUF_ARCHITECTURES
+from tokenloom.model.registry import GGUF_ARCHITECTURES
 
 # Types we dequantize. gguf-py knows more (IQ*, TQ*, MXFP4, ...), but these are the ones the
 # llama.cpp quantizers produce for ordinary Llama/Qwen files and the ones tests cover.

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
-from tokenloom.model.config import HF_ARCHITECTURES
+from tokenloom.model.registry import HF_ARCHITECTURES
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -76,26 +77,14 @@ def hf_model_config(directory: str, hf_overrides: dict[str, Any] | None = None,
             raise ModelLoadError(f"{path}: missing key {key!r}")
         return cfg[key]
 
-    gemma = _gemma3_fields(cfg, path) if arch == "gemma3" else {}
-    act = cfg.get("hidden_act", "silu")
-    if arch != "gemma3" and act != "silu":
-        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
-    if cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
-    # Qwen2 always has q/k/v biases (and config.json does not say so). Llama and Qwen3 with
-    # attention_bias=true also put a bias on o_proj, which our decoder does not have.
-    if arch != "qwen2" and cfg.get("attention_bias"):
-        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {names[0]}")
-    if arch != "gemma3" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
-
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = _rope(cfg) if arch != "gemma3" else (gemma.pop("rope_theta"), gemma.pop("rope_scaling"))
+    theta, scaling = _rope(cfg)
     eos = _token_ids(cfg.get("eos_token_id"))
     gen_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(gen_path):
         eos = _token_ids(_read_json(gen_path).get("eos_token_id")) or eos
-    return ModelArchConfig(
+    # Llama's reading of config.json; a family's FAMILY_FIELDS entry adds or replaces fields.
+    fields: dict[str, Any] = dict(
         architecture=arch,
         num_hidden_layers=int(need("num_hidden_layers")),
         hidden_size=hidden,
@@ -107,15 +96,40 @@ def hf_model_config(directory: str, hf_overrides: dict[str, Any] | None = None,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(need("max_position_embeddings")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         **_classifier_fields(cfg, path, directory, names[0].endswith("ForSequenceClassification")),
-        **gemma,
     )
+    return ModelArchConfig(**(fields | FAMILY_FIELDS.get(arch, _llama_fields)(cfg, path)))
+
+
+def _llama_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """What Llama reads beyond the common fields, and refuses: SiLU only, `attention_bias` on
+    q/k/v and o_proj, `mlp_bias` refused, no sliding window (Qwen2's configs carry one they do not
+    use: see _qwen2_fields)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    # Llama and Qwen3 with attention_bias=true also put a bias on o_proj, which our decoder
+    # does not have.
+    if cfg.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {cfg['architectures'][0]}")
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
+    return {}
+
+
+def _qwen2_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    # Qwen2 always has q/k/v biases (and config.json does not say so).
+    return _llama_fields(cfg | {"attention_bias": False}, path) | {"attention_bias": True}
+
+
+def _qwen3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    return _llama_fields(cfg, path) | {"qk_norm": True}
 
 
 # vLLM's ways of making a classifier's `score` head from LM-head rows (`method`, with the
@@ -224,6 +238,8 @@ def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             scaling = None
     window = cfg.get("sliding_window")
     return dict(
+        qk_norm=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         rope_theta=theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
@@ -232,3 +248,14 @@ def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+# Our architecture name -> its reading of config.json beyond the common fields: a function of
+# (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
+# ones. A family without an entry reads as Llama (_llama_fields).
+FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+    "llama": _llama_fields,
+    "qwen2": _qwen2_fields,
+    "qwen3": _qwen3_fields,
+    "gemma3": _gemma3_fields,
+}
