@@ -46,7 +46,8 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(
         "llama", "llama", "LlamaForCausalLM", "Llama (SmolLM2, TinyLlama, Llama 2/3)", gguf="llama",
         pooling=("LlamaModel", "LlamaForSequenceClassification"),
-        notes="the base decoder: RMSNorm, grouped-query attention, SwiGLU, RoPE (default, linear, llama3)"),
+        notes="the base decoder: RMSNorm, grouped-query attention, SwiGLU, RoPE (default, linear, llama3, yarn, dynamic), "
+              "attention_bias and mlp_bias"),
     "Qwen2ForCausalLM": ModelEntry(
         "qwen2", "llama", "LlamaForCausalLM", "Qwen2, Qwen2.5", gguf="qwen2",
         pooling=("Qwen2Model", "Qwen2ForSequenceClassification"),
@@ -61,6 +62,21 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         # Gemma3ForCausalLM (a gemma3_text config either way).
         pooling=("Gemma3TextForSequenceClassification", "Gemma3ForSequenceClassification"),
         notes="sandwich norms, GeGLU, sliding-window layers, logit soft-capping"),
+    "MistralForCausalLM": ModelEntry(
+        "mistral", "llama", "LlamaForCausalLM", "Mistral 7B, Mistral Nemo, Mistral Small (text)", gguf="llama",
+        notes="a sliding window over every layer where the config sets one"),
+    "GraniteForCausalLM": ModelEntry(
+        "granite", "llama", "LlamaForCausalLM", "Granite 3",
+        notes="embedding, residual, attention and logit multipliers"),
+    "Olmo2ForCausalLM": ModelEntry(
+        "olmo2", "olmo2", "Olmo2ForCausalLM", "OLMo 2", tensor_parallel=False,
+        notes="post-norms only; q/k RMSNorm over the whole projection"),
+    "SmolLM3ForCausalLM": ModelEntry(
+        "smollm3", "llama", "LlamaForCausalLM", "SmolLM3",
+        notes="layers without RoPE (no_rope_layers)"),
+    "StableLmForCausalLM": ModelEntry(
+        "stablelm", "llama", "LlamaForCausalLM", "StableLM 2, StableLM 3B",
+        notes="LayerNorm with bias, partial rotary embedding, optional q/k/v bias"),
 }
 
 # _MODEL_MODULES[entry.module]: the module to import (a literal, so tests/house/test_imports.py
@@ -68,6 +84,7 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
 _MODEL_MODULES = {
     "llama": "tokenloom.model.llama",
     "gemma3": "tokenloom.model.gemma3",
+    "olmo2": "tokenloom.model.olmo2",
 }
 
 # config.json `architectures[0]` -> our architecture name, pooling forms included.
