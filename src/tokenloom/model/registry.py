@@ -66,16 +66,16 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         "mistral", "llama", "LlamaForCausalLM", "Mistral 7B, Mistral Nemo, Mistral Small (text)", gguf="llama",
         notes="a sliding window over every layer where the config sets one"),
     "GraniteForCausalLM": ModelEntry(
-        "granite", "llama", "LlamaForCausalLM", "Granite 3",
+        "granite", "llama", "LlamaForCausalLM", "Granite 3", gguf="granite",
         notes="embedding, residual, attention and logit multipliers"),
     "Olmo2ForCausalLM": ModelEntry(
-        "olmo2", "olmo2", "Olmo2ForCausalLM", "OLMo 2", tensor_parallel=False,
+        "olmo2", "olmo2", "Olmo2ForCausalLM", "OLMo 2", gguf="olmo2", tensor_parallel=False,
         notes="post-norms only; q/k RMSNorm over the whole projection"),
     "SmolLM3ForCausalLM": ModelEntry(
-        "smollm3", "llama", "LlamaForCausalLM", "SmolLM3",
+        "smollm3", "llama", "LlamaForCausalLM", "SmolLM3", gguf="smollm3",
         notes="layers without RoPE (no_rope_layers)"),
     "StableLmForCausalLM": ModelEntry(
-        "stablelm", "llama", "LlamaForCausalLM", "StableLM 2, StableLM 3B",
+        "stablelm", "llama", "LlamaForCausalLM", "StableLM 2, StableLM 3B", gguf="stablelm",
         notes="LayerNorm with bias, partial rotary embedding, optional q/k/v bias"),
 }
 
