@@ -18,6 +18,7 @@ import torch
 from model_helpers import randomize_, save_hf_dir
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_config import hf_model_config
 from tokenloom.model.loader import load_model_config
 
@@ -181,3 +182,19 @@ def test_gguf_greedy_tokens_match_transformers(family, tokenizer, tmp_path):
     for field, value in CASES[case][2].items():
         assert getattr(cfg, field) == value, field
     assert _greedy(path, prompts, quantization=None) == expected, case
+
+
+@pytest.mark.parametrize("arch, extra, message", [
+    ("StableLmForCausalLM", {"use_parallel_residual": True}, "use_parallel_residual=true is not supported"),
+    ("StableLmForCausalLM", {"qk_layernorm": True}, "qk_layernorm=true is not supported"),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": -4}, "sliding_window must be a positive integer"),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers has 3 entries for 2 layers"),
+    ("LlamaForCausalLM", {"use_sliding_window": True, "sliding_window": 8}, "not supported for LlamaForCausalLM"),
+])
+def test_unsupported_settings_name_the_field(arch, extra, message, tmp_path):
+    import json
+
+    cfg = COMMON | {"architectures": [arch], "vocab_size": 259} | extra
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message):
+        hf_model_config(str(tmp_path))

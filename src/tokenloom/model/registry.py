@@ -146,7 +146,14 @@ def models_page_markdown() -> str:
         "pooling forms, run with `runner=\"pooling\"`); a GGUF file loads when its `general.architecture` is in "
         "the GGUF column (llama.cpp's converter writes Mistral as `llama`). Families that are Llama with a few "
         "changes run on Llama's decoder with those changes switched on by the config.\n\n"
-        + models_table())
+        + models_table()
+        + "\nRoPE scaling (`rope_scaling` or `rope_parameters` in config.json): `linear`, `llama3`, `yarn` and "
+        "`dynamic`, as transformers computes them. YaRN and dynamic NTK stretch the context to `factor` times "
+        "the original, as vLLM does. Dynamic NTK rotates each position past the original context with the "
+        "base transformers uses when it decodes that position; a prompt longer than the original context is "
+        "therefore rotated position by position, where transformers' prefill rotates all of it with the "
+        "prompt's length. Sliding windows (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) go through the "
+        "KV cache groups ([the KV cache](kv-cache.md)).\n")
 
 
 def readme_with_table(readme: str) -> str:
