@@ -81,3 +81,14 @@ def test_row_cut_partials_add_up(tp):
     assert all(isinstance(p.parts[0], TiledQuantWeight) for p in parts)
     total = sum(p(x[:, r * step:(r + 1) * step]) for r, p in enumerate(parts))
     torch.testing.assert_close(total, full, atol=1e-4, rtol=1e-4)
+
+
+def test_architecture_without_tensor_parallelism_is_refused():
+    # OLMo 2 norms q and k over all heads at once: the registry says no, and the check names it.
+    import dataclasses
+
+    olmo2 = dataclasses.replace(_cfg(4, 2), architecture="olmo2")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: Olmo2ForCausalLM \(olmo2\) does not run under "
+                                         r"tensor parallelism"):
+        check_tensor_parallel(olmo2, 2)
+    check_tensor_parallel(olmo2, 1)

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class ModelArchConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    architecture: str  # our name for it: a ModelEntry.architecture of model/registry.py
     num_hidden_layers: int
     hidden_size: int
     intermediate_size: int
@@ -23,9 +23,26 @@ class ModelArchConfig:
     rope_scaling: dict[str, Any] | None = None  # HF layout, e.g. {"rope_type": "llama3", ...}
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    # The differences of the families that run on Llama's decoder (defaults: Llama's). Biases
+    # (config.json's attention_bias puts one on o_proj too, mlp_bias on gate/up/down).
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # StableLM: LayerNorm with a bias instead of RMSNorm (eps: rms_norm_eps), and RoPE on the
+    # first `rotary_dim` dimensions of each head only (None: all of head_dim).
+    layer_norm: bool = False
+    rotary_dim: int | None = None
+    # SmolLM3: the layers that attend without RoPE (its config's no_rope_layers entries of 0).
+    nope_layers: tuple[int, ...] = ()
+    # Granite: the embedding times embedding_multiplier, each block's output times
+    # residual_multiplier before its residual add, the logits divided by logits_scaling, and the
+    # attention scale attention_multiplier (None: head_dim ** -0.5).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Sliding-window attention (Gemma 3): a query at position p sees keys p - W < j <= p in the
+    # Sliding-window attention (Gemma 3; Mistral and Qwen2 where their config sets one): a query at position p sees keys p - W < j <= p in the
     # layers whose `layer_types` entry is "sliding_attention" (HF's names; the others are
     # "full_attention"). None: every layer attends to the whole context.
     sliding_window: int | None = None
@@ -48,30 +65,11 @@ class ModelArchConfig:
     # encoding (a cross-encoder's separator); False, the two texts joined (an LM as reranker).
     use_sep_token: bool = True
 
-
-# The architectures we run (registry.py maps them to model classes), under the names each file
-# format uses for them. Here, not in the registry: the caller's process reads configs without
-# importing the model classes (and torch).
-# config.json `architectures[0]` -> our architecture name.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    # Checkpoints of the bare decoder (no LM head): embedding models, run with runner="pooling".
-    "LlamaModel": "llama",
-    "Qwen2Model": "qwen2",
-    "Qwen3Model": "qwen3",
-    # Sequence classifiers (a `score` head, no LM head): run with runner="pooling" (classify, and
-    # score as cross-encoders when they have one label).
-    "LlamaForSequenceClassification": "llama",
-    "Qwen2ForSequenceClassification": "qwen2",
-    "Qwen3ForSequenceClassification": "qwen3",
-    # transformers' text-only Gemma 3 classifier, and the name convert="classify" gives a
-    # Gemma3ForCausalLM (a gemma3_text config either way).
-    "Gemma3TextForSequenceClassification": "gemma3",
-    "Gemma3ForSequenceClassification": "gemma3",
-}
-
-# GGUF `general.architecture` -> our architecture name.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+    @property
+    def is_plain_llama(self) -> bool:
+        """No difference from Llama's decoder beyond q/k/v bias (what the fused C decode step
+        computes, model/fused_decode.py)."""
+        return (not (self.o_proj_bias or self.mlp_bias or self.layer_norm or self.nope_layers)
+                and self.rotary_dim in (None, self.head_dim) and self.embedding_multiplier == 1.0
+                and self.residual_multiplier == 1.0 and self.logits_scaling == 1.0
+                and self.attention_multiplier is None)

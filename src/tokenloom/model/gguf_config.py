@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile
-from tokenloom.model.config import GGUF_ARCHITECTURES
+from tokenloom.model.registry import GGUF_ARCHITECTURES
 
 
 def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
@@ -34,7 +34,7 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
     kv_heads = int(get("attention.head_count_kv", heads))
     head_dim = int(get("attention.key_length", hidden // heads))
     rot_dim = get("rope.dimension_count")
-    if rot_dim is not None and int(rot_dim) != head_dim:
+    if rot_dim is not None and int(rot_dim) != head_dim and arch not in _PARTIAL_ROTARY:
         raise ModelLoadError(f"{path}: partial rotary embedding ({gguf_arch}.rope.dimension_count="
                              f"{rot_dim}, head_dim={head_dim}) is not supported")
 
@@ -51,7 +51,8 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
     bos = md.get("tokenizer.ggml.bos_token_id")
 
     n_layers = int(get("block_count", required=True))
-    return ModelArchConfig(
+    family = GGUF_FAMILY_FIELDS.get(arch)
+    return ModelArchConfig(**(dict(
         architecture=arch,
         num_hidden_layers=n_layers,
         hidden_size=hidden,
@@ -66,11 +67,53 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in g.tensors,
         rope_scaling=_rope_scaling(g, get),
         attention_bias="blk.0.attn_q.bias" in g.tensors,
+        o_proj_bias="blk.0.attn_output.bias" in g.tensors,
+        mlp_bias="blk.0.ffn_down.bias" in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+        rotary_dim=None if rot_dim is None else int(rot_dim),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
-        **(_gemma3_fields(get, n_layers, head_dim, hidden // heads) if arch == "gemma3" else {}),
-    )
+    ) | (family(g, get, n_layers, head_dim, hidden // heads) if family else {})))
+
+
+# Architectures whose files may rotate part of each head (rope.dimension_count < head_dim):
+# llama.cpp rotates those halves NeoX-style, as HF does.
+_PARTIAL_ROTARY = frozenset({"stablelm"})
+
+
+def _granite_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """llama.cpp's names for Granite's multipliers (its converter writes each that is set)."""
+    scale = get("attention.scale")
+    return dict(attention_multiplier=None if scale is None else float(scale),
+                embedding_multiplier=float(get("embedding_scale", 1.0)),
+                residual_multiplier=float(get("residual_scale", 1.0)),
+                logits_scaling=float(get("logit_scale", 1.0)))
+
+
+def _olmo2_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    # Its q/k norms span the whole projection (olmo2.py), not each head. llama.cpp also writes
+    # OLMo 3 as olmo2, with sliding-window layers.
+    if get("attention.sliding_window") is not None:
+        raise ModelLoadError(f"{g.path}: olmo2 with sliding-window layers (OLMo 3) is not supported")
+    return dict(qk_norm=False)
+
+
+def _stablelm_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    if get("use_parallel_residual", True):  # llama.cpp's converter writes true where the config is silent
+        raise ModelLoadError(f"{g.path}: stablelm.use_parallel_residual=true is not supported")
+    if "blk.0.attn_q_norm.weight" in g.tensors:
+        raise ModelLoadError(f"{g.path}: StableLM's per-head q/k LayerNorm is not supported")
+    return dict(layer_norm=True, rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)))
+
+
+def _smollm3_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    # The file does not say which layers skip RoPE: llama.cpp fixes every fourth, as SmolLM3's
+    # config does by default.
+    return dict(nope_layers=tuple(i for i in range(n_layers) if (i + 1) % 4 == 0))
+
+
+def _gemma3_gguf_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    return _gemma3_fields(get, n_layers, head_dim, hidden_per_head)
 
 
 def _gemma3_fields(get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
@@ -117,3 +160,14 @@ def _rope_scaling(g: GGUFFile, get) -> dict | None:
         if value is not None:
             scaling[key] = float(value)
     return scaling
+
+
+# Our architecture name -> what its GGUF metadata adds to the common fields (as hf_config's
+# FAMILY_FIELDS): (file, get(key, default), layers, head_dim, hidden / heads) -> fields.
+GGUF_FAMILY_FIELDS = {
+    "gemma3": _gemma3_gguf_fields,
+    "granite": _granite_fields,
+    "olmo2": _olmo2_fields,
+    "stablelm": _stablelm_fields,
+    "smollm3": _smollm3_fields,
+}

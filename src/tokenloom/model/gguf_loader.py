@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
-from tokenloom.model.config import GGUF_ARCHITECTURES
+from tokenloom.model.registry import GGUF_ARCHITECTURES
 
 # Types we dequantize. gguf-py knows more (IQ*, TQ*, MXFP4, ...), but these are the ones the
 # llama.cpp quantizers produce for ordinary Llama/Qwen files and the ones tests cover.
@@ -31,6 +31,7 @@ _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_GGML_TYPES)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
@@ -42,6 +43,12 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.bias": "input_layernorm.bias",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -56,7 +63,17 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
+# OLMo 2 norms each block's output only (its q/k norms span the whole projection: same names).
+_OLMO2_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith(("attn_norm", "ffn_norm"))},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES}
+
+# Our architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes
+# built on it: Mistral's files are `llama`, Granite, SmolLM3); the others keep HF's order.
+PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
 _HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # GGUF files of these architectures store each RMSNorm weight as 1 + w (llama.cpp's converter
@@ -156,13 +173,13 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
     (numpy releases the GIL in the bulk of `dequantize`), in file order, with at most a small
     window of dequantized tensors alive at a time."""
     found = check_gguf_tensors(g, expected)
-    permuted = config.architecture == "llama"
+    permuted = config.architecture in PERMUTED_QK
     norm_plus_one = config.architecture in _NORM_PLUS_ONE
 
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
         hf, info = item
         t = _to_torch(g, info)
-        if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             heads = config.num_attention_heads if "attn_q" in info.name else config.num_key_value_heads
             t = _undo_llama_permute(t, heads)
         if norm_plus_one and hf.endswith("norm.weight"):

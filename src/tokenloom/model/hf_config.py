@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
-from tokenloom.model.config import HF_ARCHITECTURES
+from tokenloom.model.registry import HF_ARCHITECTURES
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -45,6 +46,19 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _scaled_context(max_positions: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a scaled RoPE reaches, as vLLM derives them: dynamic NTK and YaRN stretch the
+    original context by `factor` (and record the original in `scaling`)."""
+    kind = (scaling or {}).get("rope_type")
+    if kind not in ("dynamic", "yarn"):
+        return max_positions
+    assert scaling is not None
+    if kind == "dynamic":  # transformers grows the base past max_position_embeddings, whatever else is set
+        scaling["original_max_position_embeddings"] = max_positions
+    original = int(scaling.setdefault("original_max_position_embeddings", max_positions))
+    return max(max_positions, int(original * float(scaling["factor"])))
+
+
 def read_config_json(directory: str, hf_overrides: dict[str, Any] | None = None,
                      convert: str = "auto") -> dict[str, Any]:
     """config.json as the engine reads it: vLLM's `hf_overrides` replace its top-level keys, and
@@ -76,26 +90,15 @@ def hf_model_config(directory: str, hf_overrides: dict[str, Any] | None = None,
             raise ModelLoadError(f"{path}: missing key {key!r}")
         return cfg[key]
 
-    gemma = _gemma3_fields(cfg, path) if arch == "gemma3" else {}
-    act = cfg.get("hidden_act", "silu")
-    if arch != "gemma3" and act != "silu":
-        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
-    if cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
-    # Qwen2 always has q/k/v biases (and config.json does not say so). Llama and Qwen3 with
-    # attention_bias=true also put a bias on o_proj, which our decoder does not have.
-    if arch != "qwen2" and cfg.get("attention_bias"):
-        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {names[0]}")
-    if arch != "gemma3" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
-
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = _rope(cfg) if arch != "gemma3" else (gemma.pop("rope_theta"), gemma.pop("rope_scaling"))
+    theta, scaling = _rope(cfg)
+    max_positions = _scaled_context(int(need("max_position_embeddings")), scaling)
     eos = _token_ids(cfg.get("eos_token_id"))
     gen_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(gen_path):
         eos = _token_ids(_read_json(gen_path).get("eos_token_id")) or eos
-    return ModelArchConfig(
+    # Llama's reading of config.json; a family's FAMILY_FIELDS entry adds or replaces fields.
+    fields: dict[str, Any] = dict(
         architecture=arch,
         num_hidden_layers=int(need("num_hidden_layers")),
         hidden_size=hidden,
@@ -106,16 +109,118 @@ def hf_model_config(directory: str, hf_overrides: dict[str, Any] | None = None,
         vocab_size=int(need("vocab_size")),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        max_position_embeddings=int(need("max_position_embeddings")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         **_classifier_fields(cfg, path, directory, names[0].endswith("ForSequenceClassification")),
-        **gemma,
     )
+    return ModelArchConfig(**(fields | FAMILY_FIELDS.get(arch, _llama_fields)(cfg, path)))
+
+
+def _llama_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """What Llama reads beyond the common fields: SiLU only, `attention_bias` on q/k/v and o_proj,
+    `mlp_bias` on gate/up/down, no sliding window."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{path}: unsupported hidden_act {act!r} (expected 'silu')")
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise ModelLoadError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported "
+                             f"for {cfg['architectures'][0]}")
+    bias = bool(cfg.get("attention_bias"))
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias"))}
+
+
+def _sliding_fields(path: str, n_layers: int, window: Any, layer_types: Any) -> dict[str, Any]:
+    """sliding_window and layer_types (HF's names, one per layer) where a window applies."""
+    if not window:
+        return {}
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    types = tuple(layer_types)
+    if len(types) != n_layers:
+        raise ModelLoadError(f"{path}: layer_types has {len(types)} entries for {n_layers} layers")
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _mistral_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Llama with a sliding window over every layer where the config sets one (Mistral 7B v0.1;
+    later ones set null). Its attention and MLP have no biases whatever the config says."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    return (_llama_fields(cfg | {"use_sliding_window": False}, path)
+            | {"attention_bias": False, "o_proj_bias": False, "mlp_bias": False}
+            | _sliding_fields(path, n, cfg.get("sliding_window"), ["sliding_attention"] * n))
+
+
+def _qwen2_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen2 always has q/k/v biases (config.json does not say so) and none on o_proj or the MLP.
+    With use_sliding_window, the layers from max_window_layers on see the window (or as its
+    layer_types say)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    first = int(cfg.get("max_window_layers", 28))
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return (_llama_fields(cfg | {"use_sliding_window": False}, path)
+            | {"attention_bias": True, "o_proj_bias": False, "mlp_bias": False}
+            | _sliding_fields(path, n, window, types))
+
+
+def _qwen3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    return _llama_fields(cfg, path) | {"qk_norm": True, "mlp_bias": False}
+
+
+def _granite_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Llama with four scalars: the embedding's, the residual branches', the attention scale
+    (attention_multiplier replaces head_dim ** -0.5; transformers' default is 1) and the logits'
+    divisor."""
+    return _llama_fields(cfg, path) | {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
+
+
+def _olmo2_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    # The layer layout (post-norms, q/k norm over the whole projection) is olmo2.py's; its MLP
+    # has no bias.
+    return _llama_fields(cfg, path) | {"mlp_bias": False}
+
+
+def _smollm3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Llama with NoPE layers: `no_rope_layers[i]` is 1 where layer i uses RoPE, 0 where not
+    (default: every `no_rope_layer_interval`-th layer is NoPE); a sliding window only with
+    use_sliding_window, on the layers its layer_types say."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) != n:
+        raise ModelLoadError(f"{path}: no_rope_layers has {len(flags)} entries for {n} layers")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    return (_llama_fields(cfg | {"use_sliding_window": False}, path)
+            | {"nope_layers": tuple(i for i, f in enumerate(flags) if not f)}
+            | _sliding_fields(path, n, window, types))
+
+
+def _stablelm_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Llama with LayerNorms (with bias), RoPE on the first partial_rotary_factor of each head,
+    and q/k/v biases with use_qkv_bias. StableLM 2 12B's per-head q/k LayerNorm and parallel
+    residual are refused."""
+    for key in ("qk_layernorm", "use_parallel_residual"):
+        if cfg.get(key):
+            raise ModelLoadError(f"{path}: {key}=true is not supported for StableLmForCausalLM")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+    head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return _llama_fields(cfg | {"attention_bias": False, "mlp_bias": False}, path) | {
+        "layer_norm": True, "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+        "rotary_dim": int(head_dim * factor), "attention_bias": bool(cfg.get("use_qkv_bias")),
+        "head_dim": head_dim,
+    }
 
 
 # vLLM's ways of making a classifier's `score` head from LM-head rows (`method`, with the
@@ -224,6 +329,8 @@ def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             scaling = None
     window = cfg.get("sliding_window")
     return dict(
+        qk_norm=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         rope_theta=theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
@@ -232,3 +339,19 @@ def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+# Our architecture name -> its reading of config.json beyond the common fields: a function of
+# (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
+# ones. A family without an entry reads as Llama (_llama_fields).
+FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+    "llama": _llama_fields,
+    "qwen2": _qwen2_fields,
+    "qwen3": _qwen3_fields,
+    "gemma3": _gemma3_fields,
+    "mistral": _mistral_fields,
+    "granite": _granite_fields,
+    "olmo2": _olmo2_fields,
+    "smollm3": _smollm3_fields,
+    "stablelm": _stablelm_fields,
+}

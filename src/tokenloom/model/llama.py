@@ -72,17 +72,43 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (StableLM), with RMSNorm's residual form."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        x = x + residual
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps), x
+
+
+def make_norm(cfg: ModelArchConfig, size: int | None = None) -> nn.Module:
+    """The family's norm over `size` (default hidden_size): RMSNorm, or LayerNorm with a bias."""
+    return (LayerNorm if cfg.layer_norm else RMSNorm)(size or cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        # RoPE on the first rotary_dim dimensions of each head (all, but StableLM's), in every
+        # layer but SmolLM3's NoPE layers.
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.use_rope = layer_id not in cfg.nope_layers
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -99,23 +125,31 @@ class Attention(nn.Module):
             # calls, which shows at batch 1), then strided views of the result.
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = ops.rope(qk, positions, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rope(qk, positions, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
                                                                    self.head_dim)
-            q = ops.rope(self.q_norm(q), positions, cos_sin)
-            k = ops.rope(self.k_norm(k), positions, cos_sin)
+            q = self.rope(self.q_norm(q), positions, cos_sin)
+            k = self.rope(self.k_norm(k), positions, cos_sin)
         out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        if not self.use_rope:
+            return x
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return ops.rope(x, positions, cos_sin)
+        return torch.cat([ops.rope(x[..., :r], positions, cos_sin), x[..., r:]], dim=-1)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A quantized gate|up (model/quant_linear.QuantLinear, which imports this module):
@@ -132,10 +166,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_cache: torch.Tensor, backend: AttentionBackend,
@@ -146,8 +181,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin, kv_cache, backend, plan)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 # Checkpoint (HF) names of the parts that live inside a fused parameter:
@@ -176,7 +216,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config)
+        # The fused C decode step computes Llama's layers (with q/k/v bias) and nothing else.
+        self.fused_decode_ok = self.fused_decode_ok and config.is_plain_llama
         # A classifier has no LM head (it never computes logits over the vocabulary; its
         # compute_logits would read the embedding as a tied model's does) but a `score` head.
         classifier = config.classifier_labels is not None
@@ -203,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         c = self.config
         with torch.device("cpu"):
-            table = cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+            table = cos_sin_cache(c.rotary_dim or c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                  c.rope_scaling)
         return table.to(device)
 
     # ---------------------------------------------------------------- forward
@@ -212,6 +255,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden_size] (after the final norm).
         `attn_plans`: one per KV cache group (see the module docstring)."""
         h = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
         if self.cos_sin.device != h.device:
             self.cos_sin = self._rope_table(h.device)
         cos_sin = self.cos_sin
@@ -240,7 +285,9 @@ class LlamaForCausalLM(nn.Module):
             # oneDNN sums in one go: so do we, however many rows a step has (ops/amx).
             logits = linear(hidden, self.lm_head_weight, None, self.packed_lm_head,
                             one_row_order=True).float()
-        return logits if self.vocab_gather is None else self.vocab_gather(logits)
+        if self.vocab_gather is not None:
+            logits = self.vocab_gather(logits)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def drop_lm_head(self) -> None:
         """For a model that only pools (embeddings, classification): frees an untied LM head (a
@@ -263,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, H),
                                               "model.norm.weight": (H,)}
+        if c.layer_norm:
+            shapes["model.norm.bias"] = (H,)
         if c.classifier_labels is not None:
             shapes["score.weight"] = (len(c.classifier_labels), H)
         elif not c.tie_word_embeddings:
@@ -283,6 +332,12 @@ class LlamaForCausalLM(nn.Module):
             if c.attention_bias:
                 shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)}
+            if c.o_proj_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (H,)
+            if c.mlp_bias:
+                shapes |= {p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,), p + "mlp.down_proj.bias": (H,)}
+            if c.layer_norm:
+                shapes |= {p + "input_layernorm.bias": (H,), p + "post_attention_layernorm.bias": (H,)}
             if c.qk_norm:
                 shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         return shapes

@@ -26,7 +26,7 @@ from torch import nn
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
-from tokenloom.model.gguf_loader import _to_torch, _undo_llama_permute
+from tokenloom.model.gguf_loader import PERMUTED_QK, _to_torch, _undo_llama_permute
 from tokenloom.model.packed_linear import packed_nbytes
 from tokenloom.ops import amx, quant
 from tokenloom.ops.quant import TiledQuantWeight
@@ -133,7 +133,7 @@ class _GGUFParts:
     def part(self, info: GGUFTensorInfo) -> TiledQuantWeight | torch.Tensor:
         c = self.config
         heads = None
-        if c.architecture == "llama" and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if c.architecture in PERMUTED_QK and info.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in info.name else c.num_key_value_heads
         reason = f"no quantized kernel for {info.type_name}"
         if info.ggml_type in quant.GGML_FORMATS:

@@ -1,21 +1,171 @@
-"""Which architectures we run, under the names each file format uses for them."""
+"""The architectures we run, as one table (vLLM's `_TEXT_GENERATION_MODELS`): a config.json's
+`architectures[0]` -> our architecture name, the class that runs it, and what it supports.
+
+Torch-free: the caller's process reads configs through this table (hf_config.py, gguf_config.py)
+without importing the model classes; `build_model` imports the one class it needs.
+
+To add a family: one `ModelEntry` below (keep the order: the docs table follows it), its config
+translation in hf_config.FAMILY_FIELDS (and gguf_config for a GGUF), and, where its decoder is
+not Llama's, the difference in a module of its own registered in `_MODEL_MODULES`. Then run
+`python -m tokenloom.model.registry` to regenerate docs/models.md and README's table
+(tests/model/test_registry.py fails while they are stale).
+"""
 from __future__ import annotations
 
-from torch import nn
+import importlib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenloom.model.config import ModelArchConfig
-from tokenloom.model.gemma3 import Gemma3ForCausalLM
-from tokenloom.model.llama import LlamaForCausalLM
+if TYPE_CHECKING:
+    from torch import nn
 
-# Our architecture name -> model class. Llama, Qwen2 and Qwen3 share one decoder (see llama.py);
-# Gemma 3 changes its layers (gemma3.py).
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
+    from tokenloom.model.config import ModelArchConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    architecture: str  # our name: ModelArchConfig.architecture, the key of the config translation
+    module: str  # a key of _MODEL_MODULES: the module that defines `class_name`
+    class_name: str
+    family: str  # what users call it, for the docs table
+    gguf: str | None = None  # llama.cpp's `general.architecture` for it; None: HF directories only
+    lora: bool = True  # LoRA adapters on q/k/v/o and gate/up/down (worker/lora_manager.py)
+    tensor_parallel: bool = True  # model/tensor_parallel.py can cut it
+    # The HF names of its pooling forms (a bare `*Model` decoder, a `*ForSequenceClassification`
+    # with a `score` head): they run with runner="pooling" on the same class.
+    pooling: tuple[str, ...] = ()
+    notes: str = ""  # one line for the docs table: what differs from Llama
+
+
+# HF `architectures[0]` of a generative checkpoint -> its entry. Several names may share our
+# architecture; the first entry of an architecture is the one GGUF files and build_model use.
+TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry(
+        "llama", "llama", "LlamaForCausalLM", "Llama (SmolLM2, TinyLlama, Llama 2/3)", gguf="llama",
+        pooling=("LlamaModel", "LlamaForSequenceClassification"),
+        notes="the base decoder: RMSNorm, grouped-query attention, SwiGLU, RoPE (default, linear, llama3, yarn, dynamic), "
+              "attention_bias and mlp_bias"),
+    "Qwen2ForCausalLM": ModelEntry(
+        "qwen2", "llama", "LlamaForCausalLM", "Qwen2, Qwen2.5", gguf="qwen2",
+        pooling=("Qwen2Model", "Qwen2ForSequenceClassification"),
+        notes="q/k/v bias"),
+    "Qwen3ForCausalLM": ModelEntry(
+        "qwen3", "llama", "LlamaForCausalLM", "Qwen3", gguf="qwen3",
+        pooling=("Qwen3Model", "Qwen3ForSequenceClassification"),
+        notes="per-head q/k RMSNorm"),
+    "Gemma3ForCausalLM": ModelEntry(
+        "gemma3", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)", gguf="gemma3",
+        # transformers' text-only classifier, and the name convert="classify" gives a
+        # Gemma3ForCausalLM (a gemma3_text config either way).
+        pooling=("Gemma3TextForSequenceClassification", "Gemma3ForSequenceClassification"),
+        notes="sandwich norms, GeGLU, sliding-window layers, logit soft-capping"),
+    "MistralForCausalLM": ModelEntry(
+        "mistral", "llama", "LlamaForCausalLM", "Mistral 7B, Mistral Nemo, Mistral Small (text)", gguf="llama",
+        notes="a sliding window over every layer where the config sets one"),
+    "GraniteForCausalLM": ModelEntry(
+        "granite", "llama", "LlamaForCausalLM", "Granite 3", gguf="granite",
+        notes="embedding, residual, attention and logit multipliers"),
+    "Olmo2ForCausalLM": ModelEntry(
+        "olmo2", "olmo2", "Olmo2ForCausalLM", "OLMo 2", gguf="olmo2", tensor_parallel=False,
+        notes="post-norms only; q/k RMSNorm over the whole projection"),
+    "SmolLM3ForCausalLM": ModelEntry(
+        "smollm3", "llama", "LlamaForCausalLM", "SmolLM3", gguf="smollm3",
+        notes="layers without RoPE (no_rope_layers)"),
+    "StableLmForCausalLM": ModelEntry(
+        "stablelm", "llama", "LlamaForCausalLM", "StableLM 2, StableLM 3B", gguf="stablelm",
+        notes="LayerNorm with bias, partial rotary embedding, optional q/k/v bias"),
 }
+
+# _MODEL_MODULES[entry.module]: the module to import (a literal, so tests/house/test_imports.py
+# sees the dependency).
+_MODEL_MODULES = {
+    "llama": "tokenloom.model.llama",
+    "gemma3": "tokenloom.model.gemma3",
+    "olmo2": "tokenloom.model.olmo2",
+}
+
+# config.json `architectures[0]` -> our architecture name, pooling forms included.
+HF_ARCHITECTURES: dict[str, str] = {
+    name: entry.architecture
+    for hf, entry in TEXT_GENERATION_MODELS.items()
+    for name in (hf, *entry.pooling)
+}
+
+# Our architecture name -> its entry (the first of that name).
+ARCHITECTURE_ENTRIES: dict[str, ModelEntry] = {}
+for _entry in TEXT_GENERATION_MODELS.values():
+    ARCHITECTURE_ENTRIES.setdefault(_entry.architecture, _entry)
+
+# GGUF `general.architecture` -> our architecture name (the first entry that reads it: Mistral's
+# GGUFs say "llama" and are Llama's).
+GGUF_ARCHITECTURES: dict[str, str] = {}
+for _entry in TEXT_GENERATION_MODELS.values():
+    if _entry.gguf is not None:
+        GGUF_ARCHITECTURES.setdefault(_entry.gguf, _entry.architecture)
+del _entry
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    entry = ARCHITECTURE_ENTRIES[architecture]
+    return getattr(importlib.import_module(_MODEL_MODULES[entry.module]), entry.class_name)
 
 
 def build_model(config: ModelArchConfig) -> nn.Module:
-    return MODEL_CLASSES[config.architecture](config)
+    return model_class(config.architecture)(config)
+
+
+# ------------------------------------------------------------------------------- the docs table
+MODELS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "models.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
+_README_BEGIN = "<!-- models:begin (generated by `python -m tokenloom.model.registry` from model/registry.py) -->"
+_README_END = "<!-- models:end -->"
+
+
+def models_table() -> str:
+    """The markdown table of TEXT_GENERATION_MODELS, one row per entry."""
+    yes = {True: "yes", False: "no"}
+    rows = ["| architecture | family | GGUF (llama.cpp) | LoRA | tensor parallel | pooling forms | differs from Llama by |",
+            "|---|---|---|---|---|---|---|"]
+    for hf, e in TEXT_GENERATION_MODELS.items():
+        pooling = ", ".join(f"`{p}`" for p in e.pooling) or "-"
+        rows.append(f"| `{hf}` | {e.family} | {f'`{e.gguf}`' if e.gguf else '-'} | {yes[e.lora]} | "
+                    f"{yes[e.tensor_parallel]} | {pooling} | {e.notes or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+def models_page_markdown() -> str:
+    """docs/models.md: the model table with how to read it."""
+    return (
+        "# Models\n\n"
+        "Generated from `tokenloom.model.registry.TEXT_GENERATION_MODELS` by `python -m tokenloom.model.registry`; "
+        "do not edit by hand.\n\n"
+        "A Hugging Face directory loads when its `config.json` names one of these architectures (or one of its "
+        "pooling forms, run with `runner=\"pooling\"`); a GGUF file loads when its `general.architecture` is in "
+        "the GGUF column (llama.cpp's converter writes Mistral as `llama`). Families that are Llama with a few "
+        "changes run on Llama's decoder with those changes switched on by the config.\n\n"
+        + models_table()
+        + "\nRoPE scaling (`rope_scaling` or `rope_parameters` in config.json): `linear`, `llama3`, `yarn` and "
+        "`dynamic`, as transformers computes them. YaRN and dynamic NTK stretch the context to `factor` times "
+        "the original, as vLLM does. Dynamic NTK rotates each position past the original context with the "
+        "base transformers uses when it decodes that position; a prompt longer than the original context is "
+        "therefore rotated position by position, where transformers' prefill rotates all of it with the "
+        "prompt's length. Sliding windows (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) go through the "
+        "KV cache groups ([the KV cache](kv-cache.md)).\n")
+
+
+def readme_with_table(readme: str) -> str:
+    """README.md with the text between its models markers replaced by the current table."""
+    pattern = re.compile(re.escape(_README_BEGIN) + r".*?" + re.escape(_README_END), re.S)
+    if not pattern.search(readme):
+        raise ValueError(f"README.md has no {_README_BEGIN!r} ... {_README_END!r} block")
+    return pattern.sub(lambda _: f"{_README_BEGIN}\n{models_table()}{_README_END}", readme)
+
+
+if __name__ == "__main__":
+    MODELS_PAGE.write_text(models_page_markdown())
+    README.write_text(readme_with_table(README.read_text()))
+    print(f"wrote {MODELS_PAGE} and the model table of {README}")
+    sys.exit(0)

@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.model.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "dynamic")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -46,6 +46,10 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any] | 
         return inv_freq / factors
     if kind == "llama3":
         return _llama3_scale(inv_freq, rope_scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, rope_scaling)
+    if kind == "dynamic":  # the frequencies within the original context (see cos_sin_cache)
+        return inv_freq
     raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
 
 
@@ -67,11 +71,79 @@ def _llama3_scale(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(middle, mixed, stretched)
 
 
+def _yarn_inv_freq(dim: int, theta: float, p: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each pair's frequency blended between interpolated (divided by `factor`) and kept,
+    by a linear ramp over the pairs whose wavelength falls between beta_fast and beta_slow
+    rotations in the original context; computed as transformers does."""
+    factor = float(p["factor"])
+    original = float(p["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(p: dict[str, Any]) -> float:
+    """YaRN's scale of cos and sin: `attention_factor`, else 0.1 ln(factor) + 1 (with `mscale`
+    and `mscale_all_dim`, their ratio of that)."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    factor = float(p["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return float(mscale(float(p["mscale"])) / mscale(float(p["mscale_all_dim"])))
+    return mscale(1.0)
+
+
+def _dynamic_angles(dim: int, max_positions: int, theta: float, p: dict[str, Any]) -> torch.Tensor:
+    """Dynamic NTK: past the original context, the base grows with the sequence length. The row of
+    position q uses the base of a sequence of q + 1 tokens, which is what transformers computes
+    for each token it decodes past the original context; rows within it are the default
+    frequencies. A cached key keeps the rotation it was written with, so a row depends on its
+    position alone (transformers' prefill of a prompt longer than the original context rotates
+    every position with the prompt's length instead)."""
+    factor = float(p["factor"])
+    original = int(p["original_max_position_embeddings"])
+    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    angles = torch.outer(positions, inv_frequencies(dim, theta, None))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    for q in range(original, max_positions):
+        # In float32 tensor arithmetic, as transformers computes it from a tensor sequence length.
+        seq_len = torch.tensor(q + 1, dtype=torch.int64)
+        base = theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+        angles[q] = positions[q] * (1.0 / (base ** exponents))
+    return angles
+
+
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                   rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """float32 [max_positions, head_dim]: cos of each pair's angle in the first half, sin in the
     second. Angles are the float32 product position * inv_freq, as transformers computes them,
-    so the two agree bit for bit before the trig."""
-    inv_freq = inv_frequencies(head_dim, theta, rope_scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.int64).to(torch.float32), inv_freq)
+    so the two agree bit for bit before the trig. (`head_dim` is the rotated width: a partial
+    rotary embedding's rotary_dim.)"""
+    kind = rope_type_of(rope_scaling)
+    if kind == "dynamic":
+        assert rope_scaling is not None
+        angles = _dynamic_angles(head_dim, max_positions, theta, rope_scaling)
+    else:
+        inv_freq = inv_frequencies(head_dim, theta, rope_scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.int64).to(torch.float32), inv_freq)
+    if kind == "yarn":
+        assert rope_scaling is not None
+        scale = yarn_attention_factor(rope_scaling)
+        return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=-1)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)

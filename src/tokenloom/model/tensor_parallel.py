@@ -30,6 +30,7 @@ from torch import nn
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.llama import Embedding
 from tokenloom.model.quant_linear import QuantEmbedding, QuantLinear
+from tokenloom.model.registry import ARCHITECTURE_ENTRIES
 from tokenloom.ops import quant
 from tokenloom.ops.distributed import tp_all_gather, tp_all_reduce
 from tokenloom.ops.quant import TiledQuantWeight
@@ -45,6 +46,10 @@ def check_tensor_parallel(cfg: ModelArchConfig, tp: int) -> None:
     """A ValueError naming the field that `tp` does not split evenly."""
     if tp == 1:
         return
+    entry = ARCHITECTURE_ENTRIES.get(cfg.architecture)
+    if entry is not None and not entry.tensor_parallel:
+        raise ValueError(f"tensor_parallel_size={tp}: {entry.class_name} ({cfg.architecture}) does not run under "
+                         "tensor parallelism (see docs/models.md); use tensor_parallel_size=1")
     # The sizes that pass every check below: what each error offers instead.
     kv = cfg.num_key_value_heads
     fits = [d for d in _divisors(cfg.num_attention_heads)
