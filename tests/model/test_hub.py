@@ -2,7 +2,7 @@
 `LLM("org/name")` downloads only what the engine reads and generates as transformers does, then
 loads again from the cache with HF_HUB_OFFLINE=1 and the server gone; `org/name-GGUF:TAG` picks
 the GGUF by its quantization tag and pairs with another repo's tokenizer; a split GGUF is fetched
-whole; each way a hub id can fail is one line; load_format="dummy" needs no weights."""
+and loaded whole; each way a hub id can fail is one line; load_format="dummy" needs no weights."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from model_helpers import save_hf_dir, tiny_hf_model
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
-from tokenloom.model.errors import ModelNotFoundError
+from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.hub import fetch_model_files, parse_hub_id, pick_files
 from tokenloom.model.loader import load_model
 
@@ -210,3 +210,28 @@ def test_what_is_a_hub_id_and_which_files(tmp_path):
     assert picked == ["model-Q4_K_M.gguf"]  # llama.cpp's default tag
     assert json.dumps(pick_files("x", parse_hub_id("o/r"), files, tokenizer_only=True)[0]) == \
         '["config.json", "tokenizer.json"]'
+
+
+def test_split_gguf_loads_as_the_whole_file(tmp_path, monkeypatch):
+    """A GGUF split by gguf-py's writer (llama.cpp's gguf-split layout) loads as the same file
+    unsplit: metadata from the first part, tensors from every part, quantized or dequantized."""
+    import functools
+
+    import gguf
+    from model_helpers import tiny_gguf
+
+    whole = tiny_gguf(tmp_path, "llama", gguf.GGMLQuantizationType.Q8_0, seed=5)
+    split_dir = tmp_path / "split"
+    split_dir.mkdir()
+    monkeypatch.setattr(gguf, "GGUFWriter", functools.partial(gguf.GGUFWriter, split_max_tensors=7))
+    tiny_gguf(split_dir, "llama", gguf.GGMLQuantizationType.Q8_0, seed=5)
+    parts = sorted(os.listdir(split_dir))
+    assert len(parts) > 2 and parts[0].endswith("-00001-of-%05d.gguf" % len(parts))
+    first = str(split_dir / parts[0])
+    a = load_model(whole, dtype="float32", quantization=None).model.state_dict()
+    b = load_model(first, dtype="float32", quantization=None).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    quantized = load_model(first, dtype="float32")
+    assert quantized.quantization.startswith("gguf Q8_0")
+    with pytest.raises(ModelLoadError, match="pass its first part"):
+        load_model(str(split_dir / parts[1]))

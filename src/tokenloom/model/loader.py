@@ -227,22 +227,49 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 DUMMY_SEED = 0
 DUMMY_STD = 0.02  # transformers' initializer_range for most decoders
+# Values drawn once and laid over every tensor: drawing each of 8B values one by one costs far
+# more than copying. Odd, so that rows (of even lengths) do not line up with the pool's period.
+DUMMY_POOL = (1 << 22) + 1
 
 
 def fill_dummy_weights_(model: nn.Module, seed: int = DUMMY_SEED) -> None:
-    """vLLM's load_format="dummy": every parameter in place, seeded: matrices and embeddings
-    normal with std DUMMY_STD, norm scales one, biases zero (transformers' own init is far slower
-    at 8B and initialises each tensor more than once)."""
+    """vLLM's load_format="dummy", in place and seeded: matrices and embeddings take normal
+    values (std DUMMY_STD) from a pool of DUMMY_POOL draws, each tensor at a shifted phase; norm
+    scales are one, biases zero. transformers' own init is not run: at 8B it is far slower and
+    initialises each tensor more than once."""
+    params = list(model.named_parameters())
+    if not params:
+        return
+    first = params[0][1]
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    pool = torch.empty(DUMMY_POOL, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=generator)
+    pool = torch.cat([pool, pool]).to(device=first.device)  # any window of DUMMY_POOL is contiguous
+    pools: dict[torch.dtype, torch.Tensor] = {}
+    phase = 0
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                if param.device.type == "cpu":
-                    param.normal_(0.0, DUMMY_STD, generator=generator)
-                else:
-                    param.normal_(0.0, DUMMY_STD)
-            else:
+        for name, param in params:
+            if param.dim() < 2:
                 param.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            source = pools.get(param.dtype)
+            if source is None:
+                source = pools[param.dtype] = pool.to(param.dtype)
+            phase = _lay_over(param.view(-1), source, phase)
+
+
+def _lay_over(flat: torch.Tensor, source: torch.Tensor, phase: int) -> int:
+    """Copies `source` (the doubled pool) over `flat` from `phase` on; returns the next phase. On
+    the CPU as bytes through numpy, whose copy is a memcpy where torch's copy_ of a bfloat16
+    slice is an elementwise loop."""
+    on_cpu = flat.device.type == "cpu"
+    dst = flat.view(torch.uint8).numpy() if on_cpu else flat
+    src = source.view(torch.uint8).numpy() if on_cpu else source
+    size = flat.element_size() if on_cpu else 1
+    for start in range(0, flat.numel(), DUMMY_POOL):
+        n = min(DUMMY_POOL, flat.numel() - start)
+        dst[start * size:(start + n) * size] = src[phase * size:(phase + n) * size]
+        phase = (phase + n) % DUMMY_POOL
+    return phase
 
 
 def _dummy_model(model: nn.Module, config: ModelArchConfig, dtype: torch.dtype, path: str, method: str,
