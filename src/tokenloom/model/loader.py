@@ -29,6 +29,7 @@ from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.source import (
     check_config_options,
+    check_load_format,
     default_model_path,
     gemma3_270m_path,
     load_model_config,
@@ -206,13 +207,6 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                 torch_dtype, described, time.perf_counter() - start)
     return LoadedModel(model=model, config=config, dtype=torch_dtype, path=path,
                        quantization=described, tokenizer_path=tokenizer, tokenizer_mode=tokenizer_mode)
-
-
-def check_load_format(path: str, kind: str, load_format: str) -> None:
-    """load_format "safetensors" or "gguf" takes only that kind of checkpoint."""
-    if load_format in ("safetensors", "gguf") and {"safetensors": "hf", "gguf": "gguf"}[load_format] != kind:
-        raise ModelLoadError(f"{path}: load_format={load_format!r}, but this is "
-                             f"{'a GGUF file' if kind == 'gguf' else 'an HF directory'}")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.model.hub import fetch_model_files
-from tokenloom.model.source import check_tokenizer_mode, load_model_config
+from tokenloom.model.source import check_load_format, check_tokenizer_mode, load_model_config, resolve_model
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -32,5 +32,6 @@ def resolve_engine_config(config: EngineConfig) -> ModelArchConfig:
     config.validate()
     check_tokenizer_mode(config.tokenizer_mode)
     fetch_model_files(config)  # hub ids -> local paths (a no-op for local ones)
+    check_load_format(*resolve_model(config.model), config.load_format)
     resolve_pooling(config)
     return load_model_config(config.model, config.hf_overrides, config.convert)

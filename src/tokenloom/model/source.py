@@ -99,6 +99,13 @@ def check_config_options(path: str, kind: str, hf_overrides: dict[str, Any] | No
                              "this is a GGUF file")
 
 
+def check_load_format(path: str, kind: str, load_format: str) -> None:
+    """load_format "safetensors" or "gguf" takes only that kind of checkpoint."""
+    if load_format in ("safetensors", "gguf") and {"safetensors": "hf", "gguf": "gguf"}[load_format] != kind:
+        raise ModelLoadError(f"{path}: load_format={load_format!r}, but this is "
+                             f"{'a GGUF file' if kind == 'gguf' else 'an HF directory'}")
+
+
 def load_tokenizer(path: str | None = None, tokenizer_mode: str = "auto") -> PreTrainedTokenizerFast:
     """The tokenizer of a GGUF file or an HF directory (a model's, or one holding only tokenizer
     files: vLLM's `tokenizer=`). `tokenizer_mode` "mistral" builds mistral_common's tokenizer
