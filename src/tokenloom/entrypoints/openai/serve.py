@@ -134,7 +134,9 @@ def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]
     kv_tokens = info.kv_cache_capacity_tokens or info.num_kv_blocks * info.block_size
     lines = [
         f"tokenloom serve: listening on {url}",
-        f"tokenloom serve: model {engine.config.model or 'SmolLM2-135M-Instruct'} | dtype {info.dtype} | "
+        f"tokenloom serve: model {engine.model_name}"
+        + (f" ({engine.config.model})" if engine.config.model not in (None, engine.model_name) else "")
+        + f" | dtype {info.dtype} | "
         f"quantization {info.quantization or 'none'} | max_model_len {info.max_model_len} | KV cache "
         f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({kv_tokens} tokens of one request), {info.kv_cache_dtype}",
     ]
