@@ -152,9 +152,23 @@ def test_token_and_revision_reach_the_hub(hub, monkeypatch):
     assert os.path.isfile(os.path.join(config.model, "model.safetensors")) and config.hf_token is None
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     fetch_model_files(EngineConfig(model="org/gated-llama"))
+    # vLLM's tokenizer_revision: the model's own tokenizer files, at that revision.
+    tokenizer = EngineConfig(model="org/tiny-llama", tokenizer_revision="v1")
+    fetch_model_files(tokenizer)
+    assert os.path.basename(tokenizer.tokenizer) == "1" * 40 and os.path.basename(tokenizer.model) != "1" * 40
+    assert not os.path.exists(os.path.join(tokenizer.tokenizer, "model.safetensors"))
     branch = EngineConfig(model="org/tiny-llama", revision="v1")
     fetch_model_files(branch)
     assert os.path.basename(branch.model) == "1" * 40
+
+
+def test_hf_home_is_the_cache(hub, tmp_path, monkeypatch):
+    """$HF_HOME/hub is the cache when HF_HUB_CACHE is unset, read when the model is resolved."""
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    config = EngineConfig(model="org/tiny-llama")
+    fetch_model_files(config)
+    assert config.model.startswith(str(tmp_path / "home" / "hub" / "models--org--tiny-llama"))
 
 
 def test_serve_with_a_missing_repo_is_one_line(hub):
@@ -198,6 +212,7 @@ def test_what_is_a_hub_id_and_which_files(tmp_path):
     local.mkdir(parents=True)
     os.chdir(tmp_path)
     assert parse_hub_id("org/name") is None  # an existing folder is a path, as in vLLM
+    assert parse_hub_id("models/missing.gguf") is None  # a path that does not exist, said as such
     assert parse_hub_id("./org/x") is None and parse_hub_id("/abs/path") is None and parse_hub_id(None) is None
     files = ["config.json", "tokenizer.json", "model.safetensors", "consolidated.safetensors",
              "model-Q4_K_M.gguf", "model-Q4_K.gguf", "model-IQ4_XS.gguf", "generation_config.json"]

@@ -58,7 +58,7 @@ def parse_hub_id(name: str | None) -> HubId | None:
     if name is None or os.path.exists(os.path.expanduser(name)) or name.startswith(("/", ".", "~")):
         return None
     match = _HUB_ID.match(name)
-    if match is None:
+    if match is None or match["repo"].lower().endswith(".gguf"):  # a GGUF path that does not exist
         return None
     return HubId(match["repo"], match["tag"], match["file"])
 
