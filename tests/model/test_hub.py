@@ -204,13 +204,13 @@ def test_dummy_weights_from_a_config_directory(tiny, tmp_path, hub):
     assert not os.path.exists(os.path.join(config.model, "model.safetensors"))
 
 
-def test_what_is_a_hub_id_and_which_files(tmp_path):
+def test_what_is_a_hub_id_and_which_files(tmp_path, monkeypatch):
     assert parse_hub_id("org/name").repo == "org/name"
     assert parse_hub_id("org/name-GGUF:Q4_K_M").tag == "Q4_K_M"
     assert parse_hub_id("org/name-GGUF/sub/file.gguf").filename == "sub/file.gguf"
     local = tmp_path / "org" / "name"
     local.mkdir(parents=True)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     assert parse_hub_id("org/name") is None  # an existing folder is a path, as in vLLM
     assert parse_hub_id("models/missing.gguf") is None  # a path that does not exist, said as such
     assert parse_hub_id("./org/x") is None and parse_hub_id("/abs/path") is None and parse_hub_id(None) is None
