@@ -9,7 +9,12 @@ import msgspec
 
 from tokenloom import envs
 from tokenloom.pooling_params import PoolerConfig
+from tokenloom.sampling_params import MAX_LOGPROBS
 
+
+# vLLM's tokenizer modes and load formats that tokenloom has (the others need its GPU loaders).
+TOKENIZER_MODES = ("auto", "slow", "mistral")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 # The speculative methods this engine has (vLLM's `speculative_config["method"]`).
 SPECULATIVE_METHODS = ("ngram",)
@@ -106,6 +111,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     """Everything the engine core needs to build itself; sent to the child process at start-up."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    # Where the model and its tokenizer come from (vLLM's names). `model` and `tokenizer` may be
+    # hub ids ("org/name", "org/name-GGUF:Q4_K_M"): the caller downloads them once
+    # (model/hub.fetch_model_files) and rewrites both to local paths before the core starts, so
+    # the core never sees a hub id, nor `hf_token`, which the caller then clears.
+    tokenizer: str | None = None  # None: the model's own
+    tokenizer_mode: str = "auto"  # "auto" | "slow" | "mistral" (model/source.TOKENIZER_MODES)
+    tokenizer_revision: str | None = None
+    revision: str | None = None
+    hf_token: str | bool | None = None
+    download_dir: str | None = None
+    # "auto" (by the files), "safetensors", "gguf", or "dummy": random weights of the config's shape.
+    load_format: str = "auto"
+    # The most logprobs (sampled or prompt) one request may ask for; at most
+    # sampling_params.MAX_LOGPROBS, the engine's own ceiling.
+    max_logprobs: int = 20
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     # The KV cache's element type: "auto" is the model dtype, except on the quantized CPU path
     # (bfloat16, see worker/model_runner.resolve_kv_cache_dtype). "bfloat16" under a float32
@@ -221,7 +241,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
 
     def _check_types(self) -> None:
         """Paths and option dicts made what the core decodes, then every field's type checked."""
-        for name in ("model", "trace_path"):  # a pathlib.Path is a path too (it cannot cross to the core)
+        for name in ("model", "tokenizer", "download_dir", "trace_path"):  # a pathlib.Path is a path too (it cannot cross to the core)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # type: ignore[arg-type]
@@ -273,6 +293,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                              f"{self.kv_cache_dtype!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}.")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got {self.tokenizer_mode!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
+        if isinstance(self.max_logprobs, bool) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the engine's ceiling), "
+                             f"got {self.max_logprobs!r}.")
         if self.quantization not in (None, "auto", "gguf", "int8", "none"):
             raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
                              f"{self.quantization!r}.")

@@ -89,7 +89,32 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
                                               "1 | true: allow POST /v1/load_lora_adapter and unload"),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (_true_words("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
                                          "vLLM's name for TOKENLOOM_ALLOW_RUNTIME_LORA_UPDATING"),
+    # --- the model hub (huggingface_hub's own variables, read when a hub id is downloaded rather
+    # than when huggingface_hub was imported, so a script may set them after importing it)
+    "HF_ENDPOINT": (lambda: os.environ.get("HF_ENDPOINT") or None,
+                    "the hub that hub ids are downloaded from (default https://huggingface.co)"),
+    "HF_HUB_OFFLINE": (lambda: os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"),
+                       "1: hub ids resolve from the local cache only, with no network"),
+    "HF_HUB_CACHE": (lambda: os.environ.get("HF_HUB_CACHE") or None,
+                     "the hub cache downloads go to (default $HF_HOME/hub); --download-dir overrides it"),
+    "HF_HOME": (lambda: os.environ.get("HF_HOME") or None,
+                "huggingface_hub's home (default ~/.cache/huggingface); its hub/ is the cache"),
 }
+
+
+def hf_endpoint() -> str | None:
+    """$HF_ENDPOINT (None: huggingface_hub's default)."""
+    return _get("HF_ENDPOINT")
+
+
+def hf_hub_offline() -> bool:
+    return _get("HF_HUB_OFFLINE")
+
+
+def hf_hub_cache() -> str | None:
+    """$HF_HUB_CACHE, else $HF_HOME/hub (None: huggingface_hub's default)."""
+    home = _get("HF_HOME")
+    return _get("HF_HUB_CACHE") or (os.path.join(os.path.expanduser(home), "hub") if home else None)
 
 
 def torch_profiler_dir() -> str | None:

@@ -136,9 +136,44 @@ def test_keywords_as_vllm_takes_them(caplog):
 
 
 def test_unknown_keyword_and_bad_value_are_named():
-    with pytest.raises(TypeError, match="tokenizer"):
-        EngineArgs(model="/models/m.gguf", tokenizer="/models/tok")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="tokenizer_pool_size"):
+        EngineArgs(model="/models/m.gguf", tokenizer_pool_size=2)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineArgs(max_num_seqs=0).create_engine_config()
     with pytest.raises(ValueError, match="^dtype"):
         EngineArgs(dtype="fp8").create_engine_config()
+
+
+def test_vllm_loading_arguments_under_vllm_names(smollm2_path):
+    """vLLM's tokenizer and load arguments parse as its flags and keywords, and reach the config;
+    a bad value names its field before anything starts."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "org/name-GGUF:Q4_K_M", "--tokenizer", "org/base", "--tokenizer-mode", "slow",
+                              "--revision", "v1", "--tokenizer-revision", "v2", "--hf-token", "t",
+                              "--download-dir", "/data/hub", "--load-format", "gguf", "--max-logprobs", "5"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config == EngineConfig(model="org/name-GGUF:Q4_K_M", tokenizer="org/base", tokenizer_mode="slow",
+                                  revision="v1", tokenizer_revision="v2", hf_token="t", download_dir="/data/hub",
+                                  load_format="gguf", max_logprobs=5)
+    with pytest.raises(ValueError, match="^load_format must be one of auto, safetensors, gguf, dummy"):
+        EngineArgs(load_format="pt").create_engine_config()
+    with pytest.raises(ValueError, match=r"^max_logprobs must be an integer in \[0, 20\]"):
+        EngineArgs(max_logprobs=21).create_engine_config()
+    with pytest.raises(ValueError, match="^load_format='safetensors'|load_format='safetensors'"):
+        LLM(smollm2_path, load_format="safetensors", max_model_len=64, multiprocess=False)
+    try:
+        import mistral_common  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"^tokenizer_mode='mistral' needs mistral_common.*tokenloom\[mistral\]"):
+            LLM(smollm2_path, tokenizer_mode="mistral")
+
+
+def test_max_logprobs_limits_requests(smollm2_path):
+    """A request asking for more logprobs than the engine's max_logprobs is refused, naming the
+    field and the limit; at the limit it runs."""
+    with LLM(smollm2_path, max_logprobs=2, multiprocess=False, **SETTINGS) as llm:
+        for field in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(ValueError, match=rf"^{field}=3 is more than this engine's max_logprobs \(2\)"):
+                llm.generate(PROMPTS[0], SamplingParams(**{field: 3}, **GREEDY), use_tqdm=False)
+        out = llm.generate(PROMPTS[0], SamplingParams(logprobs=2, **GREEDY), use_tqdm=False)[0].outputs[0]
+        assert all(len(step) >= 2 for step in out.logprobs)

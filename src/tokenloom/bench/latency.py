@@ -47,7 +47,7 @@ def _iteration_prompts(args: argparse.Namespace) -> list[list[list[int]]]:
     from tokenloom.bench.common import random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.tokenizer_mode)
     vocab = load_model_config(args.model).vocab_size
     return [
         random_prompt_ids(tokenizer, vocab, args.batch_size, args.input_len, args.seed + i)
@@ -127,7 +127,7 @@ class _HF:
         self.args = args
         self.hf, dtype = load_hf_model(args.model, args.baseline_dtype, args.device)
         self.dtype = str(dtype).removeprefix("torch.")
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.tokenizer or args.model, args.tokenizer_mode)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prefill: list[float] = []
         self.decode: list[float] = []
@@ -190,6 +190,7 @@ class _LlamaCpp:
 
 def run(args: argparse.Namespace) -> int:
     from tokenloom.bench.common import check_output_json, default_hf_dtype, emit, positive
+    from tokenloom.model.hub import fetch_model_files
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         positive(name, getattr(args, name))
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "llamacpp" and args.batch_size != 1:
         raise ValueError("--baseline llamacpp runs one sequence at a time (llama-cpp-python): use --batch-size 1.")
     check_output_json(args.output_json)
+    fetch_model_files(args)  # a hub id downloaded once: the prompts, the baselines and the engine read it
     args.baseline_dtype = args.baseline_dtype or default_hf_dtype(args.device)
     from tokenloom.bench.machine import Progress, machine_info
 

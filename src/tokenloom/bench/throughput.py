@@ -152,7 +152,7 @@ class _HF:
         progress.step(f"{self.label}: loading")
         self.args = args
         self.hf, self.dtype = load_hf_model(args.model, dtype_name, args.device)
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.tokenizer or args.model, args.tokenizer_mode)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         progress.step(f"{self.label}: warm-up")
         hf_generate(self.hf, warmup, min(4, args.output_len), args.hf_batch_size, self.pad, args.device)
@@ -308,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenloom.model.loader import load_model_config, load_tokenizer
 
     from tokenloom.bench.machine import Progress, machine_info
+    from tokenloom.model.hub import fetch_model_files
 
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size", "num_iters"):
         positive(name, getattr(args, name))
@@ -320,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline_dtype is not None and args.baseline == "llamacpp":
         raise ValueError("--baseline-dtype does not apply to --baseline llamacpp (it runs the GGUF as shipped).")
     check_output_json(args.output_json)
-    tokenizer = load_tokenizer(args.model)
+    fetch_model_files(args)  # a hub id downloaded once: the prompts, the baselines and the engine read it
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.tokenizer_mode)
     vocab = load_model_config(args.model).vocab_size
     prompt_sets = [random_prompt_ids(tokenizer, vocab, args.num_prompts, args.input_len, args.seed + 1000 * i)
                    for i in range(args.num_iters)]

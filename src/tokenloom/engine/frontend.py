@@ -28,7 +28,7 @@ class EngineFrontend:
         self.config = config
         # Only the tokenizer and the architecture facts live in the caller; the weights are
         # loaded (and dequantized) once, in the engine core.
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode)
         self.engine_core = make_client(config)
         info = self.engine_core.info
         # The core's answer: the worker that loaded the weights checked the requested length.
@@ -39,7 +39,7 @@ class EngineFrontend:
             scheduling_policy=config.scheduling_policy, enable_lora=config.enable_lora,
             max_lora_rank=config.max_lora_rank,
             pooler_config=config.pooler_config,  # None unless the engine pools (resolve_pooling)
-            structured_output_limits=config.structured_output_limits(),
+            structured_output_limits=config.structured_output_limits(), max_logprobs=config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer, expect_timing=config.enable_ledger)
 

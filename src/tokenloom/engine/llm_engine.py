@@ -25,15 +25,17 @@ from tokenloom.sampling_params import SamplingParams
 
 
 class LLMEngine(EngineFrontend):
-    def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool = True, model_name: str | None = None) -> None:
+        """`model_name`: the metrics' and trace's name of the model (default: the model as given,
+        a hub id rather than the cache folder it is downloaded to)."""
         self.engine_core: EngineCoreClient | DPClient
+        model_name = model_name or config.model or "SmolLM2-135M-Instruct"
         self._start(config, lambda resolved: self._make_client(resolved, multiprocess))
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
         # The caller's half of the ledger: metrics (get_metrics) and the trace file.
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
-            model_name = config.model or "SmolLM2-135M-Instruct"
             self.ledger = FrontendLedger(config, model_name, self.engine_core.info)
 
     @staticmethod

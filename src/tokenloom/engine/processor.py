@@ -49,8 +49,11 @@ class InputProcessor:
         max_lora_rank: int = 16,
         pooler_config: PoolerConfig | None = None,
         structured_output_limits: StructuredOutputLimits | None = None,
+        max_logprobs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The engine's max_logprobs (None: SamplingParams' own ceiling only).
+        self.max_logprobs = max_logprobs
         # How large a structured output's spec may be (None: unlimited); see backend.check_limits.
         self.structured_output_limits = structured_output_limits
         # Set for an engine with runner="pooling": it takes PoolingParams requests only.
@@ -382,6 +385,7 @@ class InputProcessor:
     def _complete_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        self._check_logprobs(params)
         changes: dict[str, Any] = {}
         if params.max_tokens is None:
             changes["max_tokens"] = self.max_model_len - prompt_len
@@ -402,6 +406,16 @@ class InputProcessor:
             # with a message naming the field (and the limit, or quoting the compiler).
             validate_structured_outputs(params.structured_outputs, self.structured_output_limits)
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs: the most logprobs a request of this engine may ask for."""
+        if self.max_logprobs is None:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} is more than this engine's max_logprobs ({self.max_logprobs}); "
+                                 "start it with a larger max_logprobs (--max-logprobs).")
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each bad word as it reads at the start of a text and after a space: the two often

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import LOAD_FORMATS, TOKENIZER_MODES, EngineConfig
 from tokenloom.entrypoints.arg_fields import (
     FROM_CONFIG,
     add_dataclass_args,
@@ -30,6 +30,7 @@ from tokenloom.entrypoints.arg_fields import (
     reference_markdown,
 )
 from tokenloom.pooling_params import PoolerConfig
+from tokenloom.sampling_params import MAX_LOGPROBS
 
 __all__ = ["EngineArgs", "AsyncEngineArgs", "add_engine_args", "engine_config_from_args", "human_int", "json_dict",
            "DTYPE_ALIASES", "VLLM_ONLY_ARGS", "config_reference_markdown"]
@@ -43,6 +44,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # says so.
 VLLM_ONLY_ARGS = ("gpu_memory_utilization", "trust_remote_code", "swap_space", "disable_log_stats")
 
+LOADING = "model loading (vLLM's names: a hub id is downloaded once, by the caller, with huggingface_hub)"
 STRUCTURED = "structured outputs (a request over a limit gets a 400 naming the field and the limit)"
 VLLM = "accepted for vLLM's launch scripts, with no effect here (a warning says so)"
 # Options that only EngineArgs.add_cli_args adds: `tokenloom serve` spells its own.
@@ -76,8 +78,28 @@ class EngineArgs:
     are taken and warned about; any other unknown name is a TypeError, as in vLLM: taking it
     silently would run something other than what the script asked for."""
 
-    model: str | None = arg("GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)",
+    model: str | None = arg("GGUF file, Hugging Face directory, or hub id: org/name, org/name-GGUF:Q4_K_M (the GGUF "
+                            "of that quantization), org/name-GGUF/file.gguf (default: embedded SmolLM2-135M-Instruct)",
                             positional=True)
+    tokenizer: str | None = arg("the tokenizer's GGUF file, directory or hub id (default: the model's); e.g. a GGUF "
+                                "repo's base model, for its Hugging Face tokenizer and chat template", group=LOADING)
+    tokenizer_mode: str = arg("auto: the fast tokenizer (transformers); slow: the same here (transformers 5 builds "
+                              "one tokenizer per model); mistral: mistral_common's (pip install 'tokenloom[mistral]')",
+                              choices=TOKENIZER_MODES, group=LOADING)
+    tokenizer_revision: str | None = arg("branch, tag or commit of the tokenizer's hub repo (default: the model's "
+                                         "revision when the tokenizer is the model's, else the repo's main)",
+                                         group=LOADING)
+    revision: str | None = arg("branch, tag or commit of the model's hub repo (default: main)", group=LOADING)
+    hf_token: str | bool | None = arg("the hub token for gated and private repos (default: $HF_TOKEN or the one "
+                                      "`hf auth login` saved); stays in the caller's process", group=LOADING,
+                                      parse=str, metavar="TOKEN")
+    download_dir: str | None = arg("where hub downloads go (default: $HF_HUB_CACHE, else $HF_HOME/hub)",
+                                   group=LOADING)
+    load_format: str = arg("auto: by the model's files; safetensors or gguf: only that; dummy: random weights of the "
+                           "config's shape (a directory or hub repo with config.json and a tokenizer; no weights "
+                           "read or downloaded), for benchmarks", choices=LOAD_FORMATS, group=LOADING)
+    max_logprobs: int = arg("the most logprobs (sampled or prompt) a request may ask for; more is a 400 naming the "
+                            f"limit (at most {MAX_LOGPROBS})", group=LOADING)
     dtype: str = arg("weights and activations (auto: by what the CPU multiplies fastest, float32 under a quantized "
                      "path; half = float16, float = float32 as in vLLM)",
                      choices=("auto", "float32", "bfloat16", "float16", "half", "float"))

@@ -17,6 +17,8 @@ from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from tokenloom.entrypoints.engine_args import EngineArgs
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
+from tokenloom.model.hub import fetch_model_files
+from tokenloom.model.source import check_tokenizer_mode
 from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.entrypoints.score_utils import (
@@ -48,8 +50,8 @@ PromptType = str | dict[str, Any] | list[int]
 class LLM:
     """An engine for offline batched inference.
 
-    `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file or a
-    Hugging Face directory. The keywords are EngineArgs' fields, the same as the CLI's engine
+    `model=None` runs the embedded SmolLM2-135M-Instruct (GGUF); otherwise a GGUF file, a
+    Hugging Face directory, or a hub id ("org/name", "org/name-GGUF:Q4_K_M"), downloaded once. The keywords are EngineArgs' fields, the same as the CLI's engine
     options; docs/configuration.md (generated from EngineArgs) lists each with its default and
     meaning. `multiprocess=False` runs the engine core in this process (debugging);
     `runner="pooling"` makes an embedding engine (`embed`, `encode`, `classify`, `score`).
@@ -74,6 +76,9 @@ class LLM:
 
     def _start(self, engine_args: EngineArgs, spelling: Literal["flag", "keyword"]) -> None:
         config = engine_args.create_engine_config(spelling=spelling)
+        model_name = config.model
+        check_tokenizer_mode(config.tokenizer_mode)
+        fetch_model_files(config)  # a hub id downloaded here, once: its generation_config.json is read next
         # Before the engine starts: a model's unusable generation_config.json is said at once.
         self.default_sampling_params = default_sampling_params(config.model, config.generation_config,
                                                                config.override_generation_config)
@@ -81,7 +86,7 @@ class LLM:
             logger.warning("Default sampling parameters %s from %s (generation_config='vllm' keeps SamplingParams' "
                            "own).", self.default_sampling_params,
                            defaults_source(config.generation_config, config.override_generation_config))
-        self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess)
+        self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess, model_name=model_name)
         if config.trace_path is not None or config.otlp_traces_endpoint is not None:
             # The trace written (and the spans sent) at shutdown, or at exit if nobody shuts us down.
             weakref.finalize(self, self.llm_engine.flush_trace)

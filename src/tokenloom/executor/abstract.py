@@ -43,7 +43,7 @@ class Executor(ABC):
         return load_model_config(self.config.model, self.config.hf_overrides, self.config.convert)
 
     def tokenizer(self) -> Any:
-        return load_tokenizer(self.config.model)
+        return load_tokenizer(self.config.tokenizer or self.config.model, self.config.tokenizer_mode)
 
     def determine_num_kv_blocks(self) -> int:
         """The KV blocks every rank holds: each rank sizes its cache for its own heads from the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ class GGUFTensorInfo:
     ggml_type: int
     offset: int  # absolute offset of the first byte in the file
     nbytes: int
+    part: int = 0  # the file of a split GGUF holding it (0: the first, or the only one)
 
     @property
     def type_name(self) -> str:
@@ -67,6 +69,8 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
     _mmap: mmap.mmap | None = field(default=None, repr=False)
+    # A split GGUF's later parts (`-00002-of-00003.gguf`, ...), mapped as the first is.
+    _parts: list[mmap.mmap] = field(default_factory=list, repr=False)
 
     @property
     def architecture(self) -> str:
@@ -76,7 +80,8 @@ class GGUFFile:
         """The tensor's bytes as uint8 `[*rows, bytes_per_row]` (a view of the mapped file), the
         layout `gguf.quants.dequantize` expects."""
         assert self._mmap is not None
-        buf = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        mm = self._mmap if info.part == 0 else self._parts[info.part - 1]
+        buf = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         row = info.shape[-1] if info.shape else 1
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
         return buf.reshape(*info.shape[:-1], row // block * type_size)
@@ -163,8 +168,31 @@ class _Cursor:
         return v
 
 
+_SPLIT = re.compile(r"-00001-of-(\d{5})\.gguf$")
+
+
 def read_gguf(path: str) -> GGUFFile:
-    """Parse the header of the GGUF at `path`; tensor data stays mapped, not read."""
+    """Parse the header of the GGUF at `path`; tensor data stays mapped, not read. A split GGUF
+    (llama.cpp's gguf-split: `x-00001-of-00003.gguf`, named by its first part) is read whole:
+    the first part's metadata, every part's tensors."""
+    g = _read_one(path)
+    count = int(g.metadata.get("split.count", 1) or 1)
+    if count > 1:
+        match = _SPLIT.search(path)
+        if match is None or int(match.group(1)) != count:
+            raise ModelLoadError(f"{path}: part of a split GGUF of {count} files: pass its first part "
+                                 f"(...-00001-of-{count:05d}.gguf)")
+        for i in range(2, count + 1):
+            part = _read_one(path[: match.start()] + f"-{i:05d}-of-{count:05d}.gguf")
+            assert part._mmap is not None
+            g._parts.append(part._mmap)
+            for name, info in part.tensors.items():
+                info.part = i - 1
+                g.tensors[name] = info
+    return g
+
+
+def _read_one(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:

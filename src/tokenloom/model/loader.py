@@ -8,8 +8,10 @@ which read metadata and never touch tensor data; the engine core calls `load_mod
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.source import (
     check_config_options,
+    check_load_format,
     default_model_path,
     gemma3_270m_path,
     load_model_config,
@@ -62,6 +65,9 @@ class LoadedModel:
     # What the matmuls compute with: "none" (float), or e.g. "gguf Q4_1x90+Q8_0x1 avx512_vnni".
     quantization: str = "none"
     _tokenizer: PreTrainedTokenizerFast | None = field(default=None, repr=False)
+    # Where the tokenizer comes from when it is not the model's own (vLLM's `tokenizer=`).
+    tokenizer_path: str | None = None
+    tokenizer_mode: str = "auto"
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
@@ -69,7 +75,7 @@ class LoadedModel:
         structured output's grammar, and building it (transformers' import, a GGUF's vocabulary)
         is a large part of a start-up (benchmarks/CHANGELOG.md, "Server start-up")."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.path)
+            self._tokenizer = load_tokenizer(self.tokenizer_path or self.path, self.tokenizer_mode)
         return self._tokenizer
 
 
@@ -135,14 +141,21 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto",
                pooling: bool = False, hf_overrides: dict[str, Any] | None = None,
-               convert: str = "auto") -> LoadedModel:
+               convert: str = "auto", load_format: str = "auto", tokenizer: str | None = None,
+               tokenizer_mode: str = "auto") -> LoadedModel:
     """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
     weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does.
     `pooling`: the model only embeds, so a checkpoint without an LM head (an HF `*Model`, names
-    without the `model.` prefix) loads too. `hf_overrides` and `convert` as in EngineConfig."""
+    without the `model.` prefix) loads too. `hf_overrides`, `convert`, `load_format` ("dummy":
+    random weights of the config's shape, nothing read but the config), `tokenizer` and
+    `tokenizer_mode` as in EngineConfig."""
     start = time.perf_counter()
     path, kind = resolve_model(path)
+    check_load_format(path, kind, load_format)
     check_config_options(path, kind, hf_overrides, convert)
+    dummy = load_format == "dummy"
+    if dummy and quantization in ("auto", "gguf"):
+        quantization = "none"  # random float weights: there are no quantized tensors to compute with
     torch_dtype = resolve_dtype(dtype, device)
     if (dtype == "auto" and torch_dtype != torch.float32
             and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
@@ -159,10 +172,13 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     else:
         config = hf_model_config(path, hf_overrides, convert)
 
-    # Parameters are allocated uninitialised (see llama.Linear) and filled from the checkpoint.
-    # Not the meta device: its first use costs seconds of one-off set-up inside torch.
-    with torch.device(device):
+    # Parameters are allocated uninitialised (see llama.Linear), in their dtype (no float32 copy
+    # first), and filled from the checkpoint. Not the meta device: its first use costs seconds of
+    # one-off set-up inside torch.
+    with torch.device(device), _default_dtype(torch_dtype):
         model = build_model(config).to(torch_dtype)
+    if dummy:
+        return _dummy_model(model, config, torch_dtype, path, method, tokenizer, tokenizer_mode, start)
     expected = model.checkpoint_shapes()
     if config.classifier_token_ids is not None:
         expected.pop("score.weight")  # made from LM-head rows below, not read
@@ -190,4 +206,73 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     logger.info("loaded %s (%s, %s, quantization: %s) in %.2f s", path, config.architecture,
                 torch_dtype, described, time.perf_counter() - start)
     return LoadedModel(model=model, config=config, dtype=torch_dtype, path=path,
-                       quantization=described)
+                       quantization=described, tokenizer_path=tokenizer, tokenizer_mode=tokenizer_mode)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+DUMMY_SEED = 0
+DUMMY_STD = 0.02  # transformers' initializer_range for most decoders
+# Values drawn once and laid over every tensor: drawing each of 8B values one by one costs far
+# more than copying. Odd, so that rows (of even lengths) do not line up with the pool's period.
+DUMMY_POOL = (1 << 22) + 1
+
+
+def fill_dummy_weights_(model: nn.Module, seed: int = DUMMY_SEED) -> None:
+    """vLLM's load_format="dummy", in place and seeded: matrices and embeddings take normal
+    values (std DUMMY_STD) from a pool of DUMMY_POOL draws, each tensor at a shifted phase; norm
+    scales are one, biases zero. transformers' own init is not run: at 8B it is far slower and
+    initialises each tensor more than once."""
+    params = list(model.named_parameters())
+    if not params:
+        return
+    first = params[0][1]
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    pool = torch.empty(DUMMY_POOL, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=generator)
+    pool = torch.cat([pool, pool]).to(device=first.device)  # any window of DUMMY_POOL is contiguous
+    pools: dict[torch.dtype, torch.Tensor] = {}
+    phase = 0
+    with torch.no_grad():
+        for name, param in params:
+            if param.dim() < 2:
+                param.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            source = pools.get(param.dtype)
+            if source is None:
+                source = pools[param.dtype] = pool.to(param.dtype)
+            phase = _lay_over(param.view(-1), source, phase)
+
+
+def _lay_over(flat: torch.Tensor, source: torch.Tensor, phase: int) -> int:
+    """Copies `source` (the doubled pool) over `flat` from `phase` on; returns the next phase. On
+    the CPU as bytes through numpy, whose copy is a memcpy where torch's copy_ of a bfloat16
+    slice is an elementwise loop."""
+    on_cpu = flat.device.type == "cpu"
+    dst = flat.view(torch.uint8).numpy() if on_cpu else flat
+    src = source.view(torch.uint8).numpy() if on_cpu else source
+    size = flat.element_size() if on_cpu else 1
+    for start in range(0, flat.numel(), DUMMY_POOL):
+        n = min(DUMMY_POOL, flat.numel() - start)
+        dst[start * size:(start + n) * size] = src[phase * size:(phase + n) * size]
+        phase = (phase + n) % DUMMY_POOL
+    return phase
+
+
+def _dummy_model(model: nn.Module, config: ModelArchConfig, dtype: torch.dtype, path: str, method: str,
+                 tokenizer: str | None, tokenizer_mode: str, start: float) -> LoadedModel:
+    fill_dummy_weights_(model)
+    summary = quantize_int8_(model) if method == "int8" else None
+    model.eval().requires_grad_(False)
+    described = "none" if summary is None else summary.describe()
+    logger.info("random weights (load_format dummy) for %s (%s, %s, quantization: %s) in %.2f s", path,
+                config.architecture, dtype, described, time.perf_counter() - start)
+    return LoadedModel(model=model, config=config, dtype=dtype, path=path, quantization=described,
+                       tokenizer_path=tokenizer, tokenizer_mode=tokenizer_mode)

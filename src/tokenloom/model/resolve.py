@@ -9,7 +9,8 @@ from __future__ import annotations
 from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.pooling_config import resolve_pooling
-from tokenloom.model.source import load_model_config
+from tokenloom.model.hub import fetch_model_files
+from tokenloom.model.source import check_load_format, check_tokenizer_mode, load_model_config, resolve_model
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
@@ -24,9 +25,13 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
 
 
 def resolve_engine_config(config: EngineConfig) -> ModelArchConfig:
-    """Validates `config` and resolves, in place, what the model's files decide (the runner and
-    the pooler: model/pooling_config.resolve_pooling); returns the model's architecture facts
+    """Validates `config` and resolves, in place, where the model is (a hub id downloaded:
+    model/hub.fetch_model_files) and what the model's files decide (the runner and the pooler:
+    model/pooling_config.resolve_pooling); returns the model's architecture facts
     (metadata only, with hf_overrides and convert applied)."""
     config.validate()
+    check_tokenizer_mode(config.tokenizer_mode)
+    fetch_model_files(config)  # hub ids -> local paths (a no-op for local ones)
+    check_load_format(*resolve_model(config.model), config.load_format)
     resolve_pooling(config)
     return load_model_config(config.model, config.hf_overrides, config.convert)

@@ -74,8 +74,8 @@ def resolve_model(path: str | None) -> tuple[str, str]:
                 return path, "gguf"
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
     raise ModelNotFoundError(f"model path does not exist: {path}" + (
-        f" (given as {given!r}; nothing is downloaded from a model hub: pass a local HF directory or "
-        ".gguf file)" if given != path else ""))
+        f" (given as {given!r}: a local HF directory, a .gguf file, or a hub id such as org/name, which LLM(...) and "
+        "`tokenloom serve` download)" if given != path else ""))
 
 
 def load_model_config(path: str | None = None, hf_overrides: dict[str, Any] | None = None,
@@ -99,10 +99,35 @@ def check_config_options(path: str, kind: str, hf_overrides: dict[str, Any] | No
                              "this is a GGUF file")
 
 
-def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
+def check_load_format(path: str, kind: str, load_format: str) -> None:
+    """load_format "safetensors" or "gguf" takes only that kind of checkpoint."""
+    if load_format in ("safetensors", "gguf") and {"safetensors": "hf", "gguf": "gguf"}[load_format] != kind:
+        raise ModelLoadError(f"{path}: load_format={load_format!r}, but this is "
+                             f"{'a GGUF file' if kind == 'gguf' else 'an HF directory'}")
+
+
+def load_tokenizer(path: str | None = None, tokenizer_mode: str = "auto") -> PreTrainedTokenizerFast:
+    """The tokenizer of a GGUF file or an HF directory (a model's, or one holding only tokenizer
+    files: vLLM's `tokenizer=`). `tokenizer_mode` "mistral" builds mistral_common's tokenizer
+    (transformers' wrapper of it); "slow" is "auto" here: transformers 5 builds one tokenizer per
+    model, on the tokenizers library."""
     # Imported here: transformers is slow to import, which an engine core that never
     # needs the tokenizer (see loader.LoadedModel.tokenizer) does not pay.
-    from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
+    from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer, mistral_tokenizer
 
+    if path is not None and os.path.isdir(os.path.expanduser(path)):
+        directory = os.path.abspath(os.path.expanduser(path))
+        return mistral_tokenizer(directory) if tokenizer_mode == "mistral" else hf_tokenizer(directory)
     path, kind = resolve_model(path)
+    if tokenizer_mode == "mistral":
+        raise ModelLoadError(f"{path}: tokenizer_mode='mistral' reads a Mistral repo's tekken.json or tokenizer.model "
+                             "from a directory, not a GGUF file")
     return gguf_tokenizer(read_gguf(path)) if kind == "gguf" else hf_tokenizer(path)
+
+
+def check_tokenizer_mode(tokenizer_mode: str) -> None:
+    """tokenizer_mode='mistral' needs the optional mistral_common: said in the caller, before any
+    process starts."""
+    if tokenizer_mode == "mistral" and importlib.util.find_spec("mistral_common") is None:
+        raise ValueError("tokenizer_mode='mistral' needs mistral_common, which is not installed: "
+                         "pip install 'tokenloom[mistral]' (or use tokenizer_mode='auto').")

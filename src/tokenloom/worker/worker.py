@@ -107,7 +107,9 @@ class Worker:
         device = f"cuda:{torch.cuda.current_device()}" if tp > 1 and not on_cpu else config.device
         self.loaded = load_model(config.model, dtype=config.dtype, device=device,
                                  quantization=config.quantization, pooling=config.is_pooling,
-                                 hf_overrides=config.hf_overrides, convert=config.convert)
+                                 hf_overrides=config.hf_overrides, convert=config.convert,
+                                 load_format=config.load_format, tokenizer=config.tokenizer,
+                                 tokenizer_mode=config.tokenizer_mode)
         check_tensor_parallel(self.loaded.config, tp)
         self.full_config = self.loaded.config
         # The rank's view (its heads): the runner sizes the KV cache by it.

@@ -27,6 +27,8 @@ from tokenloom.entrypoints.openai.serving_lora import check_lora_modules
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
 from tokenloom.model.generation_config import defaults_source
+from tokenloom.model.hub import fetch_model_files
+from tokenloom.model.source import check_tokenizer_mode
 
 logger = logging.getLogger("tokenloom.serve")
 
@@ -132,7 +134,9 @@ def _startup_lines(engine: AsyncLLM, url: str, sampling_defaults: dict[str, Any]
     kv_tokens = info.kv_cache_capacity_tokens or info.num_kv_blocks * info.block_size
     lines = [
         f"tokenloom serve: listening on {url}",
-        f"tokenloom serve: model {engine.config.model or 'SmolLM2-135M-Instruct'} | dtype {info.dtype} | "
+        f"tokenloom serve: model {engine.model_name}"
+        + (f" ({engine.config.model})" if engine.config.model not in (None, engine.model_name) else "")
+        + f" | dtype {info.dtype} | "
         f"quantization {info.quantization or 'none'} | max_model_len {info.max_model_len} | KV cache "
         f"{info.num_kv_blocks} blocks x {info.block_size} tokens ({kv_tokens} tokens of one request), {info.kv_cache_dtype}",
     ]
@@ -164,9 +168,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
     config = engine_config_from_args(args)
+    # The model as given (a hub id, not the cache folder it is downloaded to) names it.
+    names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
+    check_tokenizer_mode(config.tokenizer_mode)
+    fetch_model_files(config)  # before the socket: a missing repo or a gated one is one line
     # Before the socket and the engine: a model's unusable generation_config.json is one line.
     sampling_defaults = generation_defaults(config.model, config.generation_config, config.override_generation_config)
-    names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
     check_lora_modules(dict(getattr(args, "lora_modules", None) or []), config.enable_lora, config.max_lora_rank, names)
     sock = _listen_socket(args.host, args.port)
     try:
