@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.lora_config import check_lora_support
 from tokenloom.model.pooling_config import resolve_pooling
 from tokenloom.model.source import load_model_config
 
@@ -26,7 +27,10 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
 def resolve_engine_config(config: EngineConfig) -> ModelArchConfig:
     """Validates `config` and resolves, in place, what the model's files decide (the runner and
     the pooler: model/pooling_config.resolve_pooling); returns the model's architecture facts
-    (metadata only, with hf_overrides and convert applied)."""
+    (metadata only, with hf_overrides and convert applied). enable_lora on a family that takes
+    no adapters is refused here."""
     config.validate()
     resolve_pooling(config)
-    return load_model_config(config.model, config.hf_overrides, config.convert)
+    model_config = load_model_config(config.model, config.hf_overrides, config.convert)
+    check_lora_support(model_config.architecture, config.enable_lora)
+    return model_config
