@@ -291,9 +291,11 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
                ffn: int, heads: int, kv_heads: int, context: int = 1024, head_dim: int | None = None,
                qtypes: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None,
                rope_theta: float = 10000.0, eps: float = 1e-5, tokenizer: str | None = "gpt2",
-               sliding_window: int | None = None) -> str:
+               sliding_window: int | None = None, extra: dict[str, int | float] | None = None) -> str:
     """Write a GGUF. `qtypes` quantizes named tensors (default F32); `raw` adds tensors as
-    (uint8 bytes shaped [*rows, bytes_per_row], ggml type), e.g. of a type we do not support."""
+    (uint8 bytes shaped [*rows, bytes_per_row], ggml type), e.g. of a type we do not support;
+    `extra` adds `{arch}.{key}` metadata, uint32 for an int and float32 for a float (e.g. Gemma 2's
+    soft-caps)."""
     import gguf
 
     w = gguf.GGUFWriter(path, arch)
@@ -310,6 +312,8 @@ def write_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], *, block_co
     w.add_layer_norm_rms_eps(eps)
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    for key, value in (extra or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"{arch}.{key}", value)
     if tokenizer == "gpt2":
         w.add_tokenizer_model("gpt2")
         w.add_token_list(byte_vocab())

@@ -38,8 +38,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         plan: Any,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write the new tokens' K/V through `slot_mapping`, then attend causally over each
-        request's whole context read through `block_table`."""
+        request's whole context read through `block_table`. `softcap` (Gemma 2): each scaled
+        score s becomes softcap * tanh(s / softcap) before the softmax."""
 
 

@@ -167,7 +167,11 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: TritonAttentionPlan,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # the selector picks the torch backend for such models
+            raise ValueError("the triton attention backend does not cap attention scores "
+                             "(attn_logit_softcapping); use --attention-backend torch")
         T = plan.num_actual_tokens
         assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
         tk.kv_cache_write(key, value, kv_cache, plan.slot_mapping, T)

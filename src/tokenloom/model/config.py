@@ -53,6 +53,8 @@ class ModelArchConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2: tanh capping of the attention scores (score = cap * tanh(score / cap)).
+    attn_logit_softcapping: float | None = None
     # A sequence classifier (`*ForSequenceClassification`: a `score` head of one row per label
     # over the last token's final state, no LM head): its labels in class order (config.json's
     # id2label). None for a language model.
@@ -72,4 +74,4 @@ class ModelArchConfig:
         return (not (self.o_proj_bias or self.mlp_bias or self.layer_norm or self.nope_layers)
                 and self.rotary_dim in (None, self.head_dim) and self.embedding_multiplier == 1.0
                 and self.residual_multiplier == 1.0 and self.logits_scaling == 1.0
-                and self.attention_multiplier is None)
+                and self.attention_multiplier is None and self.attn_logit_softcapping is None)

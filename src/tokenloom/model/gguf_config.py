@@ -78,7 +78,7 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
 
 # Architectures whose files may rotate part of each head (rope.dimension_count < head_dim):
 # llama.cpp rotates those halves NeoX-style, as HF does.
-_PARTIAL_ROTARY = frozenset({"stablelm"})
+_PARTIAL_ROTARY = frozenset({"stablelm", "phi3", "glm4"})
 
 
 def _granite_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
@@ -164,10 +164,59 @@ def _rope_scaling(g: GGUFFile, get) -> dict | None:
 
 # Our architecture name -> what its GGUF metadata adds to the common fields (as hf_config's
 # FAMILY_FIELDS): (file, get(key, default), layers, head_dim, hidden / heads) -> fields.
+def _gemma2_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """What llama.cpp's Gemma 2 GGUF leaves to the architecture: every other layer sliding, from
+    the first; the attention scale by llama.cpp's rule, query_pre_attn_scalar = head_dim but
+    hidden / heads for the 27B (46 layers), the checkpoints' own values."""
+    window = get("attention.sliding_window")
+    caps = {key: get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)),
+        query_pre_attn_scalar=float(hidden_per_head if n_layers == 46 else head_dim),
+        **{key: None if cap is None else float(cap) for key, cap in caps.items()},
+    )
+
+
+def _phi3_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """llama.cpp's Phi-3: a sliding window over every layer (0: none, Phi-4), and LongRoPE as
+    `rope_factors_long` / `rope_factors_short` tensors with its attention factor."""
+    window = int(get("attention.sliding_window", 0) or 0)
+    fields: dict = {}
+    if window > 0:
+        fields |= {"sliding_window": window, "layer_types": ("sliding_attention",) * n_layers}
+    long, short = g.tensors.get("rope_factors_long.weight"), g.tensors.get("rope_factors_short.weight")
+    if long is not None and short is not None:
+        def values(info) -> list[float]:
+            return dequantize(g.raw(info), Q(info.ggml_type)).astype(np.float32).reshape(-1).tolist()
+        fields["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": values(long), "short_factor": values(short),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", required=True)),
+            "attention_factor": float(get("rope.scaling.attn_factor", 1.0))}
+    return fields
+
+
+def _glm4_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    return dict(rotary_dim=int(get("rope.dimension_count", head_dim // 2)))
+
+
+def _cohere_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """llama.cpp's Command-R: LayerNorm eps and logit_scale (our logits_scaling divides); Command
+    R+'s per-head q/k LayerNorm is refused as it is for an HF directory."""
+    if "blk.0.attn_q_norm.weight" in g.tensors:
+        raise ModelLoadError(f"{g.path}: per-head q/k LayerNorm (Command R+, attn_q_norm) is not supported")
+    return dict(rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+                logits_scaling=1.0 / float(get("logit_scale", required=True)), qk_norm=False)
+
+
 GGUF_FAMILY_FIELDS = {
     "gemma3": _gemma3_gguf_fields,
     "granite": _granite_fields,
     "olmo2": _olmo2_fields,
     "stablelm": _stablelm_fields,
     "smollm3": _smollm3_fields,
+    "gemma2": _gemma2_fields,
+    "phi3": _phi3_fields,
+    "glm4": _glm4_fields,
+    "cohere": _cohere_fields,
 }

@@ -69,7 +69,15 @@ _OLMO2_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES}
+# Phi-3: q/k/v and gate/up fused, as in its HF checkpoint (`ffn_up` holds gate then up).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# GLM-4: norms after attention and MLP (GLM's HF names), gate/up fused.
+_GLM4_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+                     "post_ffw_norm.weight": "post_mlp_layernorm.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma 2: Gemma 3's names (llama.cpp's converter writes no q/k norm for it).
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES,
+                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
 
 # Our architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes
 # built on it: Mistral's files are `llama`, Granite, SmolLM3); the others keep HF's order.
@@ -78,7 +86,7 @@ _HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # GGUF files of these architectures store each RMSNorm weight as 1 + w (llama.cpp's converter
 # folds Gemma's (1 + w) scaling into the weight; transformers' GGUF loader subtracts the 1 again).
-_NORM_PLUS_ONE = frozenset({"gemma3"})
+_NORM_PLUS_ONE = frozenset({"gemma", "gemma2", "gemma3"})
 
 
 def _layer_names(arch: str) -> dict[str, str]:

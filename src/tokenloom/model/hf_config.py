@@ -340,6 +340,89 @@ def _gemma3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
 
+# ------------------------------------------------ Gemma, Gemma 2, Phi-3/4, GLM-4, Command-R
+# transformers' names for Gemma's tanh-approximated GELU ("gelu" is the legacy spelling that
+# transformers itself maps to the tanh approximation for Gemma).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+
+def _refuse(cfg: dict[str, Any], path: str, *keys: str) -> None:
+    for key in keys:
+        if cfg.get(key):
+            raise ModelLoadError(f"{path}: {key}={cfg[key]!r} is not supported for {cfg['architectures'][0]}")
+
+
+def _activation(cfg: dict[str, Any], path: str, allowed: tuple[str, ...]) -> None:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or allowed[0]
+    if act not in allowed:
+        raise ModelLoadError(f"{path}: unsupported hidden activation {act!r} (expected one of {', '.join(allowed)})")
+
+
+def _rotary_dim(cfg: dict[str, Any], default_factor: float) -> int:
+    """head_dim times partial_rotary_factor (transformers 5 keeps it in rope_parameters, older
+    configs at the top level), rounded down as transformers does."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_factor)))
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return int(head_dim * factor)
+
+
+def _gemma_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 1 (gemma.py): GeGLU, (1 + w) norms, a scaled embedding, the LM head tied."""
+    _activation(cfg, path, _GELU_TANH)
+    _refuse(cfg, path, "attention_bias", "use_bidirectional_attention")
+    if not cfg.get("tie_word_embeddings", True):
+        raise ModelLoadError(f"{path}: tie_word_embeddings=false is not supported for {cfg['architectures'][0]} "
+                             "(its LM head is the embedding)")
+    return {"tie_word_embeddings": True}
+
+
+def _gemma2_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Gemma 2 (gemma.py): Gemma's, every other layer sliding (transformers' default
+    layer_types), the attention scale and both soft-caps; defaults are Gemma2Config's."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return _gemma_fields(cfg, path) | _sliding_fields(path, n, cfg.get("sliding_window", 4096), types) | {
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0),
+    }
+
+
+def _phi3_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Phi-3 / Phi-4 (phi3.py): Llama with partial rotary (Phi-4-mini), LongRoPE (older configs
+    call it "su" and keep original_max_position_embeddings at the top level) and a sliding window
+    over every layer where the config sets one (Phi-3-mini-4k)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    _, scaling = _rope(cfg)
+    if scaling is not None and scaling.get("rope_type") in ("longrope", "su"):
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"} | {"rope_type": "longrope"}
+        scaling.setdefault("original_max_position_embeddings",
+                           int(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]))
+    return (_llama_fields(cfg | {"use_sliding_window": False, "attention_bias": False, "mlp_bias": False}, path)
+            | {"rotary_dim": _rotary_dim(cfg, 1.0), "rope_scaling": scaling}
+            | _sliding_fields(path, n, cfg.get("sliding_window"), ["sliding_attention"] * n))
+
+
+def _glm4_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """GLM-4 0414 (glm4.py): q/k/v biases (on by default, none on o_proj), RoPE on half of each
+    head (default partial_rotary_factor 0.5) in adjacent pairs."""
+    _activation(cfg, path, ("silu",))
+    return {"attention_bias": bool(cfg.get("attention_bias", True)), "rotary_dim": _rotary_dim(cfg, 0.5)}
+
+
+def _cohere_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Command-R (cohere.py): LayerNorm without bias (layer_norm_eps), the LM head tied, the
+    logits times logit_scale (our logits_scaling divides); per-head q/k LayerNorm (Command R+)
+    and biases are refused."""
+    _activation(cfg, path, ("silu",))
+    _refuse(cfg, path, "attention_bias", "use_qk_norm")
+    scale = float(cfg.get("logit_scale", 0.0625))
+    if scale <= 0:
+        raise ModelLoadError(f"{path}: logit_scale must be positive, got {scale}")
+    return {"rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "logits_scaling": 1.0 / scale}
+
 
 # Our architecture name -> its reading of config.json beyond the common fields: a function of
 # (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
@@ -354,4 +437,9 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "olmo2": _olmo2_fields,
     "smollm3": _smollm3_fields,
     "stablelm": _stablelm_fields,
+    "gemma": _gemma_fields,
+    "gemma2": _gemma2_fields,
+    "phi3": _phi3_fields,
+    "glm4": _glm4_fields,
+    "cohere": _cohere_fields,
 }

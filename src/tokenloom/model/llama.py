@@ -95,6 +95,9 @@ def make_norm(cfg: ModelArchConfig, size: int | None = None) -> nn.Module:
 
 
 class Attention(nn.Module):
+    # Gemma 2 caps the attention scores at this (tanh), set per layer by its decoder.
+    softcap: float | None = None
+
     def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -132,7 +135,7 @@ class Attention(nn.Module):
                                                                    self.head_dim)
             q = self.rope(self.q_norm(q), positions, cos_sin)
             k = self.rope(self.k_norm(k), positions, cos_sin)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale)
+        out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale, softcap=self.softcap)
         return self.o_proj(out.reshape(T, self.q_size))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,23 @@ import os
 import stat
 from dataclasses import dataclass
 
+from tokenloom.model.registry import ARCHITECTURE_ENTRIES
+
 
 @dataclass
 class AdapterConfig:
     rank: int
     scaling: float
     path: str
+
+
+def check_lora_support(architecture: str, enable_lora: bool) -> None:
+    """A ValueError where enable_lora is asked of a family whose registry entry says its LoRA
+    adapters do not apply (fused or reordered projections that PEFT's names do not address)."""
+    entry = ARCHITECTURE_ENTRIES.get(architecture)
+    if enable_lora and entry is not None and not entry.lora:
+        raise ValueError(f"enable_lora=True: {entry.class_name} ({architecture}) does not take LoRA adapters "
+                         "(see docs/models.md); start it without enable_lora")
 
 
 def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:

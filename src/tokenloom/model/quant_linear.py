@@ -28,6 +28,7 @@ from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.gguf_loader import PERMUTED_QK, _to_torch, _undo_llama_permute
 from tokenloom.model.packed_linear import packed_nbytes
+from tokenloom.model.rope import interleaved_to_rotate_half
 from tokenloom.ops import amx, quant
 from tokenloom.ops.quant import TiledQuantWeight
 
@@ -126,6 +127,15 @@ def _permute_rows(raw: np.ndarray, n_heads: int) -> np.ndarray:
     return raw.reshape(n_heads, half, 2, -1).transpose(0, 2, 1, 3).reshape(rows, -1)
 
 
+# Families whose q/k rows the float loader reorders from adjacent-pair RoPE to rotate-half
+# (cohere.rotate_half_qk): their quantized rows move the same way (whole rows, as above).
+_INTERLEAVED_ROPE = frozenset({"cohere", "glm4"})
+
+
+def _rotate_half_order(c: ModelArchConfig, rows: int, n_heads: int) -> np.ndarray:
+    return interleaved_to_rotate_half(torch.arange(rows), n_heads, c.rotary_dim or c.head_dim).numpy()
+
+
 class _GGUFParts:
     def __init__(self, g: GGUFFile, config: ModelArchConfig, summary: QuantSummary) -> None:
         self.g, self.config, self.summary = g, config, summary
@@ -135,11 +145,17 @@ class _GGUFParts:
         heads = None
         if c.architecture in PERMUTED_QK and info.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in info.name else c.num_key_value_heads
+        order = None
+        if c.architecture in _INTERLEAVED_ROPE and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = c.num_attention_heads if "attn_q" in info.name else c.num_key_value_heads
+            order = _rotate_half_order(c, info.shape[0], n)
         reason = f"no quantized kernel for {info.type_name}"
         if info.ggml_type in quant.GGML_FORMATS:
             raw = self.g.raw(info)
             if heads is not None:
                 raw = _permute_rows(raw, heads)
+            if order is not None:
+                raw = raw[order]
             try:
                 w = quant.tile_gguf(raw, info.ggml_type, info.name)
             except ValueError as exc:  # a shape the kernel cannot take
@@ -154,6 +170,8 @@ class _GGUFParts:
         t = _to_torch(self.g, info).float()
         if heads is not None:
             t = _undo_llama_permute(t, heads)
+        if order is not None:
+            t = t[torch.from_numpy(order)]
         return t.contiguous()
 
     def linear(self, infos: list[GGUFTensorInfo]) -> QuantLinear:
@@ -188,6 +206,9 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
         }
         for (parent, attr), suffixes in groups.items():
             names = [f"{p}{s}.weight" for s in suffixes]
+            fused = f"{p}{suffixes[0].split('.')[0]}.{attr}.weight"
+            if fused in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
+                names = [fused]
             if not quantized(names):
                 continue
             old = getattr(parent, attr)

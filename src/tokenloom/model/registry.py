@@ -77,6 +77,28 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
     "StableLmForCausalLM": ModelEntry(
         "stablelm", "llama", "LlamaForCausalLM", "StableLM 2, StableLM 3B", gguf="stablelm",
         notes="LayerNorm with bias, partial rotary embedding, optional q/k/v bias"),
+    "GemmaForCausalLM": ModelEntry(
+        "gemma", "gemma", "GemmaForCausalLM", "Gemma", gguf="gemma",
+        notes="GeGLU, (1 + weight) RMSNorm, embedding scaled by sqrt(hidden), tied LM head"),
+    "Gemma2ForCausalLM": ModelEntry(
+        "gemma2", "gemma", "Gemma2ForCausalLM", "Gemma 2", gguf="gemma2",
+        notes="Gemma's, with sandwich norms, every other layer sliding, attention and logit soft-capping "
+              "(attention on the torch backend)"),
+    "Phi3ForCausalLM": ModelEntry(
+        "phi3", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-3.5, Phi-4, Phi-4-mini", gguf="phi3",
+        # PEFT adapters of Phi-3 name the fused qkv_proj / gate_up_proj, which model/lora.py does not read.
+        lora=False,
+        notes="fused qkv_proj and gate_up_proj in the checkpoint, LongRoPE, partial rotary, sliding window"),
+    "Glm4ForCausalLM": ModelEntry(
+        "glm4", "glm4", "Glm4ForCausalLM", "GLM-4 (0414)", gguf="glm4",
+        lora=False,  # its q/k rows are reordered at load (and gate_up_proj is fused), an adapter's are not
+        notes="post-attention and post-MLP norms, q/k/v bias, fused gate_up_proj, RoPE on half of each head "
+              "in adjacent pairs"),
+    "CohereForCausalLM": ModelEntry(
+        "cohere", "cohere", "CohereForCausalLM", "Command-R (Cohere)", gguf="command-r",
+        lora=False,  # its q/k rows are reordered at load, an adapter's are not
+        notes="parallel attention and MLP after one LayerNorm (no bias), logit_scale, tied LM head, "
+              "RoPE in adjacent pairs"),
 }
 
 # _MODEL_MODULES[entry.module]: the module to import (a literal, so tests/house/test_imports.py
@@ -85,6 +107,10 @@ _MODEL_MODULES = {
     "llama": "tokenloom.model.llama",
     "gemma3": "tokenloom.model.gemma3",
     "olmo2": "tokenloom.model.olmo2",
+    "gemma": "tokenloom.model.gemma",
+    "phi3": "tokenloom.model.phi3",
+    "glm4": "tokenloom.model.glm4",
+    "cohere": "tokenloom.model.cohere",
 }
 
 # config.json `architectures[0]` -> our architecture name, pooling forms included.

@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.model.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn", "dynamic", "longrope")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -30,8 +30,10 @@ def check_rope_scaling(rope_scaling: dict[str, Any] | None, source: str) -> None
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
-def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """float32 [head_dim // 2]: the angle per position of each rotated pair."""
+def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None,
+                    max_positions: int | None = None) -> torch.Tensor:
+    """float32 [head_dim // 2]: the angle per position of each rotated pair (`max_positions`:
+    the model's context, which picks LongRoPE's factors)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     kind = rope_type_of(rope_scaling)
@@ -50,6 +52,9 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any] | 
         return _yarn_inv_freq(head_dim, theta, rope_scaling)
     if kind == "dynamic":  # the frequencies within the original context (see cos_sin_cache)
         return inv_freq
+    if kind == "longrope":
+        factors = torch.tensor(_longrope_factors(rope_scaling, max_positions), dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents)
     raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
 
 
@@ -129,6 +134,36 @@ def _dynamic_angles(dim: int, max_positions: int, theta: float, p: dict[str, Any
     return angles
 
 
+def _longrope_factors(p: dict[str, Any], max_positions: int | None) -> list[float]:
+    """Phi-3's LongRoPE divisors: `long_factor` for a model whose context reaches past the one it
+    was pretrained with, `short_factor` otherwise. transformers picks per sequence (and recomputes
+    its cache when one grows past the original length); a paged cache cannot re-rotate its keys,
+    so one choice holds for the whole context."""
+    long = max_positions is not None and max_positions > int(p["original_max_position_embeddings"])
+    return [float(f) for f in (p["long_factor"] if long else p["short_factor"])]
+
+
+def longrope_attention_factor(p: dict[str, Any], max_positions: int) -> float:
+    """LongRoPE's scale of cos and sin: `attention_factor`, else sqrt(1 + ln(factor) / ln(original
+    context)) with factor the context's stretch (the config's `factor`, or max / original)."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    original = int(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def interleaved_to_rotate_half(w: torch.Tensor, n_heads: int, rot_dim: int) -> torch.Tensor:
+    """q/k projection rows (or biases) of a checkpoint whose RoPE rotates adjacent pairs (2i,
+    2i + 1) of each head's first `rot_dim` dimensions (Cohere, GLM-4), reordered to the pairs
+    (i, i + rot_dim / 2) of the rotate-half RoPE we run. q and k get the same order, so their dot
+    products, and the attention, are unchanged."""
+    head = w.reshape(n_heads, w.shape[0] // n_heads, *w.shape[1:])
+    rest = head.shape[2:]
+    rot = head[:, :rot_dim].reshape(n_heads, rot_dim // 2, 2, *rest).transpose(1, 2)
+    return torch.cat([rot.reshape(n_heads, rot_dim, *rest), head[:, rot_dim:]], 1).reshape(w.shape)
+
+
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                   rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """float32 [max_positions, head_dim]: cos of each pair's angle in the first half, sin in the
@@ -140,10 +175,11 @@ def cos_sin_cache(head_dim: int, max_positions: int, theta: float,
         assert rope_scaling is not None
         angles = _dynamic_angles(head_dim, max_positions, theta, rope_scaling)
     else:
-        inv_freq = inv_frequencies(head_dim, theta, rope_scaling)
+        inv_freq = inv_frequencies(head_dim, theta, rope_scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.int64).to(torch.float32), inv_freq)
-    if kind == "yarn":
+    if kind in ("yarn", "longrope"):
         assert rope_scaling is not None
-        scale = yarn_attention_factor(rope_scaling)
+        scale = (yarn_attention_factor(rope_scaling) if kind == "yarn"
+                 else longrope_attention_factor(rope_scaling, max_positions))
         return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=-1)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
