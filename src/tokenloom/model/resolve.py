@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
+from tokenloom.model.hub import fetch_model_files
 from tokenloom.model.lora_config import check_lora_support
 from tokenloom.model.pooling_config import resolve_pooling
-from tokenloom.model.hub import fetch_model_files
 from tokenloom.model.source import check_load_format, check_tokenizer_mode, load_model_config, resolve_model
 
 
