@@ -371,6 +371,26 @@ def test_chat_takes_text_parts_a_prefill_tools_and_a_template(default_llm):
     assert out.prompt == "tool:get_weather\nHello Hi\n"
 
 
+def test_chat_tools_need_a_template_that_shows_them(default_llm, caplog):
+    """SmolLM2's own template drops `tools`: LLM.chat warns once (not per call); a shipped
+    tool-aware template, named as `--chat-template` names it, shows them; an unknown name is refused."""
+    caplog.set_level("WARNING", logger="tokenloom.engine.processor")
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    for _ in range(2):
+        out = default_llm.chat(ask, params, use_tqdm=False, tools=tools)[0]
+        assert "get_weather" not in out.prompt
+    dropped = [r for r in caplog.records if "drops the request's tools" in r.getMessage()]
+    assert len(dropped) == 1 and "chat_template=" in dropped[0].getMessage()
+    caplog.clear()
+    out = default_llm.chat(ask, params, use_tqdm=False, tools=tools, chat_template="hermes")[0]
+    assert "<tools>" in out.prompt and "get_weather" in out.prompt and out.prompt.endswith("<|im_start|>assistant\n")
+    assert not [r for r in caplog.records if "drops the request's tools" in r.getMessage()]
+    with pytest.raises(ValueError, match="chat_template 'hermess' is neither a file, a shipped chat template"):
+        default_llm.chat(ask, params, use_tqdm=False, tools=tools, chat_template="hermess")
+
+
 def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
     """vLLM's offline idioms: `get_default_sampling_params()` changed and passed back, a
     `lora_request=None` passed through (an adapter without enable_lora refused by name), and a call after

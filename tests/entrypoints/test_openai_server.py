@@ -488,6 +488,26 @@ def test_metrics_exposition(server, client):
     assert m["tokenloom:e2e_request_latency_seconds_sum"] > 0
 
 
+TOOLS_DROPPED = 'tokenloom:tool_requests_without_tools_in_prompt_total{model_name="tiny"}'
+
+
+def test_tools_the_default_template_drops_are_counted_and_warned_about_once(server, client):
+    """SmolLM2's own chat template leaves `tools` out of the prompt: each such request is counted
+    on /metrics, and the log says so (and how to fix it) once for the template, not per request."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    before = server.metrics()[TOOLS_DROPPED]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert server.metrics()[TOOLS_DROPPED] == before  # no tools, nothing dropped
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[weather], tool_choice="auto", max_tokens=1)
+    assert server.metrics()[TOOLS_DROPPED] == before + 2
+    warnings = [line for line in Path(server.log.name).read_text(errors="replace").splitlines()
+                if "drops the request's tools" in line]
+    assert len(warnings) == 1, warnings
+    assert "--chat-template <name or path>" in warnings[0] and "'hermes'" in warnings[0]
+
+
 def test_bench_serve_json(server):
     out = subprocess.run(
         [str(TOKENLOOM), "bench", "serve", "--base-url", server.base_url, "--api-key", server.api_key, "--num-prompts", "4",

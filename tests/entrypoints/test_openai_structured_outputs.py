@@ -1,6 +1,7 @@
 """Structured outputs and tool calling through `tokenloom serve` with the official `openai` client:
 `response_format` (json_schema, json_object), vLLM's guided_* fields, `beta.chat.completions.parse`
-with a Pydantic model, streaming, and tools with tool_choice required / named / auto."""
+with a Pydantic model, streaming, and tools with tool_choice required / named / auto, under the
+shipped tool-aware template (`--chat-template hermes`)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import sys
 from enum import Enum
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
@@ -16,7 +18,10 @@ from pydantic import BaseModel, Field
 sys.path.insert(0, str(Path(__file__).parents[1] / "structured_output"))
 from schemas import SCHEMAS, check_json  # noqa: E402
 
-SERVER_ARGS = ["--num-kv-blocks", "512", "--max-num-seqs", "64", "--tool-call-parser", "hermes"]
+# The shipped hermes template (SmolLM2's own drops `tools`): the model sees the tools it is asked to call.
+SERVER_ARGS = ["--num-kv-blocks", "512", "--max-num-seqs", "64", "--tool-call-parser", "hermes",
+               "--chat-template", "hermes"]
+TOOLS_DROPPED = "tokenloom:tool_requests_without_tools_in_prompt_total"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -204,3 +209,14 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_shipped_template_puts_the_tools_in_the_prompt(server, client):
+    """`--chat-template hermes` renders the request's tools into the prompt (read back through
+    /tokenize and /detokenize), so nothing is counted as dropped."""
+    before = server.metrics()[TOOLS_DROPPED]
+    tokens = httpx.post(server.url("/tokenize"), json={"messages": ASK, "tools": TOOLS}, timeout=60).json()["tokens"]
+    prompt = httpx.post(server.url("/detokenize"), json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert "<tools>" in prompt and "get_weather" in prompt and "get_time" in prompt and "<tool_call>" in prompt
+    client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=4, temperature=0)
+    assert server.metrics()[TOOLS_DROPPED] == before == 0

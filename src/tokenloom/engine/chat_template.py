@@ -44,3 +44,22 @@ def render(job: ChatRender) -> str:
         **job.variables,
     )
     return rendered[0]
+
+
+def _tool_name(tool: dict[str, Any]) -> str | None:
+    """A tool's name in chat's shape ({"function": {"name"}}) or the Responses API's flat one."""
+    fn = tool.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else tool.get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def tools_dropped(job: ChatRender, prompt: str) -> bool:
+    """Whether `job` carries tools and its rendered `prompt` shows none of them: no tool's name is
+    in it more often than the messages themselves hold it (a user who names a tool is not the
+    template listing it). The template then drops `tools`, and the model cannot call them."""
+    names = [n for n in map(_tool_name, job.tools or ()) if n is not None]
+    if not names:
+        return False
+    said = " ".join([str(m.get("content") or "") for m in job.conversation]
+                    + [str(c) for m in job.conversation for c in m.get("tool_calls") or ()])
+    return not any(prompt.count(name) > said.count(name) for name in names)

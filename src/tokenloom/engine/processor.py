@@ -5,6 +5,8 @@ the field and the limit, before anything is queued in the engine core.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 from tokenloom.config import StructuredOutputLimits
 from tokenloom.engine.chat_template import ChatRender
 from tokenloom.engine.chat_template import render as render_chat
+from tokenloom.engine.chat_template import tools_dropped
 from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.model.config import ModelArchConfig
@@ -19,6 +22,8 @@ from tokenloom.model.lora_config import read_adapter_config
 from tokenloom.pooling_params import PoolerConfig, PoolingParams, check_dimensions
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.structured_output import validate as validate_structured_outputs
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -63,6 +68,8 @@ class InputProcessor:
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
         self._lora_checked: dict[int, str] = {}  # adapter id -> the path whose config passed
+        # Hashes of the chat templates seen dropping a request's tools: warned about once each.
+        self._templates_dropping_tools: set[str] = set()
         # Under "fcfs" a priority would be silently ignored: refused, as vLLM does (None: unknown).
         self.scheduling_policy = scheduling_policy
         self.model_config = model_config
@@ -199,6 +206,8 @@ class InputProcessor:
         jobs = self.chat_render_jobs(messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
                                      chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         prompts = [render_chat(job) for job in jobs]
+        for job in (job for job, prompt in zip(jobs, prompts) if tools_dropped(job, prompt)):
+            self.warn_tools_dropped(job)
         return prompts[0] if isinstance(messages[0], dict) else prompts
 
     def chat_render_jobs(
@@ -246,6 +255,22 @@ class InputProcessor:
             jobs.append(ChatRender(template, [_text_message(m, i) for i, m in enumerate(conversation)],
                                    add_generation_prompt, continue_final_message, tools, variables))
         return jobs
+
+    def warn_tools_dropped(self, job: ChatRender) -> None:
+        """One warning per chat template (by the hash of its text) that drops a request's
+        `tools` (chat_template.tools_dropped): the model never sees them, so `tool_choice="auto"`
+        never calls one, and nothing else would say so."""
+        digest = hashlib.sha256(job.template.encode()).hexdigest()[:12]
+        if digest in self._templates_dropping_tools:
+            return
+        self._templates_dropping_tools.add(digest)
+        logger.warning(
+            "The chat template (sha256 %s...) drops the request's tools: none of their names is in the rendered "
+            "prompt, so the model cannot call them (tool_choice='auto' answers in text). Use a tool-aware template: "
+            "`tokenloom serve --chat-template <name or path>` or LLM.chat(chat_template=...), e.g. the shipped "
+            "'hermes' (ChatML, read by --tool-call-parser hermes) or 'llama3_json' (Llama 3.x, --tool-call-parser "
+            "json). Warned once per template; the server counts each such request in "
+            "tokenloom:tool_requests_without_tools_in_prompt_total.", digest)
 
     # ------------------------------------------------------------------------------ internals
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.entrypoints.beam_search import BeamSearch, BeamSearchOutput
+from tokenloom.entrypoints.chat_templates import resolve_chat_template
 from tokenloom.entrypoints.engine_args import EngineArgs
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
@@ -296,8 +297,13 @@ class LLM:
         OpenAI's list of text parts. `continue_final_message=True` (with
         `add_generation_prompt=False`) continues the last message instead of opening a new
         turn; `tools` are OpenAI function definitions, rendered by the template;
-        `chat_template_kwargs` are the template's own variables."""
+        `chat_template_kwargs` are the template's own variables. `chat_template` is a Jinja
+        template, a file holding one, or the name of a shipped tool-aware template (`hermes`,
+        `llama3_json`: entrypoints/chat_templates)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        own = getattr(self.llm_engine.input_processor.tokenizer, "chat_template", None)
+        chat_template = resolve_chat_template(chat_template, "chat_template",
+                                              tuple(own) if isinstance(own, dict) else ())
         prompts = [
             self.llm_engine.input_processor.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tools=tools,

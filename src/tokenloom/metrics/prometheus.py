@@ -163,6 +163,12 @@ class PrometheusMetrics:
         )
         self._request_success = {reason: success.labels(**success_labels, finished_reason=reason)
                                  for reason in _FINISH_REASONS}
+        # Counted by the server as it renders (serving_engine.render_conversation); the log warns once per template.
+        self.tool_requests_without_tools_in_prompt = counter(
+            "tool_requests_without_tools_in_prompt",
+            "Requests with tools whose chat template left every tool out of the rendered prompt, so the model "
+            "could not call them (fix: --chat-template with a tool-aware template).",
+        )
         self.request_errors = counter(
             "request_errors",
             "Requests the engine failed on their own (finish_reason=error) while it kept running: rejected "

@@ -150,8 +150,8 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM's: tool_choice='auto' is always on here, read by --tool-call-parser")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or the path of a file holding one, used where a request names none "
-                   "(default: the tokenizer's)")
+                   help="a Jinja chat template, the path of a file holding one, or the name of a shipped tool-aware "
+                   "template ('hermes', 'llama3_json'), used where a request names none (default: the tokenizer's)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a request's own chat_template (refused by default, as vLLM does: a template is a "
                    "program, and a request's is its sender's)")

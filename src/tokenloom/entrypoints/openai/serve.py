@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from tokenloom.engine.async_llm import DEFAULT_TOKENIZER_POOL_LIMIT_S, AsyncLLM
 from tokenloom.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from tokenloom.entrypoints.chat_templates import resolve_chat_template
 from tokenloom.entrypoints.openai.api_server import DRAIN_S, build_app
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderLimits
 from tokenloom.entrypoints.openai.serving_engine import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -66,15 +67,9 @@ def _server_class() -> type:
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's content when it names a file, else the template itself (vLLM's rule)."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
-    return value
+    """--chat-template: a file's content when it names a file (vLLM's rule), a shipped template
+    by name (entrypoints/chat_templates), else the template itself."""
+    return resolve_chat_template(value, "--chat-template")
 
 
 def render_limits(args: argparse.Namespace) -> RenderLimits:

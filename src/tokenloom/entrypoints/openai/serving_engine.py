@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenloom.engine.async_llm import AsyncLLM, RequestStream
+from tokenloom.engine.chat_template import tools_dropped
 from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderError
@@ -315,6 +316,10 @@ class OpenAIServing:
             raise bad_request(f"{param} could not be rendered with the chat template: {e}", param=name) from None
         if text is None:
             raise OpenAIServingError("The client closed the request.", 499, "invalid_request_error", None, "client_closed")
+        if tools_dropped(job, text):  # the model cannot call tools it never sees: say so, and count it
+            processor.warn_tools_dropped(job)
+            if self.engine.metrics is not None:
+                self.engine.metrics.tool_requests_without_tools_in_prompt.inc()
         return text
 
     # ---- request fields -> SamplingParams -----------------------------------------------------
