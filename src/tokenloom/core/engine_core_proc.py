@@ -260,17 +260,18 @@ class EngineCoreProc:
         self.output_queue.put(_SHUTDOWN)
 
 
-def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1) -> int:
+def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1, configured: int | None = None) -> int:
     """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
     overrides), fewer while other processes use them (ops/cpu_threads, the engine core's
     ThreadGovernor). The caller process does not compete for them during a run: it blocks on the
     output socket between steps, and its per-step work (decode, detokenize) is small next to a
     step's (`tokenloom bench throughput` reports it as caller CPU). A data-parallel
-    replica first confines itself to its share of the cores (cores // M)."""
+    replica first confines itself to its share of the cores (cores // M). `configured`: the
+    engine's num_threads (--threads), which fixes the count."""
     from tokenloom.ops.cpu_threads import pin_to_replica_share, set_compute_threads
 
     pin_to_replica_share(dp_rank, dp_size)
-    return set_compute_threads()
+    return set_compute_threads(configured)
 
 
 def main() -> None:
@@ -279,8 +280,8 @@ def main() -> None:
     dp_rank, dp_size = (int(x) for x in sys.argv[4].split("/")) if len(sys.argv) > 4 else (0, 1)
     _die_with_parent(parent_pid)
     logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
-    _set_compute_threads(dp_rank, dp_size)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    _set_compute_threads(dp_rank, dp_size, config.num_threads)
     proc = EngineCoreProc(config, in_addr, out_addr)
     # SIGINT raises KeyboardInterrupt in the busy loop, so the core reports its own death (below)
     # whatever a library imported while loading the model did with the handler.
