@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -127,23 +129,32 @@ def llama3_rope_factors(shape: Shape) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def _copy_tokenizer(writer, source: str) -> int:
-    """Copies every `tokenizer.*` key of `source` (the embedded SmolLM2 GGUF); returns its
-    vocabulary size."""
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: str) -> tuple[list[tuple[str, Any, Any, Any]], int]:
+    """Every `tokenizer.*` key of `source` (the embedded SmolLM2 GGUF) as (key, value, type,
+    element type), and its vocabulary size. Parsing the file takes seconds: read once."""
     from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(source)
-    vocab = 0
+    fields, vocab = [], 0
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
+        fields.append((key, field.contents(), vtype, sub))
         if key == "tokenizer.ggml.tokens":
             vocab = len(field.data)
     if not vocab:
         raise SystemExit(f"gguf_shapes: {source} has no tokenizer.ggml.tokens")
+    return fields, vocab
+
+
+def _copy_tokenizer(writer, source: str) -> int:
+    """Copies the tokenizer of `source` into `writer`; returns its vocabulary size."""
+    fields, vocab = _tokenizer_fields(source)
+    for key, value, vtype, sub in fields:
+        writer.add_key_value(key, value, vtype, sub)
     return vocab
 
 
