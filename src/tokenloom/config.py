@@ -167,6 +167,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # own scheduler, KV cache and model runner) behind one front end, which sends each request to
     # the least loaded one (engine/dp_client.py). Each replica gets its share of the cores.
     data_parallel_size: int = 1
+    # The engine core's compute threads per rank (llama.cpp's -t). None: one per usable core,
+    # fewer while other processes use them (ops/cpu_threads.ThreadGovernor); a number fixes the
+    # count and turns that adaptation off (as TOKENLOOM_NUM_THREADS, which it overrides).
+    num_threads: int | None = None
     # Tensor parallelism: the model's attention heads, MLP and vocabulary split across this many
     # ranks (one process each), joined by torch.distributed (executor/, ops/distributed.py).
     tensor_parallel_size: int = 1
@@ -278,6 +282,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError(f"num_threads (--threads) must be a positive integer or None (one per usable core, "
+                             f"adaptive), got {self.num_threads!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

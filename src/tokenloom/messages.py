@@ -35,6 +35,9 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    # Several ADDs in one message (a list of EngineCoreRequest): the core queues them all before
+    # its next step, so that step's batch does not depend on when each would have arrived.
+    ADD_BATCH = b"\x04"
 
 
 def now() -> float:

@@ -124,6 +124,14 @@ def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
     assert 0 <= profile["engine_overhead_pct"] <= 100
     assert profile["seconds"]["forward"] > 0 and profile["seconds"]["sample"] > 0
     assert ours["profile"]["decode_steps"]["num_steps"] >= 1
+    # The decode steps against the measured read bandwidth: weights once a step plus each
+    # running sequence's KV, per token; what their time implies, as a share of the ceiling.
+    roof, ceiling = ours["roofline"], r["read_bandwidth"]["bytes_per_s"]
+    assert roof["ceiling_bytes_per_s"] == ceiling > 0
+    assert ours["weight_bytes_per_token"] / 4 <= roof["bytes_per_token"] < ours["weight_bytes_per_token"]
+    assert roof["decode_tokens_per_s"] > 0
+    assert roof["fraction_of_ceiling"] == pytest.approx(roof["implied_bytes_per_s"] / ceiling)
+    assert "roofline" not in base  # transformers reports no weight bytes
 
 
 def test_latency_with_hf_baseline(hf_baseline_runs):
@@ -140,6 +148,20 @@ def test_latency_with_hf_baseline(hf_baseline_runs):
     assert ours["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert 90e6 < ours["weight_bytes_per_token"] < 100e6
     assert 0 < ours["memory"]["rss_mib"] <= ours["memory"]["peak_rss_mib"]
+    # Its decode figure against the measured roofline: a 2-sequence step reads the weights once
+    # and each sequence's K and V at the mean decode context (8 + 4 // 2 tokens; SmolLM2: 30
+    # layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes of bfloat16 = 23,040 bytes a token).
+    bw = r["read_bandwidth"]
+    assert bw["bytes_per_s"] > 0 and bw["buffer_bytes"] >= 256 << 20 and bw["threads"] >= 1
+    roof = ours["roofline"]
+    kv_bytes = {"bfloat16": 2, "float32": 4}[ours["kv_cache_dtype"]]
+    assert roof["kv_bytes_per_step"] == 2 * 10 * 30 * 3 * 64 * 2 * kv_bytes
+    assert roof["bytes_per_step"] == ours["weight_bytes_per_token"] + roof["kv_bytes_per_step"]
+    assert roof["bytes_per_token"] == pytest.approx(roof["bytes_per_step"] / 2)
+    step_s = ours["decode_per_token"]["median_ms"] / 1000
+    assert roof["implied_bytes_per_s"] == pytest.approx(roof["bytes_per_step"] / step_s)
+    assert roof["fraction_of_ceiling"] == pytest.approx(roof["implied_bytes_per_s"] / bw["bytes_per_s"])
+    assert "roofline" not in r["baseline"]
 
 
 def test_bad_arguments_are_clear_errors(capsys):
@@ -291,6 +313,18 @@ def test_explain_url_takes_the_api_key(server):
     by_env = _cli("explain", "--url", url, "--json", env={"TOKENLOOM_API_KEY": SERVER_API_KEY})
     assert by_env.returncode == 0, by_env.stderr[-2000:]
     assert "$TOKENLOOM_API_KEY" in _cli("explain", "--help").stdout
+
+
+def test_kv_bytes_of_a_sliding_window_layer_stop_at_its_window():
+    from types import SimpleNamespace
+
+    from tokenloom.bench.roofline import kv_bytes_per_sequence
+
+    config = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=4, sliding_window=8,
+                             layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    per_token_layer = 2 * 2 * 4 * 2  # K and V, bfloat16
+    assert kv_bytes_per_sequence(config, "bfloat16", 100) == per_token_layer * (8 + 100 + 8)
+    assert kv_bytes_per_sequence(config, "float32", 4) == 2 * per_token_layer * 3 * 4
 
 
 def test_a_figure_a_baseline_does_not_report_is_a_dash():

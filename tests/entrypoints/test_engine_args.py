@@ -135,6 +135,20 @@ def test_keywords_as_vllm_takes_them(caplog):
     assert all(name.replace("_", "-") in warned for name in vllm_only), warned
 
 
+def test_threads_flag_fixes_the_engine_cores_thread_count():
+    """`-t N` / `--threads N` (llama.cpp's spelling): the engine core computes on N threads, fixed
+    (no adaptation), as its CPU line says; 0 is refused by name."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for argv in (["-t", "1"], ["--threads", "1"]):
+        assert EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config().num_threads == 1
+    with pytest.raises(ValueError, match=r"num_threads \(--threads\) must be a positive integer"):
+        EngineArgs(num_threads=0).create_engine_config()
+    with LLM(num_threads=1, kv_cache_memory_bytes=32 * 1024**2, max_model_len=256) as llm:
+        assert "threads 1 of" in llm.llm_engine.info.cpu and "fixed" in llm.llm_engine.info.cpu
+        out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_unknown_keyword_and_bad_value_are_named():
     with pytest.raises(TypeError, match="tokenizer_pool_size"):
         EngineArgs(model="/models/m.gguf", tokenizer_pool_size=2)  # type: ignore[call-arg]

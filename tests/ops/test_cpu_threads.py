@@ -102,6 +102,20 @@ def test_fixed_count_switches_it_off(two_threads, monkeypatch):
     assert torch.get_num_threads() == 2
 
 
+def test_configured_count_fixes_it_and_overrides_the_environment(two_threads, monkeypatch):
+    """num_threads (--threads, -t): a fixed count, ahead of TOKENLOOM_NUM_THREADS."""
+    from tokenloom.ops.cpu_threads import fixed_num_threads, set_compute_threads
+
+    monkeypatch.setenv("TOKENLOOM_NUM_THREADS", "2")
+    assert fixed_num_threads(1) == 1 and fixed_num_threads() == 2
+    assert set_compute_threads(1) == 1 and torch.get_num_threads() == 1
+    monkeypatch.delenv("TOKENLOOM_NUM_THREADS")
+    torch.set_num_threads(2)
+    assert ThreadGovernor().enabled
+    gov = ThreadGovernor(configured=2)
+    assert not gov.enabled and gov.describe() == "fixed"
+
+
 def test_cpu_features_name_this_cpu():
     f = detect()
     assert f.num_cores == len(os.sched_getaffinity(0))

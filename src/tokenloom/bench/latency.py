@@ -10,7 +10,8 @@ at the same batch size through `generate()`, timed by a logits processor that no
 step's logits are ready; llama.cpp (`--baseline llamacpp`, batch 1) runs them on the same GGUF
 in its own environment (bench/llamacpp_baseline.py). Baseline iterations alternate
 with ours. Next to the times: the bytes of matrix weights each decode step reads and the resident
-memory of the process that holds the model (our engine core, llama.cpp's process).
+memory of the process that holds the model (our engine core, llama.cpp's process), and each
+decode figure against the measured memory roofline (bench/roofline.py).
 """
 from __future__ import annotations
 
@@ -218,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
     # Both engines stay loaded and the iterations alternate (ours, then the baseline's on the
     # same prompts), so a change in the machine's load hits both alike.
     progress = Progress()
+    from tokenloom.bench.roofline import read_bandwidth
+
+    progress.step("measuring the memory read bandwidth")
+    result["read_bandwidth"] = read_bandwidth()
     progress.step("tokenloom: starting the engine")
     ours = _Ours(args)
     try:
@@ -240,9 +245,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ours.shutdown()
         progress.close()
-    result["tokenloom"] = ours.result() | {"cpu_choice": ours.info.cpu}
+    result["tokenloom"] = ours.result() | {"cpu_choice": ours.info.cpu,
+                                           "kv_cache_dtype": ours.info.kv_cache_dtype}
     if hf is not None:
         result["baseline"] = hf.result()
+    _add_rooflines(result, args)
+    if hf is not None:
         ours, base = result["tokenloom"], result["baseline"]
         # > 1 means tokenloom is faster (the baseline takes that many times as long).
         result["speedup_decode_per_token"] = base["decode_per_token"]["median_ms"] / ours["decode_per_token"]["median_ms"]
@@ -250,6 +258,25 @@ def run(args: argparse.Namespace) -> int:
         result["speedup_prefill"] = base["prefill"]["median_ms"] / ours["prefill"]["median_ms"]
         result["speedup_cpu"] = base["cpu_per_iteration"]["median_ms"] / ours["cpu_per_iteration"]["median_ms"]
     return emit(result, args.json, _print_report, args.output_json)
+
+
+def _add_rooflines(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Each run that knows its weight bytes gets its decode step's roofline (bench/roofline.py):
+    weights once a step, plus each sequence's KV at the mean decode context."""
+    from tokenloom.bench.roofline import decode_roofline, kv_bytes_per_sequence
+    from tokenloom.model.loader import load_model_config
+
+    config = load_model_config(args.model)
+    context = args.input_len + args.output_len // 2
+    ceiling = result["read_bandwidth"]["bytes_per_s"]
+    for key in ("tokenloom", "baseline"):
+        run = result.get(key)
+        if not run or not run.get("weight_bytes_per_token"):
+            continue
+        kv_dtype = run.get("kv_cache_dtype") or "float16"  # llama.cpp's default KV type
+        kv = args.batch_size * kv_bytes_per_sequence(config, kv_dtype, context)
+        run["roofline"] = decode_roofline(run["weight_bytes_per_token"], kv, args.batch_size,
+                                          run["decode_per_token"]["median_ms"] / 1000, ceiling)
 
 
 def _print_report(result: dict[str, Any]) -> None:
@@ -275,6 +302,15 @@ def _print_report(result: dict[str, Any]) -> None:
         for stat in ("median_ms", "p90_ms"):
             name = f"{label} {stat.split('_')[0]} (ms)"
             print(f"{name:<28}" + "".join(f"{r[key][stat]:>22.2f}" for r in runs))
+    if "read_bandwidth" in result:
+        from tokenloom.bench.roofline import format_roofline
+
+        bw = result["read_bandwidth"]
+        print(f"memory read bandwidth (measured: {bw['threads']} threads over {bw['buffer_bytes'] >> 20} MiB): "
+              f"{bw['bytes_per_s'] / 1e9:.1f} GB/s")
+        for r in runs:
+            if "roofline" in r:
+                print(format_roofline(f"{r['backend']} decode (median)", r["roofline"]))
     if "baseline" in result:
         print(f"speedup vs {result['baseline']['backend']} (median): decode per token "
               f"{result['speedup_decode_per_token']:.2f}x, prefill {result['speedup_prefill']:.2f}x, "

@@ -10,7 +10,8 @@ median is reported. All engines stay loaded and their runs alternate (set i thro
 set i + 1), so the machine's load changes meet them alike; the report adds the median of the
 per-round ratios. `--baseline-dtype` picks the baseline's dtype; `best` runs it in float32 and
 in bfloat16, reports both, and compares with the faster. Every report names the machine (CPU
-model, ISA flags, usable cores, load), the engine's resident memory, and progress goes to stderr.
+model, ISA flags, usable cores, load), the engine's resident memory and its decode steps against
+the measured memory roofline (bench/roofline.py), and progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -130,6 +131,9 @@ class _Ours:
             "elapsed_runs_s": [r[0] for r in self.runs],
             "cpu": next(r[1] for r in self.runs if r[0] == elapsed),
         }
+        roofline = _decode_roofline(args, info, self.recorder.stats)
+        if roofline is not None:
+            out["roofline"] = roofline
         if args.profile:
             out["profile"] = step_profile(self.recorder.stats)
         spec = spec_decode_summary(self.recorder.stats)
@@ -303,6 +307,20 @@ def _alternate(engines: list[Any], prompt_sets: list[list[list[int]]],
     return rounds, {k: v / waited[k] if waited[k] > 0 else 0.0 for k, v in idle.items()}
 
 
+def _decode_roofline(args: argparse.Namespace, info: Any, stats: list[Any]) -> dict[str, float] | None:
+    """The timed runs' decode-only steps against the measured memory roofline (bench/roofline.py):
+    weights once a step, each sequence's KV at the mean decode context."""
+    from tokenloom.bench.roofline import decode_steps_roofline, kv_bytes_per_sequence, read_bandwidth
+    from tokenloom.model.loader import load_model_config
+
+    if not info.weight_bytes_per_token:
+        return None
+    per_seq = kv_bytes_per_sequence(load_model_config(args.model), info.kv_cache_dtype,
+                                    args.input_len + args.output_len // 2)
+    return decode_steps_roofline(stats, info.weight_bytes_per_token, lambda n: n * per_seq,
+                                 read_bandwidth()["bytes_per_s"])
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenloom.bench.common import check_output_json, emit, positive, random_prompt_ids
     from tokenloom.model.loader import load_model_config, load_tokenizer
@@ -331,9 +349,13 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress()
     engines: list[Any] = []
     try:
+        from tokenloom.bench.roofline import read_bandwidth
+
+        progress.step("measuring the memory read bandwidth")
         result: dict[str, Any] = {
             "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
             "machine": machine_info(),
+            "read_bandwidth": read_bandwidth(),  # before any engine loads: an idle machine's
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -404,6 +426,15 @@ def _print_report(result: dict[str, Any]) -> None:
               f"{mem['peak_rss_mib']:.0f} MiB ({ours['num_kv_blocks']} KV blocks)")
     if ours.get("cpu_choice"):
         print(f"tokenloom CPU path: {ours['cpu_choice']}")
+    if "read_bandwidth" in result:
+        from tokenloom.bench.roofline import format_roofline
+
+        bw = result["read_bandwidth"]
+        print(f"memory read bandwidth (measured: {bw['threads']} threads over {bw['buffer_bytes'] >> 20} MiB): "
+              f"{bw['bytes_per_s'] / 1e9:.1f} GB/s")
+        roof = ours.get("roofline")
+        if roof:
+            print(format_roofline(f"tokenloom decode steps ({roof['decode_tokens_per_s']:.1f} tokens/s in them)", roof))
     for line in format_spec_decode(ours.get("spec_decode")):
         print(line)
     if "baseline" in result:

@@ -67,6 +67,17 @@ def _request_id_of(payload: Any) -> str | None:
     return None
 
 
+def _decode_add(decoder: msgspec.msgpack.Decoder, payload: Any) -> tuple[Any, Any]:
+    """The input-queue item of one ADD: the request, or a rejection of it alone when it fails to
+    decode (a dead input thread would leave the core deaf)."""
+    try:
+        request = decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError) as e:  # ValidationError is a ValueError
+        return _REJECT, (_request_id_of(payload), f"{e!r}")
+    request.received_time = now()  # the ledger's "received by core"
+    return EngineCoreRequestType.ADD, request
+
+
 def _die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -122,6 +133,7 @@ class EngineCoreProc:
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         abort_decoder = msgspec.msgpack.Decoder(list[str])
         util_decoder = msgspec.msgpack.Decoder(UtilityRequest)
+        batch_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
         while True:
             frames = self.in_sock.recv_multipart(copy=False)
             try:
@@ -131,14 +143,16 @@ class EngineCoreProc:
                 logger.error("dropped a malformed message of %d frame(s) on the input socket", len(frames))
                 continue
             if kind is EngineCoreRequestType.ADD:
+                self.input_queue.put(_decode_add(add_decoder, payload.buffer))
+            elif kind is EngineCoreRequestType.ADD_BATCH:
+                # One queue item for the whole batch: the busy loop applies it before its next
+                # step, whatever the timing of this thread.
                 try:
-                    request = add_decoder.decode(payload.buffer)
-                except (msgspec.DecodeError, ValueError) as e:  # ValidationError is a ValueError
-                    # Fail that request alone: a dead input thread would leave the core deaf.
-                    self.input_queue.put((_REJECT, (_request_id_of(payload.buffer), f"{e!r}")))
+                    parts = batch_decoder.decode(payload.buffer)
+                except (msgspec.DecodeError, ValueError) as e:
+                    logger.error("dropped a malformed ADD_BATCH message: %r", e)
                     continue
-                request.received_time = now()  # the ledger's "received by core"
-                self.input_queue.put((kind, request))
+                self.input_queue.put((kind, [_decode_add(add_decoder, part) for part in parts]))
             elif kind is EngineCoreRequestType.ABORT or kind is EngineCoreRequestType.UTILITY:
                 decoder = abort_decoder if kind is EngineCoreRequestType.ABORT else util_decoder
                 try:
@@ -182,6 +196,9 @@ class EngineCoreProc:
         """Applies one input message; False means shut down."""
         if kind is EngineCoreRequestType.ADD:
             self.engine.add_request(obj)
+        elif kind is EngineCoreRequestType.ADD_BATCH:
+            for item in obj:
+                self._handle(*item)
         elif kind is _REJECT:
             request_id, error = obj
             logger.error("request %s could not be decoded: %s", request_id, error)
@@ -243,17 +260,18 @@ class EngineCoreProc:
         self.output_queue.put(_SHUTDOWN)
 
 
-def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1) -> int:
+def _set_compute_threads(dp_rank: int = 0, dp_size: int = 1, configured: int | None = None) -> int:
     """The model's threads get every core this process may run on (TOKENLOOM_NUM_THREADS
     overrides), fewer while other processes use them (ops/cpu_threads, the engine core's
     ThreadGovernor). The caller process does not compete for them during a run: it blocks on the
     output socket between steps, and its per-step work (decode, detokenize) is small next to a
     step's (`tokenloom bench throughput` reports it as caller CPU). A data-parallel
-    replica first confines itself to its share of the cores (cores // M)."""
+    replica first confines itself to its share of the cores (cores // M). `configured`: the
+    engine's num_threads (--threads), which fixes the count."""
     from tokenloom.ops.cpu_threads import pin_to_replica_share, set_compute_threads
 
     pin_to_replica_share(dp_rank, dp_size)
-    return set_compute_threads()
+    return set_compute_threads(configured)
 
 
 def main() -> None:
@@ -262,8 +280,8 @@ def main() -> None:
     dp_rank, dp_size = (int(x) for x in sys.argv[4].split("/")) if len(sys.argv) > 4 else (0, 1)
     _die_with_parent(parent_pid)
     logging.basicConfig(level=envs.TOKENLOOM_LOG_LEVEL)
-    _set_compute_threads(dp_rank, dp_size)
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    _set_compute_threads(dp_rank, dp_size, config.num_threads)
     proc = EngineCoreProc(config, in_addr, out_addr)
     # SIGINT raises KeyboardInterrupt in the busy loop, so the core reports its own death (below)
     # whatever a library imported while loading the model did with the handler.

@@ -25,8 +25,8 @@ class EngineCoreActor:
         os.environ["TOKENLOOM_NUM_THREADS"] = str(num_threads)
         from tokenloom.core.engine_core_proc import EngineCoreProc, _set_compute_threads
 
-        _set_compute_threads()
         config = msgspec.json.decode(config_json, type=EngineConfig)
+        _set_compute_threads(configured=config.num_threads)  # --threads, where given, still wins
         # "ray" placed this replica; its own tensor-parallel ranks (if any) run as local processes
         # inside the replica's bundle, not as Ray actors nested in it.
         config = msgspec.structs.replace(

@@ -69,6 +69,12 @@ class EngineCoreClient(ABC):
         for request in requests:
             self.add_request(request)
 
+    def add_request_batch(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """Several user requests (each its core requests, as `add_requests` takes them), which
+        the core queues together before its next step (one message where there is a socket)."""
+        for group in groups:
+            self.add_requests(group)
+
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -241,6 +247,13 @@ class MPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         request.sent_time = now()
         self._send(EngineCoreRequestType.ADD, request)
+
+    def add_request_batch(self, groups: list[list[EngineCoreRequest]]) -> None:
+        requests = [r for group in groups for r in group]
+        t = now()
+        for request in requests:
+            request.sent_time = t
+        self._send(EngineCoreRequestType.ADD_BATCH, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self._dead_reason is None:

@@ -269,6 +269,15 @@ class DPClient(_DPClientBase, EngineCoreClient):
         for request in requests:
             client.add_request(request)
 
+    def add_request_batch(self, groups: list[list[EngineCoreRequest]]) -> None:
+        # Balanced group by group, then one message per replica.
+        per_client: dict[int, tuple[MPClient, list[list[EngineCoreRequest]]]] = {}
+        for group in groups:
+            client = self._choose(group)
+            per_client.setdefault(id(client), (client, []))[1].append(group)
+        for client, client_groups in per_client.values():
+            client.add_request_batch(client_groups)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for i, ids in self.balancer.forget(request_ids).items():
             self.clients[i].abort_requests(ids)

@@ -6,8 +6,9 @@ multiprocess mode the core runs its own busy loop), detokenizes it and returns `
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -33,6 +34,7 @@ class LLMEngine(EngineFrontend):
         self._start(config, lambda resolved: self._make_client(resolved, multiprocess))
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
+        self._batch: list[list[Any]] | None = None  # core requests held by batched_adds()
         # The caller's half of the ledger: metrics (get_metrics) and the trace file.
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
@@ -86,8 +88,29 @@ class LLMEngine(EngineFrontend):
         arrival_time = now() if arrival_time is None else arrival_time
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority,
                                                             lora_request=lora_request, pooling_task=pooling_task)
-        self.engine_core.add_requests(self.output_processor.add_user_request(
-            request, prompt_text, trace_headers=dict(trace_headers) if trace_headers else None))
+        core_requests = self.output_processor.add_user_request(
+            request, prompt_text, trace_headers=dict(trace_headers) if trace_headers else None)
+        if self._batch is not None:
+            self._batch.append(core_requests)
+        else:
+            self.engine_core.add_requests(core_requests)
+
+    @contextlib.contextmanager
+    def batched_adds(self) -> Iterator[None]:
+        """Requests added inside reach the engine core together, in one message when the block
+        ends, so its next step sees all of them: the batches it forms (and so the tokens of a
+        run) do not depend on how fast the caller tokenized. Also when the block is left by an
+        exception (the caller aborts them as it would any request in flight)."""
+        if self._batch is not None:  # nested: the outer block sends
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            if batch and self._dead_error is None:
+                self.engine_core.add_request_batch(batch)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs, core_ids = self.output_processor.abort_requests(request_ids)

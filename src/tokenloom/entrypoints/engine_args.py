@@ -123,6 +123,9 @@ class EngineArgs:
                                                                 choices=("auto", "torch", "triton"))
     data_parallel_size: int = arg("engine-core replicas behind one front end, each with its share of the cores; "
                                   "requests go to the least loaded", flags=("--data-parallel-size", "-dp"))
+    num_threads: int | None = arg("compute threads of the engine core (per rank), as llama.cpp's -t: a number fixes "
+                                  "the count; default one per usable core, one fewer per core other processes keep "
+                                  "busy", flags=("--threads", "-t"), metavar="N")
     multiprocess: bool = arg("run the engine core in this process", default=True, flags=(),
                              negative=("--inprocess",))
     enable_ledger: bool = arg("turn the ledger (per-request timing, metrics) off", flags=(), negative=("--no-ledger",))

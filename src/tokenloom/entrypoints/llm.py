@@ -160,9 +160,13 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
-                ids.append(engine.next_request_id())
-                engine.add_request(ids[-1], prompt, p, priority=prio, lora_request=lora, pooling_task=pooling_task)
+            # One message to the core: its first step's batch, and so a greedy run's tokens, do
+            # not depend on how the prompts' tokenization raced its first steps.
+            with engine.batched_adds():
+                for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
+                    ids.append(engine.next_request_id())
+                    engine.add_request(ids[-1], prompt, p, priority=prio, lora_request=lora,
+                                       pooling_task=pooling_task)
         except Exception:
             engine.abort_request(ids)
             raise
@@ -346,12 +350,13 @@ class LLM:
                 while live := [s for s in group if not s.done]:
                     ids: list[str] = []
                     try:
-                        for search in live:
-                            step_params = search.step_params()
-                            for beam in search.beams:
-                                ids.append(engine.next_request_id())
-                                engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params,
-                                                   lora_request=lora_request)
+                        with engine.batched_adds():
+                            for search in live:
+                                step_params = search.step_params()
+                                for beam in search.beams:
+                                    ids.append(engine.next_request_id())
+                                    engine.add_request(ids[-1], {"prompt_token_ids": beam.tokens}, step_params,
+                                                       lora_request=lora_request)
                     except BaseException:
                         engine.abort_request(ids)  # none of the step's requests stays queued
                         raise

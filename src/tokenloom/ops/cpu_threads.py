@@ -13,8 +13,8 @@ So the engine starts with one thread per core of `os.sched_getaffinity(0)` and k
 default (spinning) wait policy, and `ThreadGovernor` watches the CPU time of those cores: every
 half second it reads /proc/stat, subtracts this process's own CPU time, and if other processes
 used about half a core or more of them it drops a thread per such core (never below one); when
-they leave, the threads come back. `TOKENLOOM_NUM_THREADS` fixes the count and switches the
-governor off.
+they leave, the threads come back. `num_threads` (`--threads`, `-t`), or else
+`TOKENLOOM_NUM_THREADS`, fixes the count and switches the governor off.
 
 Processes running at a lower priority than ours (a positive nice value while we run at 0: batch
 jobs, builds, test suites started with `nice`) do not count: the kernel's scheduler gives a nice-19
@@ -75,8 +75,11 @@ def pin_to_replica_share(rank: int, size: int) -> list[int]:
     return share
 
 
-def fixed_num_threads() -> int | None:
-    """TOKENLOOM_NUM_THREADS when set (a fixed count, no governor)."""
+def fixed_num_threads(configured: int | None = None) -> int | None:
+    """A fixed count (no governor): `configured` (the engine's num_threads, `--threads`), else
+    TOKENLOOM_NUM_THREADS when set."""
+    if configured is not None:
+        return configured
     value = envs.TOKENLOOM_NUM_THREADS
     if not value:
         return None
@@ -86,10 +89,10 @@ def fixed_num_threads() -> int | None:
     return n
 
 
-def set_compute_threads() -> int:
-    """Sets torch's (and so the C kernels') thread count at start-up: TOKENLOOM_NUM_THREADS, else
-    one per usable core. Returns it."""
-    n = fixed_num_threads() or len(usable_cores())
+def set_compute_threads(configured: int | None = None) -> int:
+    """Sets torch's (and so the C kernels') thread count at start-up: `configured` (num_threads),
+    else TOKENLOOM_NUM_THREADS, else one per usable core. Returns it."""
+    n = fixed_num_threads(configured) or len(usable_cores())
     torch.set_num_threads(n)
     return n
 
@@ -119,10 +122,10 @@ class ThreadGovernor:
     """Adjusts torch's thread count between steps to what other processes leave of our cores
     (see the module docstring). `step()` is cheap when it is not yet time to look (a clock read)."""
 
-    def __init__(self, interval_s: float = _INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = _INTERVAL_S, configured: int | None = None) -> None:
         self.cores = usable_cores()
         self.max_threads = torch.get_num_threads()
-        self.enabled = (fixed_num_threads() is None and self.max_threads > 1
+        self.enabled = (fixed_num_threads(configured) is None and self.max_threads > 1
                         and _busy_ticks(self.cores) is not None)
         self.threads = self.max_threads
         # At nice 0 (or below), niced processes' time is left out (see the module docstring).

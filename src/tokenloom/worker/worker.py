@@ -57,11 +57,11 @@ class WorkerInfo:
     kernel_plan: list[list[str]] = field(default_factory=list)  # its KernelPlan.encode()
 
 
-def threads_per_rank(local_world_size: int) -> int:
+def threads_per_rank(local_world_size: int, configured: int | None = None) -> int:
     """Each of the ranks sharing this machine gets an equal share of its usable cores (at least
     one): N ranks of spinning OpenMP threads on fewer cores than threads stall each other
-    (ops/cpu_threads). TOKENLOOM_NUM_THREADS fixes the count per rank."""
-    return fixed_num_threads() or max(1, len(usable_cores()) // max(1, local_world_size))
+    (ops/cpu_threads). num_threads (`configured`), or TOKENLOOM_NUM_THREADS, fixes the count per rank."""
+    return fixed_num_threads(configured) or max(1, len(usable_cores()) // max(1, local_world_size))
 
 
 def cpu_line(loaded: LoadedModel, thread_policy: str) -> tuple[str, str]:
@@ -100,7 +100,10 @@ class Worker:
         tp = config.tensor_parallel_size
         on_cpu = torch.device(config.device).type == "cpu"
         if tp > 1 and on_cpu:
-            torch.set_num_threads(threads_per_rank(tp if local_world_size is None else local_world_size))
+            torch.set_num_threads(threads_per_rank(tp if local_world_size is None else local_world_size,
+                                                   config.num_threads))
+        elif on_cpu and config.num_threads is not None:  # the in-process core too
+            torch.set_num_threads(config.num_threads)
         if tp > 1 and torch.device(config.device).type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         init_tensor_parallel(rank, tp, distributed_init_method, config.device)
@@ -120,7 +123,7 @@ class Worker:
         self.model_runner = ModelRunner(self.loaded, runner_config, max_model_len)
         # With one rank the threads follow what other processes leave of the cores; N ranks on
         # one machine keep their fixed share (each would count the others as "other processes").
-        self.thread_governor = ThreadGovernor() if on_cpu and tp == 1 else None
+        self.thread_governor = ThreadGovernor(configured=config.num_threads) if on_cpu and tp == 1 else None
         runner = self.model_runner
         self.info = WorkerInfo(
             rank=rank, max_model_len=max_model_len, num_kv_blocks=runner.num_kv_blocks,
