@@ -3,6 +3,13 @@ Q4_K_M, Q4_0 and Q8_0 of it: the sizes people run, timed with no download.
 
     python benchmarks/gguf_shapes.py llama-3.2-1b OUT_DIR [--quantize Q4_K_M,Q4_0,Q8_0]
         [--llamacpp-python /tmp/llamacpp-venv/bin/python] [--seed 0] [--keep-f16]
+    python benchmarks/gguf_shapes.py llama-3.2-1b OUT_DIR --hf-config
+
+`--hf-config` writes no weights: OUT_DIR/<shape>-hf gets the shape's Hugging Face config.json and
+the same tokenizer (saved by transformers from the embedded GGUF), for the float path with random
+weights (`--load-format dummy`, vLLM's flag, which vLLM's CPU build takes too):
+
+    tokenloom bench throughput --model OUT_DIR/llama-3.2-1b-hf --load-format dummy --quantization none
 
 OUT_DIR gets `<shape>-F16.gguf` and `<shape>-<TYPE>.gguf` for each type of `--quantize`
 (llama.cpp's `llama_model_quantize`, run by `--llamacpp-python`, the python of an environment
@@ -215,6 +222,45 @@ def quantize(python: str, src: str, dst: str, qtype: str, threads: int) -> None:
     print(f"  {qtype}: {dst} ({os.path.getsize(dst) / 2**20:,.0f} MiB, {time.monotonic() - t0:.0f} s)")
 
 
+def hf_config(shape: Shape) -> dict[str, Any]:
+    """The shape as a Hugging Face config.json (LlamaForCausalLM or Qwen2ForCausalLM)."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM" if shape.arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": shape.arch, "hidden_size": shape.hidden, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "intermediate_size": shape.ffn, "head_dim": shape.head_dim, "rope_theta": shape.rope_theta,
+        "rms_norm_eps": shape.rms_eps, "tie_word_embeddings": shape.tied,
+        "max_position_embeddings": shape.context, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }
+    if shape.rope_factor is not None:  # Llama 3.1/3.2's published rope scaling
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": shape.rope_factor, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if shape.arch == "qwen2":
+        config["attention_bias"] = True
+    return config
+
+
+def write_hf_config(name: str, shape: Shape, out: str, source: str) -> str:
+    """OUT/<name>-hf: config.json and the embedded model's tokenizer, no weights (load_format=dummy)."""
+    import json
+
+    # benchmarks/kernels.py, first on sys.path when this runs as a script, would shadow the
+    # `kernels` package that transformers imports.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    from transformers import AutoTokenizer
+
+    directory = os.path.join(out, f"{name}-hf")
+    os.makedirs(directory, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source))
+    tokenizer.save_pretrained(directory)
+    config = hf_config(shape)
+    config.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("shape", choices=sorted(SHAPES), help="the model whose shape to write")
@@ -227,6 +273,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="quantizer threads")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 file after quantizing")
+    p.add_argument("--hf-config", action="store_true",
+                   help="write only a Hugging Face config directory of the shape (no weights: --load-format dummy)")
     args = p.parse_args()
     types = [t.strip() for t in args.quantize.split(",") if t.strip()]
     bad = [t for t in types if t not in FTYPES or t == "F16"]
@@ -242,6 +290,9 @@ def main() -> int:
     from tokenloom.model.loader import default_model_path
 
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.hf_config:
+        print(f"{args.shape}: {write_hf_config(args.shape, shape, args.out_dir, default_model_path())}")
+        return 0
     f16 = os.path.join(args.out_dir, f"{args.shape}-F16.gguf")
     t0 = time.monotonic()
     write_f16(args.shape, shape, f16, default_model_path(), args.seed)

@@ -58,3 +58,21 @@ def _transformers_llama3_factors(shape) -> list[float]:
     d = shape.head_dim
     base = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     return (base / inv_freq.double()).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_config_of_a_shape_builds_with_dummy_weights(gguf_shapes, smollm2_path, tmp_path, arch):
+    """`--hf-config` writes the shape's config and tokenizer, no weights; load_format="dummy" builds
+    the model of that shape from it, the same one that the GGUF of the shape describes."""
+    from tokenloom.model.loader import load_model
+
+    qwen = arch == "qwen2"
+    shape = gguf_shapes.Shape(arch, 64, 2, 4, 2, 128, 1e6 if qwen else 500000.0, 1e-6, tied=qwen, context=4096,
+                              rope_factor=None if qwen else 8.0)
+    directory = gguf_shapes.write_hf_config(arch, shape, str(tmp_path), smollm2_path)
+    assert not [f for f in Path(directory).iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")]
+    c = load_model(directory, dtype="float32", quantization=None, load_format="dummy").config
+    assert (c.architecture, c.hidden_size, c.num_hidden_layers, c.intermediate_size) == (arch, 64, 2, 128)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (4, 2, 16, 49152)
+    assert c.tie_word_embeddings == qwen and c.attention_bias == qwen
+    assert (c.rope_scaling is None) == qwen
