@@ -12,7 +12,8 @@ import pytest
 
 from tokenloom import SamplingParams
 from tokenloom.analysis.explain import analyze, format_report
-from tokenloom.metrics.contention import CONTENDED, contention_sentence, machine_summary, throttled
+from tokenloom.metrics.contention import (CONTENDED, THROTTLED_HEADLINE, contention_sentence, machine_summary,
+                                          throttled)
 from tokenloom.metrics.live import live_view
 from tokenloom.ops.cgroup_cpu import CgroupThrottle, parse_proc_cgroup, parse_quota, parse_throttled_ns
 from tokenloom.ops.schedstat import REFRESH_S
@@ -129,10 +130,14 @@ def _child_cgroup() -> tuple[Path, Path, str]:
     child = parent / f"tokenloom-quota-{os.getpid()}"
     try:
         child.mkdir()
+        # The child cgroup competes with the other processes as one entity of its weight (the
+        # engine's nice no longer counts): the highest weight, so the quota is what holds it.
         if version == 2:
+            (child / "cpu.weight").write_text("10000")
             (child / "cpu.max").write_text(f"{_QUOTA[0]} {_QUOTA[1]}")
             text = f"cpu.max {_QUOTA[0]}/{_QUOTA[1]}"
         else:
+            (child / "cpu.shares").write_text("262144")
             (child / "cpu.cfs_period_us").write_text(str(_QUOTA[1]))
             (child / "cpu.cfs_quota_us").write_text(str(_QUOTA[0]))
             text = f"cpu.cfs_quota_us/cfs_period_us {_QUOTA[0]}/{_QUOTA[1]}"
@@ -173,6 +178,7 @@ def test_engine_under_a_cpu_quota_is_named_throttled(make_llm, tmp_path):
     live = live_view(recorder, [], [], time.monotonic())
     print(report["headline"], report["machine"])
     assert report["verdict"] == CONTENDED, (report["group_shares"], report["machine"])
+    assert report["headline"].startswith(THROTTLED_HEADLINE)
     assert f"throttled by the container's CPU quota ({quota}" in report["headline"]
     assert "raise the container's CPU quota" in report["advice"] and "fewer threads" in report["advice"]
     assert "throttled by the container's CPU quota" in text

@@ -13,12 +13,13 @@ In a container with a CPU quota, when the quota's throttling is a good share of 
 quota, not other processes, and the sentence and the advice say so:
 
     contended: throttled by the container's CPU quota (cpu.max Q/P, C cores) for X% of its step time
+    (it waited to run for Y% in all)
 """
 from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.metrics.timeline import VERDICT_GROUPS, group_seconds
+from tokenloom.metrics.timeline import VERDICT_GROUPS, VERDICT_HEADLINES, group_seconds
 
 CONTENDED = "contended"
 CONTENTION_ADVICE = (
@@ -94,6 +95,16 @@ def _quota_words(quota: str) -> str:
         return quota
 
 
+# The headline of a contended run whose wait was mostly the quota's (VERDICT_HEADLINES' otherwise).
+THROTTLED_HEADLINE = "the container held the engine to its CPU quota"
+
+
+def contention_headline(machine: dict[str, Any] | None) -> str:
+    """A contended run's headline with its numbers, naming the cause that held the engine."""
+    head = THROTTLED_HEADLINE if throttled(machine) else VERDICT_HEADLINES[CONTENDED]
+    return f"{head}: {contention_sentence(machine)}"
+
+
 def contention_advice(machine: dict[str, Any] | None) -> str:
     return THROTTLED_ADVICE if throttled(machine) else CONTENTION_ADVICE
 
@@ -105,7 +116,7 @@ def contention_sentence(machine: dict[str, Any] | None) -> str:
     if throttled(machine):
         ratio = machine["throttled_s"] / machine["step_s"] if machine["step_s"] > 0 else 0.0
         return (f"throttled by the container's CPU quota ({_quota_words(machine['quota'])}) for {min(ratio, 1.0):.0%} "
-                f"of its step time; the engine waited to run for {machine['contention_ratio']:.0%} in all")
+                f"of its step time (it waited to run for {machine['contention_ratio']:.0%} in all)")
     return (f"the engine waited to run for {machine['contention_ratio']:.0%} of its step time; other processes "
             f"used {machine['other_cores']:.1f} of the {machine['cores']} cores")
 
