@@ -87,13 +87,15 @@ def run_engine_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         try:
             engine = llm.llm_engine
             core = engine.engine_core.engine_core  # the in-process client's EngineCore
-            halves = (core.ledger, engine.ledger)
+            # The ledger's parts in the core and in the caller, and the core's per-step CPU and
+            # contention meter (ops/schedstat.py), which only runs with the ledger on.
+            halves = (core.ledger, engine.ledger, core.cpu_meter)
             prepare(llm)
 
             accounts = engine.output_processor.accounts
 
             def run_once(name: str) -> dict[str, float]:
-                core.ledger, engine.ledger = halves if name == "on" else (None, None)
+                core.ledger, engine.ledger, core.cpu_meter = halves if name == "on" else (None, None, None)
                 # With the ledger off the core sends no timing, so no final output may wait for
                 # one (engine/accounts.py); without this the caller waits forever.
                 accounts.expect_timing = name == "on"

@@ -154,6 +154,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     run_delay: float = 0.0
     other_cores: float = 0.0
     num_cores: int = 0
+    # In a container with a CPU quota (ops/cgroup_cpu.py): the part of run_delay the quota
+    # throttled the engine (run_delay is the larger of the two), and the quota as its file says it
+    # ("cpu.max 20000/100000"); 0 and "" without a quota. Under tensor parallelism cpu_time and
+    # run_delay cover the ranks' worker processes too (the sum and the largest).
+    throttled: float = 0.0
+    cpu_quota: str = ""
 
 
 # The engine core's output thread sends an empty EngineCoreOutputs after this many seconds in which

@@ -23,6 +23,11 @@ class ModelRunnerOutput:
     prepare_time: float = 0.0
     forward_time: float = 0.0
     sample_time: float = 0.0
+    # Under tensor parallelism with the ledger on (executor/multiproc_executor.py): the ranks'
+    # compute threads' CPU seconds over the step (summed) and the largest run_delay of any rank
+    # (ops/schedstat.py). 0 where the runner runs in the engine core, whose own meter sees it.
+    cpu_time: float = 0.0
+    run_delay: float = 0.0
     # Requests this step failed on their own (admitting them to the sampler, or sampling them,
     # raised), with the reason; the scheduler finishes them with ERROR. Nothing else is affected.
     failed_req_ids: dict[str, str] = field(default_factory=dict)

@@ -3,8 +3,10 @@ LLM.generate with the engine core in its own process: the split model computes w
 one computes."""
 from __future__ import annotations
 
+import os
+
 import pytest
-from tp_helpers import assert_same, run
+from tp_helpers import PROMPTS, assert_same, run
 
 from tokenloom import LLM, SamplingParams
 
@@ -67,3 +69,39 @@ def test_bad_size_is_a_clear_error(smollm2_path):
         LLM(smollm2_path, tensor_parallel_size=0, multiprocess=False)
     with pytest.raises(ValueError, match=r"distributed_executor_backend='uni' .* tensor_parallel_size=2"):
         LLM(smollm2_path, tensor_parallel_size=2, distributed_executor_backend="uni", multiprocess=False)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_ranks_report_their_contention_and_cpu(tiny_model_dir, tmp_path):
+    """Each rank's compute threads are measured (ops/schedstat.py) and reported with its reply:
+    every request's machine_contention part is there and non-negative, the parts still sum to
+    e2e, and the steps' CPU seconds hold the ranks' (the engine core itself computes nothing)."""
+    from tokenloom.metrics.timeline import PART_NAMES
+    from tokenloom.metrics.trace import load_trace, trace_steps
+
+    path = tmp_path / "trace.json"
+    with LLM(tiny_model_dir("llama"), dtype="float32", tensor_parallel_size=2, trace_path=str(path)) as llm:
+        core = llm.llm_engine.engine_core.info.pid
+        children = [int(p) for t in os.listdir(f"/proc/{core}/task")
+                    for p in open(f"/proc/{core}/task/{t}/children").read().split()]
+        # The rank processes (multiprocessing's resource tracker is a child too).
+        ranks = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(ranks) == 2, ranks
+        before = sum(_cpu_seconds(p) for p in ranks)
+        outs = llm.generate(PROMPTS * 4, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+        ranks_cpu = sum(_cpu_seconds(p) for p in ranks) - before
+        llm.flush_trace()
+    for out in outs:
+        parts, e2e = out.metrics.parts, out.metrics.e2e_latency
+        assert list(parts) == list(PART_NAMES) and "machine_contention" in parts
+        assert all(v >= 0 for v in parts.values()), parts
+        assert abs(sum(parts.values()) - e2e) <= max(1e-3, 0.01 * e2e), (sum(parts.values()), e2e)
+    steps = [s for s in trace_steps(load_trace(path)) if s.get("cores")]
+    assert steps and all(s["run_delay_s"] >= 0 and s["cpu_s"] >= 0 for s in steps)
+    booked = sum(s["cpu_s"] for s in steps)
+    print(f"steps' CPU {booked:.3f} s, the ranks' processes' {ranks_cpu:.3f} s")
+    assert booked >= 0.5 * ranks_cpu > 0, (booked, ranks_cpu)

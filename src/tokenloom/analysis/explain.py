@@ -37,8 +37,8 @@ from typing import Any
 
 from tokenloom import envs
 from tokenloom.metrics.core_ledger import is_long_prefill
-from tokenloom.metrics.contention import (CONTENDED, CONTENTION_ADVICE, contention_sentence, machine_summary,
-                                          verdict_of)
+from tokenloom.metrics.contention import (CONTENDED, CONTENTION_ADVICE, contention_advice, contention_headline,
+                                          contention_sentence, machine_summary, verdict_of)
 from tokenloom.metrics.timeline import DOMINANT_WAIT_FLOOR, VERDICT_HEADLINES
 from tokenloom.metrics.trace import load_trace, trace_config, trace_requests, trace_steps
 
@@ -165,7 +165,7 @@ def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
     machine = machine_summary(steps)
     headline = VERDICT_HEADLINES.get(verdict, "no finished requests")
     if verdict == CONTENDED:
-        headline = f"{headline}: {contention_sentence(machine)}"
+        headline = contention_headline(machine)
     return {
         "config": config,
         "num_requests": len(requests),
@@ -173,7 +173,7 @@ def analyze(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
         "verdict": verdict,
         "headline": headline,
         "machine": machine,
-        "advice": VERDICT_ADVICE.get(verdict, ""),
+        "advice": contention_advice(machine) if verdict == CONTENDED else VERDICT_ADVICE.get(verdict, ""),
         "group_seconds": totals,
         "group_shares": shares,
         "parts_seconds": parts_total,

@@ -180,7 +180,11 @@ class EngineCore:
         cpu_time = run_delay = 0.0
         if meter is not None:
             cpu_time, run_delay = meter.measure(outputs.timestamp)
-            run_delay = min(run_delay, outputs.timestamp - step_start)
+            # Tensor-parallel ranks measure their own threads (executor/multiproc_executor.py):
+            # the step waited for its slowest rank, so the largest wait counts, and every CPU second.
+            meter.add_cpu(runner_output.cpu_time)
+            cpu_time += runner_output.cpu_time
+            run_delay = min(max(run_delay, runner_output.run_delay), outputs.timestamp - step_start)
         if self.ledger is not None:
             self.ledger.on_update(outputs.outputs, outputs.timestamp, run_delay)
         if aborted:
@@ -202,6 +206,8 @@ class EngineCore:
             if meter is not None:
                 stats.cpu_time, stats.run_delay = cpu_time, run_delay
                 stats.other_cores, stats.num_cores = meter.other_cores, len(meter.cores)
+                if meter.throttle is not None:
+                    stats.throttled, stats.cpu_quota = min(meter.throttled, run_delay), meter.throttle.describe
         return outputs
 
     def shutdown(self) -> None:

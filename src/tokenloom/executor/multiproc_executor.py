@@ -8,6 +8,11 @@ NCCL on CUDA, rendezvous on a free port of 127.0.0.1), and rank 0 alone writes i
 dies ends the step with an error at once instead of leaving the engine core waiting: the engine
 core then dies with the usual engine-death contract (every in-flight request fails), and the
 workers die with it.
+
+With the ledger on, every rank measures its step (its compute threads' CPU time and run_delay,
+ops/schedstat.py) and every rank replies to every step: rank 0 with its output, the others with
+their figures alone. The executor waits for all of them (a step is over when its slowest rank is)
+and hands the core the sum of their CPU time and the largest run_delay on the step's output.
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
             self.conns.append(parent)
         self._by_fd = {c.fileno(): r for r, c in enumerate(self.conns)}
+        self.measured = config.enable_ledger  # every rank replies to every step (module docstring)
         self._sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         try:
             infos = [self._reply(rank) for rank in range(n)]
@@ -80,12 +86,7 @@ class MultiprocExecutor(Executor):
         watch = [*(self.conns if others_only_fail else [want]), *self._sentinels]
         while True:
             ready = wait(watch)
-            for obj in ready:
-                if obj in self._sentinels:
-                    r = self._sentinels[obj]
-                    self.procs[r].join(1.0)  # reap it, for its exit code
-                    raise WorkerDiedError(f"tensor-parallel worker rank {r} (pid {self.procs[r].pid}) "
-                                          f"exited with code {self.procs[r].exitcode}")
+            self._raise_if_exited(ready)
             for obj in ready:
                 if obj is not want:
                     self._raise_from(self._by_fd[obj.fileno()])
@@ -93,6 +94,30 @@ class MultiprocExecutor(Executor):
             if status != "ok":
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed: {payload[0]}")
             return payload[0] if len(payload) == 1 else payload
+
+    def _raise_if_exited(self, ready: list[Any]) -> None:
+        for obj in ready:
+            if obj in self._sentinels:
+                r = self._sentinels[obj]
+                self.procs[r].join(1.0)  # reap it, for its exit code
+                raise WorkerDiedError(f"tensor-parallel worker rank {r} (pid {self.procs[r].pid}) "
+                                      f"exited with code {self.procs[r].exitcode}")
+
+    def _gather(self) -> list[Any]:
+        """Every rank's reply to a step, in the order they come; raises WorkerDiedError as soon
+        as a rank dies or fails."""
+        replies: list[Any] = [None] * len(self.conns)
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        while waiting:
+            ready = wait([*waiting, *self._sentinels])
+            self._raise_if_exited(ready)
+            for obj in ready:
+                rank = waiting.pop(obj)  # type: ignore[call-overload]
+                status, *payload = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr]
+                if status != "ok":
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed: {payload[0]}")
+                replies[rank] = payload[0] if len(payload) == 1 else payload
+        return replies
 
     def _raise_from(self, rank: int) -> None:
         try:
@@ -113,7 +138,14 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._send_all(pickle.dumps(("execute_model", (scheduler_output,)), pickle.HIGHEST_PROTOCOL))
-        out, rank0_wall = self._reply(0, others_only_fail=True)
+        if self.measured:
+            replies = self._gather()
+            out, rank0_wall, figures = replies[0]
+            ranks = [figures, *replies[1:]]  # (CPU seconds, run_delay seconds) per rank
+            out.cpu_time = sum(cpu for cpu, _ in ranks)
+            out.run_delay = max(delay for _, delay in ranks)
+        else:
+            out, rank0_wall, _ = self._reply(0, others_only_fail=True)
         # Shipping the step to the ranks and the result back is part of preparing the step: the
         # ledger's step profile then adds up to the executor's wall time (the collectives are
         # inside rank 0's forward time already).
@@ -164,6 +196,17 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watchdog, daemon=True, name="tokenloom-parent-watch").start()
 
 
+def _step_meter(config: EngineConfig) -> Any:
+    """This rank's meter of its compute threads (ops/schedstat.py), with the ledger on; the
+    engine core reads the machine's load and the cgroup itself."""
+    if not config.enable_ledger:
+        return None
+    from tokenloom.ops.schedstat import StepCpuMeter
+
+    meter = StepCpuMeter(machine=False)
+    return meter if meter.available else None
+
+
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection,
                  parent_pid: int) -> None:
     _die_with_parent(parent_pid)
@@ -177,6 +220,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         sys.exit(1)
     conn.send_bytes(pickle.dumps(("ok", worker.get_info())))
     perf_counter = time.perf_counter
+    meter = _step_meter(config)
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
@@ -187,13 +231,24 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         try:
             if method == "execute_model":
                 t0 = perf_counter()
+                if meter is not None:
+                    meter.begin(t0)
                 out = worker.execute_model(*args)
+                t1 = perf_counter()
+                figures = None
+                if config.enable_ledger:
+                    cpu, delay = meter.measure(t1) if meter is not None else (0.0, 0.0)
+                    figures = (cpu, min(delay, t1 - t0))
                 if rank == 0:
-                    reply = ("ok", out, perf_counter() - t0)
+                    reply = ("ok", out, t1 - t0, figures)
                     conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
+                elif figures is not None:
+                    conn.send_bytes(pickle.dumps(("ok", figures), pickle.HIGHEST_PROTOCOL))
             else:
                 conn.send_bytes(pickle.dumps(("ok", getattr(worker, method)(*args)), pickle.HIGHEST_PROTOCOL))
         except BaseException:  # noqa: BLE001 - a failed rank stops the engine (see module docstring)
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
             sys.exit(1)
+    if meter is not None:
+        meter.close()
     worker.shutdown()

@@ -62,6 +62,9 @@ STEP_FIELDS = (
     "run_delay",
     "other_cores",
     "cores",
+    # Of run_delay, the time the container's CPU quota throttled the engine, and that quota.
+    "throttled",
+    "quota",
 )
 
 
@@ -114,6 +117,8 @@ class TraceRecorder:
                 stats.run_delay,
                 stats.other_cores,
                 stats.num_cores,
+                stats.throttled,
+                stats.cpu_quota,
             )
         )
 
@@ -229,6 +234,8 @@ def _step_events(s: dict[str, Any], us, not_before: int) -> list[dict[str, Any]]
     args.update(loop_s=s["loop"], serialize_s=s["serialize"])
     if s.get("cores"):  # measured (ops/schedstat.py)
         args.update(cpu_s=s["cpu"], run_delay_s=s["run_delay"], other_cores=s["other_cores"], cores=s["cores"])
+        if s.get("quota"):  # a container's CPU quota (ops/cgroup_cpu.py)
+            args.update(throttled_s=s["throttled"], quota=s["quota"])
     pid, tid = ENGINE_PID, STEPS_TID
     return [
         _slice(f"step {s['step']}", "step", t0, t3, pid, tid, {"step": s["step"], **args}),

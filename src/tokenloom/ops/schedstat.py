@@ -18,14 +18,28 @@ reads them with `os.pread` (one small read each, no open/close) at the end of ev
   thread waited to run (its partners spin meanwhile, which is CPU time, not contention);
 - its CPU time is the sum of their on-CPU time over the step;
 - other processes' use of the cores this process may run on comes from /proc/stat (non-idle
-  ticks of those cores minus this process's own CPU time), read at most every `LOAD_INTERVAL_S`
-  (a tick is coarse; a step is short) with the governor's reader.
+  ticks of those cores minus this process's own CPU time, and the tensor-parallel ranks' that
+  `add_cpu` reports), read at most every `LOAD_INTERVAL_S` (a tick is coarse; a step is short)
+  with the governor's reader;
+- in a container with a CPU quota, the time the quota throttled the engine (ops/cgroup_cpu.py):
+  its cgroup's throttled time over the step, divided by the run queues it was summed over (the
+  compute threads that ran or waited over the step, at most one per core). A throttled thread stays runnable on its (throttled)
+  queue, so its run_delay already holds that wait (the kernel's sched-stats docs: run_delay is
+  "time spent waiting on a runqueue"; checked on this project's kernel: a busy thread under a
+  small quota gathers its throttled wait as run_delay). The step's contention is therefore the larger of the
+  two, never their sum; the throttled share only says which cause it was (metrics/contention.py).
+
+Tensor parallelism: each rank's worker process keeps its own meter (`machine=False`: no load or
+cgroup reading) and sends its step's figures with its reply (executor/multiproc_executor.py); the
+engine core books the largest run_delay of its own and the ranks' (the step ends with the slowest
+rank) and the sum of their CPU time.
 """
 from __future__ import annotations
 
 import os
 import threading
 
+from tokenloom.ops.cgroup_cpu import CgroupThrottle
 from tokenloom.ops.cpu_threads import _TICKS, _busy_ticks, usable_cores
 
 REFRESH_S = 2.0
@@ -55,9 +69,10 @@ def read_schedstat(fd: int) -> tuple[int, int] | None:
 class StepCpuMeter:
     """Per step: (CPU seconds of the compute threads, seconds the most delayed one waited to run);
     and, refreshed every `LOAD_INTERVAL_S`, the cores other processes used (see the module
-    docstring). `available` is False where /proc has no schedstat (not Linux, or schedstats off)."""
+    docstring). `available` is False where /proc has no schedstat (not Linux, or schedstats off).
+    `throttled` is the last step's time throttled by the container's CPU quota (0 without one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, machine: bool = True) -> None:
         self.pid = os.getpid()
         self.cores = usable_cores()
         self.fds: dict[int, int] = {}  # tid -> open schedstat fd
@@ -69,9 +84,22 @@ class StepCpuMeter:
         self.other_cores = 0.0
         self._load_next = 0.0
         self._load_last: tuple[float, int | None, float] | None = None
+        self.machine = machine
+        self._extra_cpu = 0.0  # the tensor-parallel ranks' CPU seconds (add_cpu)
+        self.throttle: CgroupThrottle | None = None  # found by _refresh
+        self._throttled_ns: int | None = None
+        self.throttled = 0.0
 
     def _refresh(self, t: float) -> None:
         self._next_refresh = t + REFRESH_S
+        # The quota may be set, changed or lifted while the engine runs (docker update, a move
+        # to another cgroup): looked for again with the threads.
+        if self.throttle is not None and not self.throttle.refresh_quota():
+            self.throttle.close()
+            self.throttle = None
+        if self.throttle is None and self.machine:
+            self.throttle = CgroupThrottle.find()
+            self._throttled_ns = self.throttle.throttled_ns() if self.throttle is not None else None
         python_threads = {th.native_id for th in threading.enumerate()}
         step_tid = threading.get_native_id()
         self._step_tid = step_tid
@@ -111,6 +139,7 @@ class StepCpuMeter:
         self._last_read = t
         cpu_ns = 0
         delay_ns = 0
+        active = 0  # threads that ran or waited to run over the step
         last = self.last
         gone = []
         for tid, fd in self.fds.items():
@@ -123,10 +152,30 @@ class StepCpuMeter:
             if before is not None:
                 cpu_ns += reading[0] - before[0]
                 delay_ns = max(delay_ns, reading[1] - before[1])
+                active += reading != before
         for tid in gone:
             self._drop(tid)
-        self._sample_load(t)
-        return cpu_ns * 1e-9, delay_ns * 1e-9
+        delay = delay_ns * 1e-9
+        if self.throttle is not None:
+            self.throttled = self._read_throttled(active)
+            delay = max(delay, self.throttled)  # run_delay holds the throttled wait: never both
+        if self.machine:
+            self._sample_load(t)
+        return cpu_ns * 1e-9, delay
+
+    def _read_throttled(self, active: int) -> float:
+        assert self.throttle is not None
+        now_ns = self.throttle.throttled_ns()
+        before, self._throttled_ns = self._throttled_ns, now_ns
+        if now_ns is None or before is None:
+            return 0.0
+        queues = max(1, min(active, len(self.cores)))
+        return max(0, now_ns - before) * 1e-9 / queues
+
+    def add_cpu(self, seconds: float) -> None:
+        """CPU time this process's meter cannot see but the machine's load counts as the engine's
+        (the tensor-parallel ranks' compute threads)."""
+        self._extra_cpu += seconds
 
     def _sample_load(self, t: float) -> None:
         if t < self._load_next:
@@ -134,7 +183,7 @@ class StepCpuMeter:
         self._load_next = t + LOAD_INTERVAL_S
         busy = _busy_ticks(self.cores)
         times = os.times()
-        sample = (t, busy, times.user + times.system)
+        sample = (t, busy, times.user + times.system + self._extra_cpu)
         last, self._load_last = self._load_last, sample
         if last is None or busy is None or last[1] is None or t <= last[0]:
             return
@@ -144,3 +193,6 @@ class StepCpuMeter:
     def close(self) -> None:
         for tid in list(self.fds):
             self._drop(tid)
+        if self.throttle is not None:
+            self.throttle.close()
+            self.throttle = None
