@@ -134,6 +134,7 @@ def test_throughput_with_hf_baseline_and_profile(hf_baseline_runs):
     assert "roofline" not in base  # transformers reports no weight bytes
 
 
+@pytest.mark.slow
 def test_latency_with_hf_baseline(hf_baseline_runs):
     r = _result(hf_baseline_runs["latency"], output_json=hf_baseline_runs["folder"] / "latency.json")
     assert (r["batch_size"], r["num_iters"], r["warmup"]) == (2, 2, 0)  # --num-iters-warmup 0

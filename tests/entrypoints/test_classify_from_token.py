@@ -150,6 +150,7 @@ def test_what_cannot_be_overridden(models, smollm2_path):
         LLM(models["untied"][0], convert="classify", **ENGINE)
 
 
+@pytest.mark.slow
 def test_served_reranker_with_vllms_launch_flags(models, tmp_path):
     """`tokenloom serve DIR --hf_overrides JSON --chat-template FILE` (vLLM's launch of
     Qwen3-Reranker, its underscore spelling too): /rerank and /score render each pair with the

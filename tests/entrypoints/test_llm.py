@@ -97,7 +97,7 @@ def test_outputs_in_input_order_with_text(default_llm):
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024), None, 1),
         (dict(enable_prefix_caching=False), None, 1),
         # One sequence at a time: a third of the prompts (short to long) shows it as well.
-        (dict(max_num_seqs=1), None, 3),
+        pytest.param(dict(max_num_seqs=1), None, 3, marks=pytest.mark.slow),
         pytest.param(dict(max_num_seqs=64, multiprocess=True), None, 1, marks=pytest.mark.slow),
         # 16 blocks of 16 tokens cannot hold 12 prompts of 30-130 tokens and their outputs at
         # once: running requests are preempted and recomputed.
@@ -132,6 +132,7 @@ def test_prefix_cache_hits_with_shared_prefix(default_llm):
     assert after["num_free_blocks"] == after["num_total_blocks"]
 
 
+@pytest.mark.slow
 def test_bfloat16_kv_cache(prompt_ids, reference):
     """kv_cache_dtype="bfloat16" under the float32 model (the C decode kernel widens K/V as it
     reads them): twice the blocks in the same memory, and greedy outputs that still follow

@@ -42,6 +42,7 @@ def client(server):
     return server.client()
 
 
+@pytest.mark.slow
 def test_response_format_json_schema_over_many_schemas(server):
     async def one(client, prompt, schema):
         r = await client.chat.completions.create(

@@ -38,6 +38,7 @@ def _with_crowd(llm: LLM, params: SamplingParams, crowd: list) -> list[int]:
     return llm.generate(prompts, plist, use_tqdm=False)[17].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_alone_in_a_crowd_chunked_and_preempted(llm):
     alone = llm.generate(STORY, _seeded(1234), use_tqdm=False)[0].outputs[0].token_ids
     assert len(alone) == 16

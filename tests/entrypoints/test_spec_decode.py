@@ -98,6 +98,7 @@ def test_a_stop_string_among_accepted_drafts_ends_the_output_there(llms, stop):
     assert any(o.finish_reason == "stop" and o.stop_reason == stop[0] for o in got)
 
 
+@pytest.mark.slow
 def test_structured_outputs_and_penalties_run_without_drafts(llms):
     """Requests whose next token depends on the ones before it in ways a draft cannot know (a
     grammar's state, penalties) decode one token at a time, and answer as without drafts."""

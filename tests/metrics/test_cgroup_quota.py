@@ -148,6 +148,7 @@ def _child_cgroup() -> tuple[Path, Path, str]:
     return child, parent, text
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_engine_under_a_cpu_quota_is_named_throttled(make_llm, tmp_path):
     """The engine core moved into a cgroup with 0.15 of a core: the verdict is "contended",

@@ -203,7 +203,10 @@ PLANTED = {
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("verdict", list(PLANTED))
+# Two of the four planted verdicts in the fast tier (they run alone, on both cores); all four in
+# the slow one.
+@pytest.mark.parametrize("verdict", [v if v in ("prefill-bound", "block-bound") else pytest.param(v, marks=pytest.mark.slow)
+                                     for v in PLANTED])
 def test_planted_bottleneck(verdict, make_llm, tmp_path, check_plot):
     config, prompts, params, causes = PLANTED[verdict]
     path = tmp_path / "trace.json"

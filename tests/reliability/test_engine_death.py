@@ -112,6 +112,7 @@ def test_engine_core_killed_mid_run(fresh_server):
     assert not ipc_dir.exists(), f"{ipc_dir} was left behind"
 
 
+@pytest.mark.slow
 def test_embedding_requests_in_flight_fail_with_503_when_the_core_dies():
     """An embedding server (--runner pooling) loses its engine core while requests are being
     pooled: each ends with 503 engine_dead, none hangs."""

@@ -96,6 +96,7 @@ def test_health_sees_a_stopped_engine_core_and_its_return():
         assert srv.metrics()["tokenloom:engine_heartbeat_age_seconds"] < 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_a_long_prefill_never_turns_health_red():
     """A prompt of ~3,500 tokens prefilled in one step takes longer than the 1 s heartbeat timeout

@@ -69,6 +69,7 @@ def _start_and_kill(n: int) -> tuple[set[int], set[Path]]:
 
 # Serial: an engine another test starts while this one's callers lie dead sweeps their
 # directories too (by design), before this test has seen them left behind.
+@pytest.mark.slow
 @pytest.mark.serial
 def test_directories_of_sigkilled_callers_are_swept_by_the_next_engine():
     from tokenloom.engine.core_client import MPClient

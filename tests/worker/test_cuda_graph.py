@@ -109,7 +109,7 @@ class _EagerReplays(DecodeGraphs):
         return self.model(*self.graphs[size][1])
 
 
-@pytest.mark.parametrize("max_model_len, path", [(1024, "split_kv"), (512, "unified")])
+@pytest.mark.parametrize("max_model_len, path", [pytest.param(1024, "split_kv", marks=pytest.mark.slow), (512, "unified")])
 def test_graph_steps_compute_what_eager_steps_compute(tmp_path, monkeypatch, max_model_len, path):
     """Decode steps through the graph path (padded to the captured sizes) give the torch
     backend's tokens and logprobs. At max_model_len 1024 the graphs hold split-KV decode with two

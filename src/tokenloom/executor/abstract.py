@@ -68,3 +68,14 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+
+def step_meter(config: EngineConfig) -> Any:
+    """This rank's meter of its compute threads (ops/schedstat.py), with the ledger on; the
+    engine core reads the machine's load and the cgroup itself."""
+    if not config.enable_ledger:
+        return None
+    from tokenloom.ops.schedstat import StepCpuMeter
+
+    meter = StepCpuMeter(machine=False)
+    return meter if meter.available else None

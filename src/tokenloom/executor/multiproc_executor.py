@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.executor.abstract import Executor, WorkerDiedError
+from tokenloom.executor.abstract import Executor, WorkerDiedError, step_meter
 from tokenloom.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -196,17 +196,6 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watchdog, daemon=True, name="tokenloom-parent-watch").start()
 
 
-def _step_meter(config: EngineConfig) -> Any:
-    """This rank's meter of its compute threads (ops/schedstat.py), with the ledger on; the
-    engine core reads the machine's load and the cgroup itself."""
-    if not config.enable_ledger:
-        return None
-    from tokenloom.ops.schedstat import StepCpuMeter
-
-    meter = StepCpuMeter(machine=False)
-    return meter if meter.available else None
-
-
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection,
                  parent_pid: int) -> None:
     _die_with_parent(parent_pid)
@@ -220,7 +209,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
         sys.exit(1)
     conn.send_bytes(pickle.dumps(("ok", worker.get_info())))
     perf_counter = time.perf_counter
-    meter = _step_meter(config)
+    meter = step_meter(config)
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())

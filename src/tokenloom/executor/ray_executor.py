@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.executor.abstract import Executor, WorkerDiedError
+from tokenloom.executor.abstract import Executor, WorkerDiedError, step_meter
 from tokenloom.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class RayWorkerWrapper:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        self.meter: Any = None  # this rank's compute threads, with the ledger on
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): the rendezvous, when this actor is rank 0."""
@@ -52,12 +53,22 @@ class RayWorkerWrapper:
         from tokenloom.worker.worker import Worker
 
         self.worker = Worker(config, rank, init_method, local_world_size=local_world_size)
+        self.meter = step_meter(config)
         return self.worker.get_info()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, float, Any]:
+        """(the step's output, its wall time, (CPU seconds, run_delay seconds) of this rank's
+        compute threads, or None without the ledger)."""
         t0 = time.perf_counter()
+        if self.meter is not None:
+            self.meter.begin(t0)
         out = self.worker.execute_model(scheduler_output)
-        return out, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        figures = None
+        if self.meter is not None:
+            cpu, delay = self.meter.measure(t1)
+            figures = (cpu, min(delay, t1 - t0))
+        return out, t1 - t0, figures
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
@@ -111,7 +122,11 @@ class RayExecutor(Executor):
             results = ray.get(refs)
         except Exception as e:  # RayActorError, RayTaskError: a rank died or raised
             raise WorkerDiedError(f"a tensor-parallel Ray worker failed: {e}") from e
-        out, rank0_wall = results[0]
+        out, rank0_wall, _ = results[0]
+        ranks = [figures for _, _, figures in results if figures is not None]
+        if ranks:  # with the ledger on: as the multiproc executor books its ranks
+            out.cpu_time = sum(cpu for cpu, _ in ranks)
+            out.run_delay = max(delay for _, delay in ranks)
         out.prepare_time += max(0.0, time.perf_counter() - t0 - rank0_wall)  # see multiproc_executor
         return out
 
