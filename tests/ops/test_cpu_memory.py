@@ -2,6 +2,11 @@
 weights, read back from the kernel's own accounts (/proc/self/smaps)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -66,18 +71,29 @@ def test_packed_weights_and_kv_cache_ask_for_huge_pages(granted):
         assert torch.equal(amx.linear(torch.eye(576).bfloat16(), packed), w.t().contiguous())
 
 
-def test_huge_pages_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("TOKENLOOM_HUGEPAGES", "0")
-    cpu_memory._huge_pages_granted.cache_clear()
-    try:
-        assert not cpu_memory._huge_pages_granted()
-        t = cpu_memory.empty_huge((16 * MiB,), torch.float32)
-        t.fill_(2.0)
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            asked_only = "[madvise]" in f.read()  # ("always": every large mapping gets them)
-        if asked_only:
-            assert _mapping_kb(t.data_ptr(), "AnonHugePages") == 0
-        z = cpu_memory.lazy_zeros((4, MiB), torch.float32)
-        assert not z.any()
-    finally:
-        cpu_memory._huge_pages_granted.cache_clear()
+# Run in a fresh process: in a long-lived one (a test worker), malloc may hand back memory that an
+# earlier test's buffer had asked huge pages for, and /proc/self/smaps then counts that mapping's.
+_TURNED_OFF = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_cpu_memory import MiB, _mapping_kb
+from tokenloom.ops import cpu_memory
+assert not cpu_memory._huge_pages_granted()
+t = cpu_memory.empty_huge((16 * MiB,), torch.float32)
+t.fill_(2.0)
+z = cpu_memory.lazy_zeros((4, MiB), torch.float32)
+assert not z.any()
+print(_mapping_kb(t.data_ptr(), "AnonHugePages"))
+"""
+
+
+def test_huge_pages_can_be_turned_off():
+    env = {**os.environ, "TOKENLOOM_HUGEPAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", _TURNED_OFF, str(Path(__file__).parent)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        asked_only = "[madvise]" in f.read()  # ("always": every large mapping gets them)
+    if asked_only:
+        assert int(out.stdout.split()[-1]) == 0
