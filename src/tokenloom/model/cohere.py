@@ -15,36 +15,18 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.attention.backend import AttentionBackend
 from tokenloom.model.config import ModelArchConfig
-from tokenloom.model.llama import MLP, Attention, LlamaForCausalLM
+from tokenloom.model.llama import MLP, Attention, LayerNorm, LlamaForCausalLM
 from tokenloom.model.rope import interleaved_to_rotate_half
-
-
-class CohereLayerNorm(nn.Module):
-    """LayerNorm without bias, computed in float32, with RMSNorm's (x, residual) interface."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-        if residual is not None:
-            x = x + residual
-        out = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
-        return out if residual is None else (out, x)
 
 
 class CohereDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_id: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, bias=False)
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
@@ -65,7 +47,7 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__(config)
-        self.norm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, shape in super().checkpoint_shapes().items()

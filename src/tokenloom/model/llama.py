@@ -73,16 +73,17 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias (StableLM), with RMSNorm's residual form."""
+    """LayerNorm with a bias (StableLM) or without (Command-R), with RMSNorm's residual form."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.bias = nn.Parameter(torch.zeros(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
         if residual is None:
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         x = x + residual
