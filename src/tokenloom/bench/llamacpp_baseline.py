@@ -35,7 +35,8 @@ def gguf_weight_bytes_per_token(path: str) -> int:
 
 
 class LlamaCppBaseline:
-    """One llama.cpp model in a subprocess; `run` generates greedily, one prompt at a time."""
+    """One llama.cpp model in a subprocess; `run` generates greedily, one prompt at a time,
+    `run_batched` all prompts together."""
 
     def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
         from tokenloom.model.loader import default_model_path
@@ -78,6 +79,14 @@ class LlamaCppBaseline:
             if r["num_output_tokens"] != output_len:
                 raise RuntimeError(f"llama.cpp generated {r['num_output_tokens']} tokens, expected {output_len}")
         return runs
+
+    def run_batched(self, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+        """All prompts decoded together through llama.cpp's batch API: one record for the batch."""
+        run = self._ask({"prompts": prompts, "output_len": output_len, "batched": True})["runs"][0]
+        if run["num_output_tokens"] != output_len * len(prompts):
+            raise RuntimeError(f"llama.cpp generated {run['num_output_tokens']} tokens, "
+                               f"expected {output_len * len(prompts)}")
+        return run
 
     def memory(self) -> dict[str, float]:
         m = self._ask({"memory": True})
