@@ -86,6 +86,20 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
         return buf.reshape(*info.shape[:-1], row // block * type_size)
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Unmaps the tensor's pages from this process once the loader has its own copy: a mapped
+        page read once stays resident (file-backed) until the whole file is closed, so the load
+        would otherwise hold the file's bytes beside the weights made from them. The page cache
+        keeps them, and a later `raw` of the tensor (or of one sharing an edge page) reads them
+        back as a fresh mapping does."""
+        mm = self._mmap if info.part == 0 else self._parts[info.part - 1]
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(len(mm), info.offset + info.nbytes)
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
 
 class _Cursor:
     """Sequential little-endian reads over a buffer; every read checks the bounds so that a

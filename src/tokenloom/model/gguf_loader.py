@@ -187,6 +187,7 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
         hf, info = item
         t = _to_torch(g, info)
+        g.release(info)
         if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             heads = config.num_attention_heads if "attn_q" in info.name else config.num_key_value_heads
             t = _undo_llama_permute(t, heads)
