@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -99,6 +99,21 @@ class GGUFFile:
         end = min(len(mm), info.offset + info.nbytes)
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """`GGUFFile.raw` bytes as float32 `[*rows, elements]`: a float type converted here, a
+    quantized one by gguf-py (imported now: see ops/ggml_types for why not before)."""
+    t = GGMLQuantizationType(ggml_type)
+    if t == GGMLQuantizationType.F32:
+        return raw.view(np.float32)
+    if t == GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32)
+    if t == GGMLQuantizationType.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(raw, t)
 
 
 class _Cursor:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tokenloom.model.config import ModelArchConfig
@@ -30,6 +29,7 @@ from tokenloom.model.gguf_loader import PERMUTED_QK, _to_torch, _undo_llama_perm
 from tokenloom.model.packed_linear import packed_nbytes
 from tokenloom.model.rope import interleaved_to_rotate_half
 from tokenloom.ops import amx, quant
+from tokenloom.ops.ggml_types import Q
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)

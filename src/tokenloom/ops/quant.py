@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from tokenloom.ops import cpu_kernels, kernel_plan
+from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, Q
 
 QK = 32  # weights per block
 QK_K = 256  # weights per K-quant super-block
