@@ -30,6 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from tokenloom.bench.common import tree_pids  # noqa: E402
+
 _PHASE = "LOADMEM_PHASE "
 
 # Each driver prints a phase marker (flushed) before each stage; the sampler tags its samples with
@@ -95,24 +98,6 @@ def _status_kib(pid: int) -> dict[str, int] | None:
     return out
 
 
-def _tree_pids(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        out.append(p)
-        for task in tasks:
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
-    return out
-
-
 def _process_name(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -145,7 +130,7 @@ def measure(cmd: list[str], interval: float, env: dict[str, str]) -> dict:
     while proc.poll() is None:
         rss = anon = file = 0
         per: dict[int, int] = {}
-        for pid in _tree_pids(proc.pid):
+        for pid in tree_pids(proc.pid):
             s = _status_kib(pid)
             if s is None:
                 continue
@@ -192,7 +177,6 @@ def measure(cmd: list[str], interval: float, env: dict[str, str]) -> dict:
 
 def kv_bytes_per_token(model: str) -> int:
     """K and V of every layer for one token in float16 (llama.cpp's default cache type)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from tokenloom.model.gguf_config import gguf_model_config
     from tokenloom.model.gguf_file import read_gguf
 
