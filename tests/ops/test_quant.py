@@ -395,3 +395,17 @@ def test_silu_epilogue_is_silu_and_mul_of_the_matmul(qtype):
     assert quant.qlinear_silu_and_mul(x[:, :K], quant.tile_gguf(
         kquants.quantize(rng.standard_normal((40, K), dtype=np.float32), qtype), qtype)) is None
     assert quant.qlinear_silu_and_mul(x[:, :K].bfloat16(), w) is None
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_tiled_in_row_chunks_as_in_one_go(qtype, monkeypatch):
+    """tile_gguf tiles a few MB of rows at a time (a whole LM head at once held several copies of
+    it beside the model): in chunks of 32 rows, 100 rows (the last tile padded) come out in the
+    same bytes as in one go."""
+    K = 512 if qtype in K_FORMATS else 96
+    raw = kquants.quantize(np.random.default_rng(5).standard_normal((100, K), dtype=np.float32), qtype)
+    whole = quant.tile_gguf(raw, qtype)
+    monkeypatch.setattr(quant, "_TILE_CHUNK_BYTES", raw.shape[1] * 32)
+    chunked = quant.tile_gguf(raw, qtype)
+    assert (chunked.out_features, chunked.in_features) == (whole.out_features, whole.in_features) == (100, K)
+    assert chunked.data.shape == whole.data.shape and torch.equal(chunked.data, whole.data)

@@ -4,12 +4,10 @@ weights in the engine core)."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
-from tokenloom.model.gguf_file import GGUFFile
+from tokenloom.model.gguf_file import GGUFFile, dequantize
 from tokenloom.model.registry import GGUF_ARCHITECTURES
 
 
@@ -143,7 +141,7 @@ def _rope_scaling(g: GGUFFile, get) -> dict | None:
     # tensor rather than as metadata; 64-odd float32s, cheap to read here.
     freqs = g.tensors.get("rope_freqs.weight")
     if freqs is not None:
-        values = dequantize(g.raw(freqs), Q(freqs.ggml_type)).astype(np.float32).reshape(-1)
+        values = dequantize(g.raw(freqs), freqs.ggml_type).astype(np.float32).reshape(-1)
         return {"rope_type": "freq_factors", "freq_factors": values.tolist()}
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
@@ -188,7 +186,7 @@ def _phi3_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head
     long, short = g.tensors.get("rope_factors_long.weight"), g.tensors.get("rope_factors_short.weight")
     if long is not None and short is not None:
         def values(info) -> list[float]:
-            return dequantize(g.raw(info), Q(info.ggml_type)).astype(np.float32).reshape(-1).tolist()
+            return dequantize(g.raw(info), info.ggml_type).astype(np.float32).reshape(-1).tolist()
         fields["rope_scaling"] = {
             "rope_type": "longrope", "long_factor": values(long), "short_factor": values(short),
             "original_max_position_embeddings": int(get("rope.scaling.original_context_length", required=True)),

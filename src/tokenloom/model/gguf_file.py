@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
+from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -85,6 +85,35 @@ class GGUFFile:
         row = info.shape[-1] if info.shape else 1
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
         return buf.reshape(*info.shape[:-1], row // block * type_size)
+
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Unmaps the tensor's pages from this process once the loader has its own copy: a mapped
+        page read once stays resident (file-backed) until the whole file is closed, so the load
+        would otherwise hold the file's bytes beside the weights made from them. The page cache
+        keeps them, and a later `raw` of the tensor (or of one sharing an edge page) reads them
+        back as a fresh mapping does."""
+        mm = self._mmap if info.part == 0 else self._parts[info.part - 1]
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(len(mm), info.offset + info.nbytes)
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """`GGUFFile.raw` bytes as float32 `[*rows, elements]`: a float type converted here, a
+    quantized one by gguf-py (imported now: see ops/ggml_types for why not before)."""
+    t = GGMLQuantizationType(ggml_type)
+    if t == GGMLQuantizationType.F32:
+        return raw.view(np.float32)
+    if t == GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32)
+    if t == GGMLQuantizationType.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(raw, t)
 
 
 class _Cursor:

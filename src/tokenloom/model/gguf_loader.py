@@ -13,14 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.registry import GGUF_ARCHITECTURES
+from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, Q
 
 # Types we dequantize. gguf-py knows more (IQ*, TQ*, MXFP4, ...), but these are the ones the
 # llama.cpp quantizers produce for ordinary Llama/Qwen files and the ones tests cover.
@@ -133,6 +131,8 @@ _DEQUANT_CHUNK_BYTES = 16 << 20
 
 def _dequantize_in_chunks(raw: np.ndarray, qtype: Q) -> np.ndarray:
     """`dequantize(raw, qtype)` (float32 `[*rows, elements]`), a few thousand rows at a time."""
+    from gguf.quants import dequantize  # see ops/ggml_types for why here
+
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows = raw.reshape(-1, raw.shape[-1])
     out = np.empty((rows.shape[0], raw.shape[-1] // type_size * block), dtype=np.float32)
@@ -187,6 +187,7 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
         hf, info = item
         t = _to_torch(g, info)
+        g.release(info)
         if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             heads = config.num_attention_heads if "attn_q" in info.name else config.num_key_value_heads
             t = _undo_llama_permute(t, heads)

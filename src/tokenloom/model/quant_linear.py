@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tokenloom.model.config import ModelArchConfig
@@ -30,6 +29,7 @@ from tokenloom.model.gguf_loader import PERMUTED_QK, _to_torch, _undo_llama_perm
 from tokenloom.model.packed_linear import packed_nbytes
 from tokenloom.model.rope import interleaved_to_rotate_half
 from tokenloom.ops import amx, quant
+from tokenloom.ops.ggml_types import Q
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ class _GGUFParts:
             except ValueError as exc:  # a shape the kernel cannot take
                 reason = str(exc).removeprefix(f"{info.name}: ")
             else:
+                self.g.release(info)
                 self.summary.formats[w.format_name] += 1
                 return w
         if info.ggml_type not in _FLOAT_TYPES:
@@ -168,6 +169,7 @@ class _GGUFParts:
                            reason, np.prod(info.shape) * 4 / 1e6)
             self.summary.fallbacks.append(f"{info.name} ({info.type_name})")
         t = _to_torch(self.g, info).float()
+        self.g.release(info)
         if heads is not None:
             t = _undo_llama_permute(t, heads)
         if order is not None:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from tokenloom.ops import cpu_kernels, kernel_plan
+from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, Q
 
 QK = 32  # weights per block
 QK_K = 256  # weights per K-quant super-block
@@ -294,9 +294,17 @@ def _k_scale_planes(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     return np.concatenate([low, high], axis=-1).astype(np.uint8)
 
 
+# Source bytes tiled at a time: the rearrangement's numpy temporaries come to several times their
+# input (codes widened to a byte per weight, shifted copies), which over a whole LM head or
+# embedding table (a 1B model's: 50-80 MB as stored) held the load's peak resident memory far above
+# the model's size. Row chunks are whole tiles, so chunking moves no byte differently.
+_TILE_CHUNK_BYTES = 2 << 20
+
+
 def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQuantWeight:
     """A GGUF tensor's bytes, uint8 [N, K/32 * block bytes] (`GGUFFile.raw`), -> tiled weight.
-    `name` is the tensor's, for errors."""
+    `name` is the tensor's, for errors. Tiled a chunk of rows at a time into the result, so that
+    the temporaries stay a few MB whatever the tensor's size."""
     fmt = GGML_FORMATS.get(int(ggml_type))
     if fmt is None:
         raise ValueError(f"{name}: no quantized kernel for {Q(ggml_type).name}")
@@ -306,6 +314,22 @@ def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQua
         raise ValueError(f"{name}: {Q(ggml_type).name} rows must be whole {block}-weight blocks of "
                          f"{type_size} bytes, got {raw.shape[-1]} bytes per row")
     nu = raw.shape[1] // type_size  # units: blocks, or super-blocks for the K-quants
+    step = max(1, _TILE_CHUNK_BYTES // max(1, raw.shape[1] * TILE_N)) * TILE_N
+    first = _tile_chunk(raw[:step], fmt, nu, type_size)
+    if N <= step:
+        data = first
+    else:
+        data = np.empty((-(-N // TILE_N), nu, first.shape[2]), dtype=np.uint8)
+        data[:step // TILE_N] = first
+        del first
+        for r in range(step, N, step):
+            data[r // TILE_N:(r + step) // TILE_N] = _tile_chunk(raw[r:r + step], fmt, nu, type_size)
+    return TiledQuantWeight(fmt, torch.from_numpy(data), N, nu * block)
+
+
+def _tile_chunk(raw: np.ndarray, fmt: int, nu: int, type_size: int) -> np.ndarray:
+    """`tile_gguf` of some rows: uint8 [ceil(rows/16), nu, unit bytes] (the last tile padded)."""
+    N = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(N, nu, type_size)
     n_pad = -(-N // TILE_N) * TILE_N
     parts = []
@@ -348,8 +372,7 @@ def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQua
                       _tile_planes(_k_scale_planes(scales, mins), n_pad)]
         codes = _block_codes(q, fmt, n_pad).reshape(n_pad // TILE_N, nu, -1)
         parts += [codes, *params]
-    data = np.concatenate(parts, axis=2)
-    return TiledQuantWeight(fmt, torch.from_numpy(data), N, nu * block)
+    return np.concatenate(parts, axis=2)
 
 
 def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:
