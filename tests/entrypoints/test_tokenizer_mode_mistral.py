@@ -33,10 +33,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module", params=sorted(FILES))
 def files(request, tmp_path_factory) -> tuple[str, MistralTokenizer, Reference]:
-    """A repo folder holding one of the shipped tokenizer files, our tokenizer of it, mistral_common's."""
+    """A repo folder holding one of the shipped tokenizer files, our tokenizer of it, and the
+    mistral_common tokenizer it wraps (the reference: loading tekken.json takes seconds)."""
     folder = tmp_path_factory.mktemp("mistral")
     os.symlink(os.path.join(DATA, request.param), folder / FILES[request.param])
-    return str(folder), load_tokenizer(str(folder), "mistral"), Reference.from_file(os.path.join(DATA, request.param))
+    tok = load_tokenizer(str(folder), "mistral")
+    assert isinstance(tok.mistral, Reference)
+    return str(folder), tok, tok.mistral
 
 
 def test_text_encodes_and_decodes_as_mistral_common(files):
@@ -118,6 +121,7 @@ def test_an_engine_chats_and_follows_a_grammar_with_it(mistral_dir):
         assert answer.text in ("yes", "no", " yes", " no"), answer.text
 
 
+@pytest.mark.slow  # a server of its own (14 s on a busy 2-core machine)
 def test_served_chat_is_encoded_by_mistral_common(mistral_dir):
     """`tokenloom serve DIR --tokenizer-mode mistral`: a chat completion's prompt is mistral_common's
     request encoding (its usage counts those tokens), a completion's text is encoded as text, and a

@@ -73,14 +73,26 @@ def assigns(tree: ast.Module, field: str) -> list[int]:
             and "config" in ast.unparse(node.value)]
 
 
+# A tiny Llama with random weights (load_format="dummy") and SmolLM2's tokenizer: the engine's
+# whole start-up path, without a real model's load.
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 49152, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
 @pytest.fixture(scope="module")
-def visits(smollm2_path: str) -> list[str]:
+def visits(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The tokenloom modules that receive the engine's arguments or config, in the order of the
     calls, while `LLM(...)` starts in this process (a repeat in a row collapsed)."""
+    import json
+
     from tokenloom import LLM
     from tokenloom.config import EngineConfig
     from tokenloom.entrypoints.engine_args import EngineArgs
 
+    model = tmp_path_factory.mktemp("tiny-llama")
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     root = str(PACKAGE_DIR)
     seen: list[str] = []
 
@@ -95,8 +107,8 @@ def visits(smollm2_path: str) -> list[str]:
     threading.setprofile(profile)
     sys.setprofile(profile)
     try:
-        llm = LLM(smollm2_path, max_model_len=64, max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 1024**2,
-                  multiprocess=False, enable_ledger=False)
+        llm = LLM(str(model), tokenizer=smollm2_path, load_format="dummy", max_model_len=64,
+                  max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 1024**2, multiprocess=False, enable_ledger=False)
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]

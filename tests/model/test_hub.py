@@ -252,6 +252,7 @@ def test_split_gguf_loads_as_the_whole_file(tmp_path, monkeypatch):
         load_model(str(split_dir / parts[1]))
 
 
+@pytest.mark.slow  # a server of its own, and a download
 def test_a_server_of_a_hub_id_names_the_model_as_given(hub, tmp_path):
     """`tokenloom serve org/name-GGUF:TAG`: /v1/models lists the model by the id as given, its
     `id` and its `root` (vLLM's: root is the model argument), never the cache folder it was
