@@ -121,7 +121,7 @@ def test_an_engine_chats_and_follows_a_grammar_with_it(mistral_dir):
         assert answer.text in ("yes", "no", " yes", " no"), answer.text
 
 
-@pytest.mark.slow  # a server of its own (14 s on a busy 2-core machine)
+@pytest.mark.slow  # a server of its own
 def test_served_chat_is_encoded_by_mistral_common(mistral_dir):
     """`tokenloom serve DIR --tokenizer-mode mistral`: a chat completion's prompt is mistral_common's
     request encoding (its usage counts those tokens), a completion's text is encoded as text, and a
