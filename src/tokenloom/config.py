@@ -104,17 +104,19 @@ class StructuredOutputLimits(msgspec.Struct, frozen=True, kw_only=True):  # type
 
 
 STRUCTURED_OUTPUT_LIMITS = tuple(StructuredOutputLimits.__struct_fields__)
+# EngineConfig's fields that the resolution sets (model/resolve.py) rather than an argument.
+RESOLVED_FIELDS = ("model_name",)
 _LIMITS = StructuredOutputLimits()  # the defaults, once
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     """Everything the engine core needs to build itself; sent to the child process at start-up."""
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF; resolved: a local path
     # Where the model and its tokenizer come from (vLLM's names). `model` and `tokenizer` may be
-    # hub ids ("org/name", "org/name-GGUF:Q4_K_M"): the caller downloads them once
-    # (model/hub.fetch_model_files) and rewrites both to local paths before the core starts, so
-    # the core never sees a hub id, nor `hf_token`, which the caller then clears.
+    # hub ids ("org/name", "org/name-GGUF:Q4_K_M"): the resolution (model/resolve.py) downloads
+    # them once, in the caller, and rewrites both to local paths before the core starts, so the
+    # core never sees a hub id, nor `hf_token`, which the caller then clears.
     tokenizer: str | None = None  # None: the model's own
     tokenizer_mode: str = "auto"  # "auto" | "slow" | "mistral" (model/source.TOKENIZER_MODES)
     tokenizer_revision: str | None = None
@@ -133,7 +135,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # cost of rounding K and V to 8 significant bits (vLLM's kv_cache_dtype).
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's context length
+    max_model_len: int | None = None  # None: the model's context length; resolved: the length served
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 128
     block_size: int = 16
@@ -200,9 +202,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # the final hidden states (pooling_params.py) instead of generating; "auto" picks it for a
     # checkpoint without a language-model head. `convert="embed"` asks for it on any model.
     # `pooler_config` (a PoolerConfig or a dict) overrides the model's own pooling settings.
-    # model/pooling_config.resolve_pooling decides from the model's files (the engines call it):
-    # an engine that pools gets runner "pooling" and its whole pooler_config; a generating one
-    # keeps what its caller wrote.
+    # model/pooling_config.resolve_pooling decides from the model's files, when the config is
+    # resolved (model/resolve.py): an engine that pools gets runner "pooling" and its whole
+    # pooler_config; a generating one gets runner "generate".
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: PoolerConfig | None = None
@@ -226,6 +228,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     structured_outputs_max_choice_chars: int = _LIMITS.structured_outputs_max_choice_chars
     structured_outputs_compile_timeout: float = 30.0  # seconds a request waits for its grammar
     structured_outputs_compile_threads: int = 2
+    # Set by the resolution (model/resolve.py), not an argument: the model as its user gave it (a
+    # hub id, not the folder it was downloaded to), which names it in /v1/models and the metrics;
+    # None until the config is resolved, after which the core and the runner decide nothing again.
+    model_name: str | None = None
 
     @property
     def executor_backend(self) -> str:

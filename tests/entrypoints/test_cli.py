@@ -89,14 +89,15 @@ def test_vllm_spellings_parse_as_tokenloom_options():
 
 
 def test_an_engine_that_cannot_start_is_one_line(capsys):
-    """A setting the model refuses (found in the engine core, where the model's context length is
-    known) ends the command with the reason on one line, not the tracebacks of three processes."""
+    """A setting the model refuses (found when the config is resolved, before any process starts)
+    ends the command with the reason on one line, naming the field and the model's limit, and the
+    exit status of a bad argument."""
     from tokenloom.entrypoints.cli import main
 
-    assert main(["generate", "--max-model-len", "100000", "--max-tokens", "1", "hi"]) == 1
+    assert main(["generate", "--max-model-len", "100000", "--max-tokens", "1", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("tokenloom: error: engine core failed to start: max_model_len=100000 is larger than the "
-                       "model's context length (8192).")
+    assert err[-1] == ("tokenloom: error: max_model_len=100000 is larger than the model's context length (8192, "
+                       "the GGUF's context_length): pass max_model_len <= 8192, or leave it unset for 8192.")
 
 
 def test_env_prints_versions_and_the_kernel_plan(capsys):

@@ -15,6 +15,7 @@ from tokenloom import (LLM, AsyncEngineArgs, AsyncLLMEngine, EngineArgs, LLMEngi
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.entrypoints.engine_args import VLLM_ONLY_ARGS
+from tokenloom.model.resolve import resolve_engine_config
 
 KV_BYTES = 64 * 1024**2
 # Small enough to start fast; each differs from EngineConfig's default, so a field lost on the way
@@ -22,6 +23,13 @@ KV_BYTES = 64 * 1024**2
 SETTINGS = dict(max_model_len=256, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=4, seed=7)
 PROMPTS = ["The capital of France is", "Hello, my name is"]
 GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def resolved(**kwargs) -> EngineConfig:
+    """The EngineConfig of these fields as create_engine_config() returns it: resolved."""
+    config = EngineConfig(**kwargs)
+    resolve_engine_config(config)
+    return config
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> str:
@@ -39,7 +47,7 @@ def test_vllm_engine_loop_matches_llm_generate(smollm2_path, reference_ids):
     # vLLM's examples/offline_inference/llm_engine_example.py, with tokenloom's imports.
     engine = LLMEngine.from_engine_args(EngineArgs(model=smollm2_path, dtype="float", **SETTINGS))
     try:
-        assert engine.config == EngineConfig(model=smollm2_path, dtype="float32", **SETTINGS)
+        assert engine.config == resolved(model=smollm2_path, dtype="float32", **SETTINGS)
         assert engine.max_model_len == 256
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), prompt, SamplingParams(**GREEDY))
@@ -76,7 +84,7 @@ def test_async_engine_args_generate_streams_and_finishes(smollm2_path, reference
         config, outs = asyncio.run(run())
     logged = [r.getMessage() for r in caplog.records if r.name == "tokenloom.engine.async_llm"]
     assert logged == ["Added request a.", "Added request b.", "Aborted request(s) b."]
-    assert config == EngineConfig(model=smollm2_path, dtype="float32", **SETTINGS)
+    assert config == resolved(model=smollm2_path, dtype="float32", **SETTINGS)
     assert len(outs) > 1, "the tokens were not streamed"
     assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[-1].outputs[0].finish_reason == "length"
@@ -92,11 +100,11 @@ def test_from_engine_args_refuses_stat_loggers():
         AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**SETTINGS), stat_loggers=[object()])
 
 
-def test_cli_args_take_vllm_flags(caplog):
+def test_cli_args_take_vllm_flags(caplog, smollm2_path):
     parser = argparse.ArgumentParser()
     assert EngineArgs.add_cli_args(parser) is parser
     args = parser.parse_args([
-        "--model", "/models/m.gguf", "--max-model-len", "1k", "--dtype", "float", "--enforce-eager",
+        "--model", smollm2_path, "--max-model-len", "1k", "--dtype", "float", "--enforce-eager",
         "--max-num-seqs", "8", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_BYTES),
         "--seed", "3", "--override-generation-config", '{"temperature": 0.5}',
     ])
@@ -105,7 +113,7 @@ def test_cli_args_take_vllm_flags(caplog):
     with caplog.at_level(logging.WARNING, logger="tokenloom"):
         config = engine_args.create_engine_config()
     # --enforce-eager is a field of its own (CUDA graphs off), not one of vLLM's no-effect flags.
-    assert config == EngineConfig(model="/models/m.gguf", max_model_len=1000, dtype="float32", max_num_seqs=8,
+    assert config == resolved(model=smollm2_path, max_model_len=1000, dtype="float32", max_num_seqs=8,
                                   enable_prefix_caching=False, kv_cache_memory_bytes=KV_BYTES, seed=3,
                                   override_generation_config={"temperature": 0.5}, enforce_eager=True)
     warned = _warnings(caplog)
@@ -119,18 +127,18 @@ def test_cli_args_take_vllm_flags(caplog):
     assert not AsyncEngineArgs(disable_log_requests=True, enable_log_requests=True).enable_log_requests
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tokenloom"):
-        assert async_args.create_engine_config() == EngineConfig()
+        assert async_args.create_engine_config() == resolved()
     assert "swap-space" in _warnings(caplog) and "disable-log-stats" in _warnings(caplog)
 
 
-def test_keywords_as_vllm_takes_them(caplog):
+def test_keywords_as_vllm_takes_them(caplog, smollm2_path):
     vllm_only = dict(gpu_memory_utilization=0.9, trust_remote_code=True, swap_space=4, disable_log_stats=True)
     assert set(vllm_only) == set(VLLM_ONLY_ARGS)
-    engine_args = EngineArgs("/models/m.gguf", max_model_len=512, **vllm_only)
+    engine_args = EngineArgs(smollm2_path, max_model_len=512, **vllm_only)
     assert "max_model_len=512" in repr(engine_args)
     with caplog.at_level(logging.WARNING, logger="tokenloom"):
         config = dataclasses.replace(engine_args, dtype="half").create_engine_config()
-    assert config == EngineConfig(model="/models/m.gguf", max_model_len=512, dtype="float16")
+    assert config == resolved(model=smollm2_path, max_model_len=512, dtype="float16")
     warned = _warnings(caplog)
     assert all(name.replace("_", "-") in warned for name in vllm_only), warned
 
@@ -165,10 +173,10 @@ def test_vllm_loading_arguments_under_vllm_names(smollm2_path):
     args = parser.parse_args(["--model", "org/name-GGUF:Q4_K_M", "--tokenizer", "org/base", "--tokenizer-mode", "slow",
                               "--revision", "v1", "--tokenizer-revision", "v2", "--hf-token", "t",
                               "--download-dir", "/data/hub", "--load-format", "gguf", "--max-logprobs", "5"])
-    config = EngineArgs.from_cli_args(args).create_engine_config()
-    assert config == EngineConfig(model="org/name-GGUF:Q4_K_M", tokenizer="org/base", tokenizer_mode="slow",
-                                  revision="v1", tokenizer_revision="v2", hf_token="t", download_dir="/data/hub",
-                                  load_format="gguf", max_logprobs=5)
+    # The arguments as parsed (create_engine_config would download the hub ids: tests/model/test_hub.py).
+    assert EngineArgs.from_cli_args(args) == EngineArgs(
+        model="org/name-GGUF:Q4_K_M", tokenizer="org/base", tokenizer_mode="slow", revision="v1",
+        tokenizer_revision="v2", hf_token="t", download_dir="/data/hub", load_format="gguf", max_logprobs=5)
     with pytest.raises(ValueError, match="^load_format must be one of auto, safetensors, gguf, dummy"):
         EngineArgs(load_format="pt").create_engine_config()
     with pytest.raises(ValueError, match=r"^max_logprobs must be an integer in \[0, 20\]"):
@@ -191,3 +199,28 @@ def test_max_logprobs_limits_requests(smollm2_path):
                 llm.generate(PROMPTS[0], SamplingParams(**{field: 3}, **GREEDY), use_tqdm=False)
         out = llm.generate(PROMPTS[0], SamplingParams(logprobs=2, **GREEDY), use_tqdm=False)[0].outputs[0]
         assert all(len(step) >= 2 for step in out.logprobs)
+
+
+def test_create_engine_config_resolves_the_model_once(smollm2_path, tmp_path):
+    """vLLM's create_engine_config: the model's files decide the context length (a GGUF's
+    context_length, an HF config.json's max_position_embeddings), the local paths, the runner and
+    the model's name as given; a max_model_len above the model's is one error naming the field and
+    the limit, before any engine starts. A config resolves once: the core takes it as it is."""
+    from transformers import LlamaConfig
+
+    config = EngineArgs().create_engine_config()
+    assert (config.model, config.tokenizer, config.max_model_len) == (smollm2_path, smollm2_path, 8192)
+    assert (config.runner, config.model_name) == ("generate", "SmolLM2-135M-Instruct")
+    assert EngineArgs(smollm2_path, max_model_len=512).create_engine_config().max_model_len == 512
+    with pytest.raises(ValueError, match=r"^max_model_len=8193 is larger than the model's context length \(8192, "
+                                         r"the GGUF's context_length\): pass max_model_len <= 8192"):
+        EngineArgs(smollm2_path, max_model_len=8193).create_engine_config()
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    assert EngineArgs(str(tmp_path), load_format="dummy").create_engine_config().max_model_len == 128
+    with pytest.raises(ValueError, match=r"^max_model_len=129 is larger than the model's context length \(128, "
+                                         r"max_position_embeddings in its config.json\)"):
+        EngineArgs(str(tmp_path), max_model_len=129, load_format="dummy").create_engine_config()
+    with pytest.raises(ValueError, match="resolved already"):
+        resolve_engine_config(config)

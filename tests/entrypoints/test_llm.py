@@ -3,6 +3,7 @@ outputs that do not depend on how the engine batched, chunked, cached or preempt
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -94,8 +95,9 @@ def test_outputs_in_input_order_with_text(default_llm):
     "kwargs, counter, every",
     [
         (dict(enable_chunked_prefill=True, max_num_batched_tokens=32), None, 1),
-        (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024), None, 1),
-        (dict(enable_prefix_caching=False), None, 1),
+        # Whole prefills and no prefix cache, in one engine: each path differs from the default
+        # engine's (test_greedy_matches_transformers), and neither hides the other's error.
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024, enable_prefix_caching=False), None, 1),
         # One sequence at a time: a third of the prompts (short to long) shows it as well.
         pytest.param(dict(max_num_seqs=1), None, 3, marks=pytest.mark.slow),
         pytest.param(dict(max_num_seqs=64, multiprocess=True), None, 1, marks=pytest.mark.slow),
@@ -103,7 +105,7 @@ def test_outputs_in_input_order_with_text(default_llm):
         # once: running requests are preempted and recomputed.
         (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions", 1),
     ],
-    ids=["chunked-32", "no-chunking", "no-prefix-cache", "max-seqs-1", "multiprocess-64", "preemption"],
+    ids=["chunked-32", "no-chunking-no-prefix-cache", "max-seqs-1", "multiprocess-64", "preemption"],
 )
 def test_greedy_identical_across_configs(kwargs, counter, every, prompt_ids, reference):
     """Scheduling configurations are the engine core's: it runs in this process (as with
@@ -328,16 +330,6 @@ def test_beam_search_is_transformers_beam_search(default_llm, hf_smollm2, prompt
         assert [s.cum_logprob for s in out.sequences] == pytest.approx((ref.sequences_scores * steps).tolist(), abs=2e-3)
 
 
-def test_default_kv_cache_sized_from_max_num_seqs_and_max_model_len():
-    """No kv_cache_memory_bytes: room for max_num_seqs sequences of max_model_len tokens (below
-    the 768 MiB and 24,576-token caps), whatever the dtype; the engine reports what it chose for this CPU."""
-    with LLM(max_model_len=256, max_num_seqs=4) as llm:
-        info = llm.llm_engine.engine_core.info
-    assert info.num_kv_blocks == 4 * 256 // 16
-    assert info.cpu_kernels_isa in ("avx512", "avx2", "scalar", "off")
-    assert "cores" in info.cpu and info.dtype in info.cpu
-
-
 def test_generate_returns_whole_outputs_whatever_the_output_kind(default_llm):
     # vLLM's LLM returns whole outputs; a DELTA request must not come back as its last piece.
     from tokenloom.sampling_params import RequestOutputKind
@@ -395,10 +387,12 @@ def test_chat_tools_need_a_template_that_shows_them(default_llm, caplog):
 def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
     """vLLM's offline idioms: `get_default_sampling_params()` changed and passed back, a
     `lora_request=None` passed through (an adapter without enable_lora refused by name), and a call after
-    shutdown refused as a dead engine's rather than with a closed socket's ZMQError."""
+    shutdown refused as a dead engine's rather than with a closed socket's ZMQError; shutdown leaves
+    no engine-core process."""
     from tokenloom.engine.core_client import EngineDeadError
 
     llm = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256)
+    pid = llm.llm_engine.engine_core.info.pid
     try:
         params = llm.get_default_sampling_params()
         assert params == SamplingParams()
@@ -413,20 +407,39 @@ def test_vllm_idioms_default_params_lora_none_and_use_after_shutdown():
         llm.shutdown()
     with pytest.raises(EngineDeadError, match="the engine was shut down"):
         llm.generate("Hi", params, use_tqdm=False)
+    # shutdown() leaves no engine-core process behind.
+    deadline = time.monotonic() + 5
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"engine core {pid} outlived shutdown()"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_vllm_only_keywords_are_taken_with_a_warning(caplog):
     """`LLM(model, dtype="float", gpu_memory_utilization=0.9, enforce_eager=True,
     trust_remote_code=True)`, as vLLM scripts write it, runs (a warning names each no-effect one;
     enforce_eager is a setting of its own, CUDA graphs off; "float" is vLLM's name of float32); a
-    keyword neither engine knows stays an error."""
+    keyword neither engine knows stays an error. Without kv_cache_memory_bytes the KV cache is room
+    for max_num_seqs sequences of max_model_len tokens (below the 768 MiB and 24,576-token caps),
+    whatever the dtype; the engine reports what it chose for this CPU."""
     with pytest.raises(TypeError, match="'gpu_memory_utilisation'"):
         LLM(gpu_memory_utilisation=0.9)
     with caplog.at_level("WARNING", logger="tokenloom.entrypoints.llm"):
-        llm = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256, gpu_memory_utilization=0.9,
+        llm = LLM(max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.9,
                   enforce_eager=True, trust_remote_code=True, dtype="float", quantization=None)
     try:
-        assert llm.llm_engine.engine_core.info.dtype == "float32"
+        info = llm.llm_engine.engine_core.info
+        assert info.dtype == "float32"
+        assert info.num_kv_blocks == 4 * 256 // 16
+        assert info.cpu_kernels_isa in ("avx512", "avx2", "scalar", "off")
+        assert "cores" in info.cpu and info.dtype in info.cpu
         assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()

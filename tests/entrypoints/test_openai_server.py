@@ -33,6 +33,8 @@ def client(server):
 def test_models_health_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny", "alias"]
+    # root: the model as given (vLLM's), here none: the embedded model's name, not its file's path.
+    assert [m.model_extra["root"] for m in models] == ["SmolLM2-135M-Instruct"] * 2
     # The embedded GGUF is served from its quantized weights by default, and says so.
     assert models[0].model_extra["quantization"].startswith("gguf Q4_1x210+Q8_0x1")
     assert httpx.get(server.url("/health")).status_code == 200  # open without the key

@@ -21,5 +21,9 @@ def test_every_argument_has_help_and_a_row():
 
 
 def test_engine_args_defaults_are_engine_configs():
-    # One set of defaults: EngineArgs() describes EngineConfig() exactly.
-    assert EngineArgs().create_engine_config() == EngineConfig()
+    # One set of defaults: EngineArgs() describes EngineConfig() exactly (both resolved).
+    from tokenloom.model.resolve import resolve_engine_config
+
+    config = EngineConfig()
+    resolve_engine_config(config)
+    assert EngineArgs().create_engine_config() == config

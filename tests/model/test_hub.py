@@ -250,3 +250,50 @@ def test_split_gguf_loads_as_the_whole_file(tmp_path, monkeypatch):
     assert quantized.quantization.startswith("gguf Q8_0")
     with pytest.raises(ModelLoadError, match="pass its first part"):
         load_model(str(split_dir / parts[1]))
+
+
+@pytest.mark.slow  # a server of its own, and a download
+def test_a_server_of_a_hub_id_names_the_model_as_given(hub, tmp_path):
+    """`tokenloom serve org/name-GGUF:TAG`: /v1/models lists the model by the id as given, its
+    `id` and its `root` (vLLM's: root is the model argument), never the cache folder it was
+    downloaded to; the real server, the real download."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", "org/SmolLM2-GGUF:Q4_1",
+                             "--port", str(port), "--max-model-len", "128", "--kv-cache-memory-bytes",
+                             str(16 * 1024**2)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        models = _when_ready(proc, f"http://127.0.0.1:{port}/v1/models", log)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert [(m["id"], m["root"]) for m in models["data"]] == [("org/SmolLM2-GGUF:Q4_1", "org/SmolLM2-GGUF:Q4_1")]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _when_ready(proc: subprocess.Popen, url: str, log) -> dict:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 300  # a loaded 2-core machine takes minutes to start a server
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"tokenloom serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("tokenloom serve was not ready in time")

@@ -2,10 +2,7 @@
 OpenMP threads do not outnumber the cores (ops/cpu_threads)."""
 from __future__ import annotations
 
-import pytest
-
 from tokenloom.ops.cpu_threads import usable_cores
-from tokenloom.model.resolve import resolve_max_model_len
 from tokenloom.worker.worker import threads_per_rank
 
 
@@ -17,10 +14,3 @@ def test_ranks_split_the_cores(monkeypatch):
     assert threads_per_rank(4 * cores) == 1  # never zero
     monkeypatch.setenv("TOKENLOOM_NUM_THREADS", "3")
     assert threads_per_rank(2) == 3  # a fixed count is per rank
-
-
-def test_max_model_len_is_checked_against_the_model():
-    assert resolve_max_model_len(None, 2048) == 2048
-    assert resolve_max_model_len(512, 2048) == 512
-    with pytest.raises(ValueError, match=r"max_model_len=4096 is larger than the model's context length \(2048\)"):
-        resolve_max_model_len(4096, 2048)

@@ -35,8 +35,12 @@ GRAMMAR_POLL_SECONDS = 0.005
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        # Resolved by the caller's engine (model/resolve.py) before it started this core: the
-        # runner and pooler are decided; validate() only guards what crossed the process boundary.
+        # Resolved by the caller (model/resolve.py) before it started this core: the model's path,
+        # the context length, the runner and pooler are decided; validate() only guards what
+        # crossed the process boundary.
+        if config.max_model_len is None:
+            raise ValueError("the engine core takes a resolved EngineConfig (max_model_len is unset): build it with "
+                             "EngineArgs.create_engine_config(), or pass it to LLMEngine / AsyncLLM, which resolve it.")
         config.validate()
         self.config = config
         t0 = time.perf_counter()

@@ -107,10 +107,9 @@ class AsyncLLM(EngineFrontend):
         aborted (vLLM's enable_log_requests)."""
         self.log_requests = log_requests
         self.engine_core: AsyncMPClient | DPAsyncClient
-        model_name = model_name or config.model  # as given: a hub id, not the folder it is downloaded to
-        self._start(config, lambda resolved: DPAsyncClient(resolved) if resolved.data_parallel_size > 1
-                    else AsyncMPClient(resolved))
-        self.model_name = model_name or "SmolLM2-135M-Instruct"
+        self._start(config, asyncio_mode=True)
+        # As given (config.model_name): a hub id, not the folder it is downloaded to.
+        self.model_name: str = model_name or config.model_name  # type: ignore[assignment]
         self.data_parallel_size = config.data_parallel_size
         self.metrics: PrometheusMetrics | None = (
             PrometheusMetrics(self.model_name, metrics_prefix=metrics_prefix, max_model_len=self.max_model_len,

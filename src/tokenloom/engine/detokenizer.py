@@ -33,8 +33,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 def backend_tokenizer(tokenizer: Any) -> tokenizers.Tokenizer:
-    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
-    if isinstance(tokenizer, tokenizers.Tokenizer):
+    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself); a
+    tokenizer with its own `decode_stream` (tokenizer_mode="mistral") is stepped as it is."""
+    if isinstance(tokenizer, tokenizers.Tokenizer) or hasattr(tokenizer, "decode_stream"):
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, tokenizers.Tokenizer):
@@ -86,7 +87,7 @@ class IncrementalDetokenizer:
             self._added_tokens = added or None
         self._last_was_added = False
         context = self._prompt_context(prompt_token_ids)
-        self._stream = DecodeStream(ids=context or None, skip_special_tokens=self.skip_special_tokens)
+        self._stream = self._new_stream(context)
         # Ids fed since the stream last returned a chunk, and the ids of that chunk: what `_flush`
         # needs to decode the bytes that are still pending.
         self._pending_ids: list[int] = []
@@ -160,6 +161,12 @@ class IncrementalDetokenizer:
                 return context
         return []
 
+    def _new_stream(self, context: list[int]) -> Any:
+        make = getattr(self._tokenizer, "decode_stream", None)
+        if make is not None:
+            return make(context, self.skip_special_tokens)
+        return DecodeStream(ids=context or None, skip_special_tokens=self.skip_special_tokens)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -174,7 +181,7 @@ class IncrementalDetokenizer:
             # A decoder whose output for a longer window does not extend its output for a shorter
             # one (seen with some normalisers) breaks the stream's invariant; start a fresh stream
             # from this token rather than fail the request.
-            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._stream = self._new_stream([])
             self._pending_ids = [token_id]
             chunk = self._stream.step(self._tokenizer, token_id)
         if self._added_tokens is not None:

@@ -28,10 +28,11 @@ from tokenloom.sampling_params import SamplingParams
 class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig, multiprocess: bool = True, model_name: str | None = None) -> None:
         """`model_name`: the metrics' and trace's name of the model (default: the model as given,
-        a hub id rather than the cache folder it is downloaded to)."""
+        a hub id rather than the cache folder it is downloaded to: config.model_name)."""
         self.engine_core: EngineCoreClient | DPClient
-        model_name = model_name or config.model or "SmolLM2-135M-Instruct"
-        self._start(config, lambda resolved: self._make_client(resolved, multiprocess))
+        self._start(config, asyncio_mode=False, multiprocess=multiprocess)
+        model_name = model_name or config.model_name
+        assert model_name is not None  # resolved
         self._dead_error: EngineDeadError | None = None
         self._request_counter = itertools.count()
         self._batch: list[list[Any]] | None = None  # core requests held by batched_adds()
@@ -39,17 +40,6 @@ class LLMEngine(EngineFrontend):
         self.ledger: FrontendLedger | None = None
         if config.enable_ledger:
             self.ledger = FrontendLedger(config, model_name, self.engine_core.info)
-
-    @staticmethod
-    def _make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient | DPClient:
-        # Replicas behind a load balancer only for data parallelism; at data_parallel_size=1 the
-        # backend ("mp", "ray") says only who runs the tensor-parallel ranks (as vLLM).
-        if config.data_parallel_size > 1:
-            if not multiprocess:
-                raise ValueError("data_parallel_size > 1 needs multiprocess=True "
-                                 "(each replica is its own process).")
-            return DPClient(config)
-        return EngineCoreClient.make_client(config, multiprocess=multiprocess)
 
     @classmethod
     def from_kwargs(cls, multiprocess: bool = True, **kwargs: Any) -> "LLMEngine":

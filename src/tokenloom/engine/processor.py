@@ -199,10 +199,18 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> str | list[str]:
+    ) -> Any:
         """The prompt text of a conversation (a list of {"role", "content"} messages), or the list
         of prompt texts of a list of conversations, rendered here, in the caller's thread (the
-        server renders `chat_render_jobs` in its render workers instead)."""
+        server renders `chat_render_jobs` in its render workers instead). A tokenizer that encodes
+        conversations itself (tokenizer_mode="mistral": mistral_common's request encoding, no
+        template) gives prompt dicts of token ids and their text instead."""
+        if hasattr(self.tokenizer, "encode_chat") and chat_template is None:
+            single = isinstance(messages[0], dict)
+            encoded = [dict(zip(("prompt_token_ids", "prompt"), self.tokenizer.encode_chat(
+                [_text_message(m, i) for i, m in enumerate(conv)], tools, continue_final_message)))
+                for conv in ([messages] if single else messages)]
+            return encoded[0] if single else encoded
         jobs = self.chat_render_jobs(messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
                                      chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         prompts = [render_chat(job) for job in jobs]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenloom.config import LOAD_FORMATS, TOKENIZER_MODES, EngineConfig
+from tokenloom.config import LOAD_FORMATS, RESOLVED_FIELDS, TOKENIZER_MODES, EngineConfig
 from tokenloom.entrypoints.arg_fields import (
     FROM_CONFIG,
     add_dataclass_args,
@@ -29,6 +29,7 @@ from tokenloom.entrypoints.arg_fields import (
     json_dict,
     reference_markdown,
 )
+from tokenloom.model.resolve import resolve_engine_config
 from tokenloom.pooling_params import PoolerConfig
 from tokenloom.sampling_params import MAX_LOGPROBS
 
@@ -61,7 +62,8 @@ def _defaults_from_config(cls: type) -> type:
         field = cls.__dict__.get(name)
         if isinstance(field, dataclasses.Field) and field.default is FROM_CONFIG:
             field.default = getattr(defaults, name)
-    missing = sorted(set(EngineConfig.__struct_fields__) - set(cls.__dict__.get("__annotations__", {})))
+    missing = sorted(set(EngineConfig.__struct_fields__) - set(RESOLVED_FIELDS)
+                     - set(cls.__dict__.get("__annotations__", {})))
     if missing:
         raise TypeError(f"{cls.__name__} does not declare EngineConfig's field(s) {missing}.")
     return cls
@@ -208,13 +210,14 @@ class EngineArgs:
 
     def create_engine_config(self, usage_context: Any = None, headless: bool = False, *,
                              spelling: Literal["flag", "keyword"] = "flag") -> EngineConfig:
-        """The validated EngineConfig these arguments describe (vLLM returns its VllmConfig here):
-        vLLM's dtype names half/float read as float16/float32, a warning for each vLLM-only
-        argument set (spelled as a flag or as an `LLM(...)` keyword), a ValueError naming a field
-        with a bad value. What the model's files decide (its context length, whether it pools)
-        is resolved when an engine starts from this config (model/resolve.py), so that a config
-        can be built for a model not on this machine. `usage_context` is vLLM's usage-telemetry
-        label, which tokenloom has no use for."""
+        """The validated and resolved EngineConfig these arguments describe (vLLM returns its
+        VllmConfig here): vLLM's dtype names half/float read as float16/float32, a warning for
+        each vLLM-only argument set (spelled as a flag or as an `LLM(...)` keyword), a ValueError
+        naming a field with a bad value; then, once, what the model's files decide
+        (model/resolve.py): the model and tokenizer as local paths (a hub id downloaded), the
+        context length served (`max_model_len` above the model's is a ValueError naming both),
+        the runner and pooler. The engines, the core and the runner take the result as it is.
+        `usage_context` is vLLM's usage-telemetry label, which tokenloom has no use for."""
         if headless:
             raise ValueError("headless=True is not supported: tokenloom's engine cores always run "
                              "under the front end that starts them.")
@@ -225,12 +228,12 @@ class EngineArgs:
             require_otel()  # the optional extra, named, before any process starts
         if self.pooler_config is not None and self.override_pooler_config is not None:
             raise ValueError("give pooler_config or override_pooler_config (its older name), not both.")
-        values = {name: getattr(self, name) for name in EngineConfig.__struct_fields__}
+        values = {name: getattr(self, name) for name in EngineConfig.__struct_fields__ if name not in RESOLVED_FIELDS}
         values["dtype"] = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.override_pooler_config is not None:
             values["pooler_config"] = self.override_pooler_config
         config = EngineConfig(**values)
-        config.validate()
+        resolve_engine_config(config)
         return config
 
     @classmethod

@@ -18,8 +18,6 @@ from tokenloom.entrypoints.chat_templates import resolve_chat_template
 from tokenloom.entrypoints.engine_args import EngineArgs
 from tokenloom.metrics.stats import Metric
 from tokenloom.model.generation_config import default_sampling_params, defaults_source
-from tokenloom.model.hub import fetch_model_files
-from tokenloom.model.source import check_tokenizer_mode
 from tokenloom.lora_request import LoRARequest
 from tokenloom.engine.processor import check_vllm_only_args
 from tokenloom.entrypoints.score_utils import (
@@ -76,10 +74,7 @@ class LLM:
         return llm
 
     def _start(self, engine_args: EngineArgs, spelling: Literal["flag", "keyword"]) -> None:
-        config = engine_args.create_engine_config(spelling=spelling)
-        model_name = config.model
-        check_tokenizer_mode(config.tokenizer_mode)
-        fetch_model_files(config)  # a hub id downloaded here, once: its generation_config.json is read next
+        config = engine_args.create_engine_config(spelling=spelling)  # resolved: a hub id downloaded
         # Before the engine starts: a model's unusable generation_config.json is said at once.
         self.default_sampling_params = default_sampling_params(config.model, config.generation_config,
                                                                config.override_generation_config)
@@ -87,7 +82,7 @@ class LLM:
             logger.warning("Default sampling parameters %s from %s (generation_config='vllm' keeps SamplingParams' "
                            "own).", self.default_sampling_params,
                            defaults_source(config.generation_config, config.override_generation_config))
-        self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess, model_name=model_name)
+        self.llm_engine = LLMEngine(config, multiprocess=engine_args.multiprocess)
         if config.trace_path is not None or config.otlp_traces_endpoint is not None:
             # The trace written (and the spans sent) at shutdown, or at exit if nobody shuts us down.
             weakref.finalize(self, self.llm_engine.flush_trace)

@@ -109,15 +109,19 @@ def check_load_format(path: str, kind: str, load_format: str) -> None:
 def load_tokenizer(path: str | None = None, tokenizer_mode: str = "auto") -> PreTrainedTokenizerFast:
     """The tokenizer of a GGUF file or an HF directory (a model's, or one holding only tokenizer
     files: vLLM's `tokenizer=`). `tokenizer_mode` "mistral" builds mistral_common's tokenizer
-    (transformers' wrapper of it); "slow" is "auto" here: transformers 5 builds one tokenizer per
-    model, on the tokenizers library."""
+    (mistral_tokenizer.py, as vLLM's MistralTokenizer); "slow" is "auto" here: transformers 5
+    builds one tokenizer per model, on the tokenizers library."""
     # Imported here: transformers is slow to import, which an engine core that never
     # needs the tokenizer (see loader.LoadedModel.tokenizer) does not pay.
-    from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer, mistral_tokenizer
+    from tokenloom.model.tokenizer import gguf_tokenizer, hf_tokenizer
 
     if path is not None and os.path.isdir(os.path.expanduser(path)):
         directory = os.path.abspath(os.path.expanduser(path))
-        return mistral_tokenizer(directory) if tokenizer_mode == "mistral" else hf_tokenizer(directory)
+        if tokenizer_mode == "mistral":
+            from tokenloom.model.mistral_tokenizer import MistralTokenizer
+
+            return MistralTokenizer(directory)  # type: ignore[return-value]  # the engine's tokenizer methods
+        return hf_tokenizer(directory)
     path, kind = resolve_model(path)
     if tokenizer_mode == "mistral":
         raise ModelLoadError(f"{path}: tokenizer_mode='mistral' reads a Mistral repo's tekken.json or tokenizer.model "
@@ -130,4 +134,5 @@ def check_tokenizer_mode(tokenizer_mode: str) -> None:
     process starts."""
     if tokenizer_mode == "mistral" and importlib.util.find_spec("mistral_common") is None:
         raise ValueError("tokenizer_mode='mistral' needs mistral_common, which is not installed: "
-                         "pip install 'tokenloom[mistral]' (or use tokenizer_mode='auto').")
+                         "pip install 'tokenloom[mistral]' (mistral-common 1.8.5 to 1.9 on Python <= 3.12: later "
+                         "versions pin numpy below 2.4), or use tokenizer_mode='auto'.")

@@ -286,16 +286,3 @@ def hf_tokenizer(directory: str) -> PreTrainedTokenizerFast:
             with open(template_json, encoding="utf-8") as f:
                 tok.chat_template = json.load(f).get("chat_template")
     return tok
-
-
-def mistral_tokenizer(directory: str) -> Any:
-    """tokenizer_mode="mistral": mistral_common's tokenizer of a Mistral repo (tekken.json or
-    tokenizer.model), through transformers' wrapper, which gives it the tokenizer methods the
-    engine calls. Needs the optional mistral_common (source.check_tokenizer_mode says so first)."""
-    from transformers.tokenization_mistral_common import MistralCommonBackend
-
-    try:
-        return MistralCommonBackend.from_pretrained(directory, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - name the directory, keep the cause
-        raise ModelLoadError(f"{directory}: cannot load mistral_common's tokenizer (tokenizer_mode='mistral'): "
-                             f"{e}") from e

@@ -219,8 +219,15 @@ def _compiler_message(e: BaseException) -> str:
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """The vocabulary as xgrammar sees it. `vocab_size` is the model's logits width, which may
-    exceed the tokenizer's (padded embeddings): the ids past the tokenizer are never allowed."""
-    return load_xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    exceed the tokenizer's (padded embeddings): the ids past the tokenizer are never allowed. A
+    tokenizer that lists its own vocabulary for grammars (tokenizer_mode="mistral") gives it."""
+    xgr = load_xgrammar()
+    own = getattr(tokenizer, "grammar_vocab", None)
+    if own is not None:
+        vocab, byte_fallback = own()
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_FALLBACK if byte_fallback else xgr.VocabType.RAW,
+                                 vocab_size=vocab_size, stop_token_ids=stop_token_ids, add_prefix_space=byte_fallback)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

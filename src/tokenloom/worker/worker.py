@@ -21,7 +21,6 @@ from tokenloom.config import EngineConfig
 from tokenloom.model import packed_linear
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.quant_linear import weight_bytes_per_token
-from tokenloom.model.resolve import resolve_max_model_len
 from tokenloom.model.tensor_parallel import check_tensor_parallel, shard_model_
 from tokenloom.ops import amx, cpu_features, cpu_kernels, elementwise, kernel_plan
 from tokenloom.ops.amx import AmxPackedWeight
@@ -117,8 +116,8 @@ class Worker:
         self.full_config = self.loaded.config
         # The rank's view (its heads): the runner sizes the KV cache by it.
         self.loaded.config = shard_model_(self.loaded.model, rank, tp)
-        max_model_len = resolve_max_model_len(config.max_model_len,
-                                              self.full_config.max_position_embeddings)
+        max_model_len = config.max_model_len  # resolved in the caller (model/resolve.py)
+        assert max_model_len is not None, "the engine core takes a resolved EngineConfig"
         runner_config = config if device == config.device else _with_device(config, device)
         self.model_runner = ModelRunner(self.loaded, runner_config, max_model_len)
         # With one rank the threads follow what other processes leave of the cores; N ranks on

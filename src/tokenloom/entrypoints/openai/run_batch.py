@@ -169,7 +169,7 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--output-file {args.output_file!r}: the folder {out_dir!r} does not exist")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
-    names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
+    names = args.served_model_name or [config.model_name]
     engine = AsyncLLM(config, model_name=names[0])
     try:
         app = build_app(engine, served_model_names=names, chat_template=chat_template,

@@ -28,8 +28,6 @@ from tokenloom.entrypoints.openai.serving_lora import check_lora_modules
 from tokenloom.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE
 from tokenloom.model.generation_config import default_sampling_params as generation_defaults
 from tokenloom.model.generation_config import defaults_source
-from tokenloom.model.hub import fetch_model_files
-from tokenloom.model.source import check_tokenizer_mode
 
 logger = logging.getLogger("tokenloom.serve")
 
@@ -162,11 +160,11 @@ def run_serve(args: argparse.Namespace) -> int:
     ssl_options = _ssl_options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENLOOM_LOG_LEVEL", args.log_level.upper())  # the engine core's, inherited
+    # Resolved before the socket: a missing repo, a gated one or a max_model_len over the model's is
+    # one line.
     config = engine_config_from_args(args)
     # The model as given (a hub id, not the cache folder it is downloaded to) names it.
-    names = args.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
-    check_tokenizer_mode(config.tokenizer_mode)
-    fetch_model_files(config)  # before the socket: a missing repo or a gated one is one line
+    names = args.served_model_name or [config.model_name]
     # Before the socket and the engine: a model's unusable generation_config.json is one line.
     sampling_defaults = generation_defaults(config.model, config.generation_config, config.override_generation_config)
     check_lora_modules(dict(getattr(args, "lora_modules", None) or []), config.enable_lora, config.max_lora_rank, names)

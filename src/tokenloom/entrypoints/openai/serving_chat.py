@@ -83,9 +83,10 @@ class OpenAIServingChat(OpenAIServing):
                 processor.check_prompt_chars(sum(len(m["content"]) for m in conversation), "conversation")
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
-        prompt = await self.render_conversation(req, conversation, raw_request=raw_request)
+        # A prompt's text, or (tokenizer_mode="mistral") the dict of its token ids and text.
+        prompt = await self.render_conversation(req, conversation, raw_request=raw_request, as_prompt=True)
         # With a reasoning parser, whether the reply starts inside <think> (the prompt opened it).
-        reasoning = self.reasoning_opened(prompt)
+        reasoning = self.reasoning_opened(prompt if isinstance(prompt, str) else prompt["prompt"])
         if not req.use_beam_search:
             self.grammar_after_reasoning(params, reasoning)
         # vLLM's echo: the reply repeats the last message first when it is the assistant's own.

@@ -276,7 +276,7 @@ class OpenAIServing:
 
     async def render_conversation(self, req: Any, conversation: list[dict[str, Any]],
                                   tools: list[dict[str, Any]] | None = None, param: str = "messages",
-                                  raw_request: Request | None = None) -> str:
+                                  raw_request: Request | None = None, as_prompt: bool = False) -> Any:
         """The prompt text of `conversation` (a chat request's messages as templates take them),
         rendered in a render worker (chat_render.py) by the request's chat template (only under
         --trust-request-chat-template), else the server's, else the tokenizer's, with the
@@ -289,6 +289,8 @@ class OpenAIServing:
             raise bad_request("chat_template: this server does not render a request's own chat template; its "
                               "operator can allow that with --trust-request-chat-template.", param="chat_template")
         processor = self.engine.input_processor
+        if hasattr(processor.tokenizer, "encode_chat") and not own and self.chat_template is None:
+            return await self._encode_conversation(req, conversation, tools, param, as_prompt)
         try:
             (job,) = await self.engine.run_off_loop(functools.partial(
                 processor.chat_render_jobs, conversation,
@@ -321,6 +323,22 @@ class OpenAIServing:
             if self.engine.metrics is not None:
                 self.engine.metrics.tool_requests_without_tools_in_prompt.inc()
         return text
+
+    async def _encode_conversation(self, req: Any, conversation: list[dict[str, Any]],
+                                   tools: list[dict[str, Any]] | None, param: str, as_prompt: bool) -> Any:
+        """tokenizer_mode="mistral": mistral_common encodes the conversation to token ids (its
+        request encoding, no template); the prompt dict of those ids and their text. A route that
+        takes the prompt as text (`as_prompt` False) cannot take those ids: a 400 says so."""
+        if not as_prompt:
+            raise bad_request(f"{param}: with tokenizer_mode='mistral' a conversation is encoded to token ids by "
+                              "mistral_common, which this route does not take; /v1/chat/completions does.", param=param)
+        try:
+            return await self.engine.run_off_loop(functools.partial(
+                self.engine.input_processor.apply_chat_template, conversation,
+                tools=(tools if tools is not None else req.tools) or None,
+                continue_final_message=getattr(req, "continue_final_message", False)))
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
 
     # ---- request fields -> SamplingParams -----------------------------------------------------
 

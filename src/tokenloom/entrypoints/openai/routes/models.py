@@ -33,7 +33,7 @@ async def list_models(request: Request) -> Response:
             "object": "model",
             "created": created,
             "owned_by": "tokenloom",
-            "root": engine.config.model or "SmolLM2-135M-Instruct",
+            "root": engine.config.model_name,  # the model as given (vLLM's): a hub id, not its cache folder
             "parent": None,
             "max_model_len": engine.max_model_len,
             # What the matmuls compute with (EngineInfo.quantization): "none" or e.g.
