@@ -10,7 +10,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.hub import fetch_model_files
 from tokenloom.model.lora_config import check_lora_support
-from tokenloom.model.pooling_config import resolve_pooling
+from tokenloom.model.pooling_config import resolve_encoder, resolve_pooling
 from tokenloom.model.source import check_load_format, check_tokenizer_mode, load_model_config, resolve_model
 
 
@@ -38,4 +38,5 @@ def resolve_engine_config(config: EngineConfig) -> ModelArchConfig:
     resolve_pooling(config)
     model_config = load_model_config(config.model, config.hf_overrides, config.convert)
     check_lora_support(model_config.architecture, config.enable_lora)
+    resolve_encoder(config, model_config)
     return model_config
