@@ -129,7 +129,10 @@ def save_sentence_transformer(kind: str, out: str, pooling: str = "cls", normali
     """A random `kind` encoder and its tokenizer saved by sentence-transformers with a Pooling
     (`pooling`: "cls", "mean" or "lasttoken") and, with `normalize`, a Normalize module."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize, Pooling, Transformer
+    try:
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Normalize, Pooling, Transformer
     from transformers import AutoModel
 
     tokenizer = tokenizer or make_tokenizer(kind)
