@@ -91,7 +91,7 @@ def make_tokenizer(kind: str, vocab_size: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=names, model_max_length=512, **specials)
 
 
-def make_config(kind: str, vocab_size: int, **overrides):
+def make_config(kind: str, vocab_size: int, **overrides):  # noqa: D417
     """A tiny transformers config of `kind`."""
     from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
 
@@ -138,7 +138,8 @@ def save_sentence_transformer(kind: str, out: str, pooling: str = "cls", normali
     tokenizer = tokenizer or make_tokenizer(kind)
     raw = out + "-hf"
     torch.manual_seed(seed)
-    model = AutoModel.from_config(make_config(kind, len(tokenizer), **config), attn_implementation="sdpa")
+    config.setdefault("vocab_size", len(tokenizer))
+    model = AutoModel.from_config(make_config(kind, **config), attn_implementation="sdpa")
     _randomize_(model, seed)
     model.save_pretrained(raw)
     tokenizer.save_pretrained(raw)

@@ -43,6 +43,10 @@ class EncoderModel(nn.Module):
 
     fused_decode_ok = False
     computes_logits = False  # no LM head (what the runner and the memory accounting read)
+    # The model runner leaves the weights as loaded: an encoder's matmuls have a whole batch of
+    # prompts' rows, where oneDNN's GEMM on the plain weight (bf16: AMX) is the fast one; the
+    # packed copies pay at a decode step's few rows, which an encoder never has.
+    plain_weights = True
     lm_head = None
     # The prefix a *ForSequenceClassification checkpoint puts before the encoder's tensors.
     checkpoint_prefix = ""

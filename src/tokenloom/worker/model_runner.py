@@ -127,7 +127,7 @@ class ModelRunner:
                                                      quantized=loaded.quantization != "none")
         if config.is_pooling:  # pooled, never sampled: no LM head to hold or pack
             self.model.drop_lm_head()
-        if self.device.type == "cpu" and not config.compile:
+        if self.device.type == "cpu" and not config.compile and not getattr(self.model, "plain_weights", False):
             prepare_cpu_weights(self.model)
             # A Llama-family model's decode steps as one C call (the eager layers for every
             # other step); None where the layers are not what that call computes.
