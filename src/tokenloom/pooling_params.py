@@ -104,6 +104,10 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):  # type: 
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str | None = None
+    # Set by the caller's engine from a prompt's `token_type_ids` (a cross-encoder's pair, as
+    # the tokenizer encodes it): the index of the first token of type 1 (vLLM's
+    # compressed_token_type_ids); every token before it has type 0, every one from it type 1.
+    token_type_start: int | None = None
 
     def __post_init__(self) -> None:
         self.dimensions = _positive_int_or_none("dimensions", self.dimensions)

@@ -93,8 +93,9 @@ class InputProcessor:
 
     @property
     def max_prompt_tokens(self) -> int:
-        """The longest prompt accepted: shorter than max_model_len, within the whole KV cache."""
-        limit = self.max_model_len - 1
+        """The longest prompt accepted: shorter than max_model_len (as long as it for a pooling
+        engine, which generates nothing after it), within the whole KV cache."""
+        limit = self.max_model_len - (0 if self.pooler_config is not None else 1)
         if self.kv_cache_capacity_tokens is not None:
             limit = min(limit, self.kv_cache_capacity_tokens)
         elif self.num_kv_blocks is not None and self.block_size is not None:
@@ -145,6 +146,8 @@ class InputProcessor:
         pooling_params = self._pooling_params(params, pooling_task)
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, self._truncation(params))
         prompt_len = len(prompt_token_ids)
+        if pooling_params is not None and isinstance(prompt, dict) and prompt.get("token_type_ids") is not None:
+            pooling_params = pooling_params.clone(token_type_start=_token_type_start(prompt, prompt_len))
         within = max_tokens_within_context and isinstance(params, SamplingParams)
         self.check_lengths(prompt_len, params.max_tokens if within else None)
         params = POOLING_SAMPLING_PARAMS if pooling_params is not None else self._complete_params(params, prompt_len)
@@ -298,11 +301,17 @@ class InputProcessor:
         """A ValueError for a prompt the engine could never run (no room for a token in the
         context, or more than the KV cache holds for one request) and, when given, a max_tokens
         the context cannot hold after it (what vLLM's and OpenAI's servers refuse)."""
-        if prompt_len >= self.max_model_len:
-            why = "" if self.pooler_config is not None else " to leave room for at least one generated token"
+        if self.pooler_config is not None and prompt_len > self.max_model_len:
+            raise ValueError(
+                f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: a prompt may be "
+                f"at most {self.max_model_len} tokens (the model's maximum positions); truncate_prompt_tokens=-1 "
+                "keeps its last max_model_len tokens."
+            )
+        if self.pooler_config is None and prompt_len >= self.max_model_len:
             raise ValueError(
                 f"The prompt is {prompt_len} tokens long but max_model_len is {self.max_model_len}: "
-                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens){why}."
+                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens) "
+                "to leave room for at least one generated token."
             )
         if self.kv_cache_capacity_tokens is not None and prompt_len > self.kv_cache_capacity_tokens:
             raise ValueError(
@@ -394,10 +403,7 @@ class InputProcessor:
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty.")
         if len(token_ids) >= self.max_model_len:  # before looking at millions of elements
-            raise ValueError(
-                f"The prompt is {len(token_ids)} tokens long but max_model_len is {self.max_model_len}: "
-                f"a prompt must be shorter than max_model_len (at most {self.max_model_len - 1} tokens)."
-            )
+            self.check_lengths(len(token_ids))
         ids: list[int] = []
         for t in token_ids:
             try:
@@ -509,3 +515,17 @@ def _max_chars_per_token(tokenizer: Any) -> int | None:
         return None
     longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
     return longest or None
+
+
+def _token_type_start(prompt: dict[str, Any], kept: int) -> int | None:
+    """Where a prompt's `token_type_ids` (zeros, then ones: a pair's first and second text) turn
+    to 1, counted in the `kept` last tokens that truncation left; None when they never do."""
+    types, ids = prompt["token_type_ids"], prompt.get("prompt_token_ids")
+    if ids is None or not isinstance(types, (list, tuple)) or len(types) != len(ids):
+        raise ValueError("token_type_ids must come with prompt_token_ids, one type per token.")
+    start = next((i for i, t in enumerate(types) if t != 0), None)
+    if start is None:
+        return None
+    if any(t != 1 for t in types[start:]):
+        raise ValueError("token_type_ids must be 0s followed by 1s (a pair's first text, then its second).")
+    return max(start - (len(ids) - kept), 0)

@@ -248,8 +248,7 @@ class LLM:
                 self.llm_engine.input_processor.apply_chat_template, add_generation_prompt=False,
                 chat_template=chat_template)
             pairs = text_pairs(data_1, data_2)
-            prompts = [{"prompt_token_ids": ids} for ids in
-                       cross_encoder_inputs(self.get_tokenizer(), pairs, model_config.use_sep_token, render)]
+            prompts = cross_encoder_inputs(self.get_tokenizer(), pairs, model_config.use_sep_token, render)
             classified = self.classify(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                        use_tqdm=use_tqdm, lora_request=lora_request,
                                        tokenization_kwargs=tokenization_kwargs)

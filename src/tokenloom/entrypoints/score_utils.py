@@ -51,13 +51,14 @@ def text_pairs(data_1: Any, data_2: Any, name_1: str = "data_1", name_2: str = "
 
 
 def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]], use_sep_token: bool = True,
-                         render: Callable[[list[dict[str, str]]], str] | None = None) -> list[list[int]]:
-    """Each pair's token ids, the one input a cross-encoder reads, as vLLM forms it: with a score
-    template (`render`, the template given with --chat-template or `chat_template`) the text it
-    renders from the messages [{"role": "query", ...}, {"role": "document", ...}]; else, for a
-    cross-encoder (`use_sep_token`), the tokenizer's encoding of a pair (its pair template: a
-    separator, special tokens); else, for a language model run as a classifier (Qwen3-Reranker),
-    the two texts joined and encoded as one."""
+                         render: Callable[[list[dict[str, str]]], str] | None = None) -> list[dict[str, Any]]:
+    """Each pair as the one prompt a cross-encoder reads (a dict of `prompt_token_ids`, and
+    `token_type_ids` where the tokenizer gives the second text type 1, as BERT's does), as vLLM
+    forms it: with a score template (`render`, the template given with --chat-template or
+    `chat_template`) the text it renders from the messages [{"role": "query", ...},
+    {"role": "document", ...}]; else, for a cross-encoder (`use_sep_token`), the tokenizer's
+    encoding of a pair (its pair template: a separator, special tokens); else, for a language
+    model run as a classifier (Qwen3-Reranker), the two texts joined and encoded as one."""
     if render is not None:
         texts = []
         for a, b in pairs:
@@ -66,10 +67,18 @@ def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]], use_sep_t
             except Exception as e:  # noqa: BLE001 - a template error is the caller's template's or text's
                 raise ValueError(f"chat_template is the score template, and it could not render a query and "
                                  f"document pair: {e}") from None
-        return [tokenizer(t)["input_ids"] for t in texts]
+        return [{"prompt_token_ids": tokenizer(t)["input_ids"]} for t in texts]
     if not use_sep_token:
-        return [tokenizer(a + b)["input_ids"] for a, b in pairs]
-    return [tokenizer(a, text_pair=b)["input_ids"] for a, b in pairs]
+        return [{"prompt_token_ids": tokenizer(a + b)["input_ids"]} for a, b in pairs]
+    prompts = []
+    for a, b in pairs:
+        enc = tokenizer(a, text_pair=b)
+        prompt = {"prompt_token_ids": enc["input_ids"]}
+        types = enc.get("token_type_ids")
+        if types is not None and any(types):
+            prompt["token_type_ids"] = list(types)
+        prompts.append(prompt)
+    return prompts
 
 
 def check_cross_encoder(labels: tuple[str, ...] | None) -> bool:

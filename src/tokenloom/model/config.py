@@ -66,6 +66,19 @@ class ModelArchConfig:
     # How a one-label classifier reads a scored pair (vLLM's name): True, the tokenizer's pair
     # encoding (a cross-encoder's separator); False, the two texts joined (an LM as reranker).
     use_sep_token: bool = True
+    # Encoders (model/bert.py, model/modernbert.py): bidirectional attention over whole prompts,
+    # no KV cache read (the engine runs each prompt in one step: model/resolve.py). LayerNorm
+    # eps is rms_norm_eps; `hidden_act` the MLP's activation (a key of bert.ACTIVATIONS).
+    encoder: bool = False
+    hidden_act: str = "silu"
+    type_vocab_size: int = 0  # BERT's token types (a cross-encoder's second text is type 1)
+    position_offset: int = 0  # XLM-R: position p reads row p + padding_idx + 1 of its table
+    norm_bias: bool = True  # ModernBERT: LayerNorms without bias where norm_bias is false
+    # ModernBERT: the local layers, which see keys within local_attention // 2 of the query.
+    local_attention: int | None = None
+    local_layers: tuple[int, ...] = ()
+    classifier_activation: str = "gelu"  # ModernBERT's classifier head
+    classifier_bias: bool = False
 
     @property
     def is_plain_llama(self) -> bool:

@@ -424,6 +424,64 @@ def _cohere_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "logits_scaling": 1.0 / scale}
 
 
+# ------------------------------------------------------------ encoders: BERT, XLM-R, ModernBERT
+_ENCODER_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "tanh")  # model/bert.ACTIVATIONS
+
+
+def _encoder_act(cfg: dict[str, Any], path: str, key: str, default: str = "gelu") -> str:
+    act = cfg.get(key) or default
+    if act not in _ENCODER_ACTS:
+        raise ModelLoadError(f"{path}: unsupported {key} {act!r} (expected one of {', '.join(_ENCODER_ACTS)})")
+    return act
+
+
+def _bert_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """BERT (bert.py): absolute positions, token types, post-norm LayerNorms (layer_norm_eps),
+    biases everywhere; position_embedding_type other than absolute is refused."""
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ModelLoadError(f"{path}: position_embedding_type {kind!r} is not supported (expected 'absolute')")
+    return {"encoder": True, "layer_norm": True, "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+            "hidden_act": _encoder_act(cfg, path, "hidden_act"), "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+            "tie_word_embeddings": False, "eos_token_ids": []}
+
+
+def _xlm_roberta_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """XLM-RoBERTa (bert.py): BERT's, with position p at row p + pad_token_id + 1 of the table,
+    so that max_position_embeddings - pad_token_id - 1 positions are usable (514 -> 512)."""
+    offset = int(cfg.get("pad_token_id", 1)) + 1
+    return _bert_fields(cfg, path) | {"position_offset": offset,
+                                      "max_position_embeddings": int(cfg["max_position_embeddings"]) - offset}
+
+
+def _modernbert_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """ModernBERT (modernbert.py): local and global layers (layer_types, or every
+    global_attn_every_n_layers-th global) with their RoPE bases, in transformers 5's layout
+    (`rope_parameters` per layer type) or the older one (global_rope_theta, local_rope_theta)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    every = int(cfg.get("global_attn_every_n_layers", 3))
+    types = cfg.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters")
+    thetas = {"full_attention": float(cfg.get("global_rope_theta", 160_000.0)),
+              "sliding_attention": float(cfg.get("local_rope_theta", 10_000.0))}
+    if isinstance(params, dict):
+        for kind, p in params.items():
+            if isinstance(p, dict):
+                if p.get("rope_type", "default") != "default":
+                    raise ModelLoadError(f"{path}: scaled RoPE ({kind}: {p.get('rope_type')!r}) is not supported "
+                                         "for ModernBERT")
+                thetas[kind] = float(p.get("rope_theta", thetas.get(kind, 10_000.0)))
+    return {"encoder": True, "layer_norm": True, "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+            "norm_bias": bool(cfg.get("norm_bias", False)), "attention_bias": bool(cfg.get("attention_bias", False)),
+            "mlp_bias": bool(cfg.get("mlp_bias", False)),
+            "hidden_act": _encoder_act(cfg, path, "hidden_activation"),
+            "classifier_activation": _encoder_act(cfg, path, "classifier_activation"),
+            "classifier_bias": bool(cfg.get("classifier_bias", False)),
+            "rope_theta": thetas["full_attention"], "rope_scaling": None, "rope_local_theta": thetas["sliding_attention"],
+            "local_attention": int(cfg.get("local_attention", 128)),
+            "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+            "tie_word_embeddings": False, "eos_token_ids": []}
+
 # Our architecture name -> its reading of config.json beyond the common fields: a function of
 # (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
 # ones. A family without an entry reads as Llama (_llama_fields).
@@ -442,4 +500,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "phi3": _phi3_fields,
     "glm4": _glm4_fields,
     "cohere": _cohere_fields,
+    "bert": _bert_fields,
+    "xlm_roberta": _xlm_roberta_fields,
+    "modernbert": _modernbert_fields,
 }

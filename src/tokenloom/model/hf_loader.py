@@ -38,14 +38,18 @@ def _safetensors_files(directory: str) -> dict[str, str]:
 
 
 def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
-                    dtype: torch.dtype, optional: set[str] = frozenset()  # type: ignore[assignment]
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype, optional: set[str] = frozenset(),  # type: ignore[assignment]
+                    strip_prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor in `dtype`) for every expected tensor, one file at a time. Presence and
     shapes of all tensors are checked (from the safetensors headers) before any is read.
     A checkpoint saved from the bare decoder (an HF `*Model`: `layers.0...`, not
-    `model.layers.0...`) is read under the expected names; tensors in `optional` may be absent."""
+    `model.layers.0...`) is read under the expected names; tensors in `optional` may be absent.
+    `strip_prefix`: a classifier's prefix before the encoder's names (`bert.`), expected without it."""
     files = _safetensors_files(directory)
-    if not any(n.startswith("model.") for n in files) and any(n.startswith("layers.") for n in files):
+    if strip_prefix and any(n.startswith(strip_prefix) for n in files):
+        stored = {n.removeprefix(strip_prefix): n for n in files}
+        files = {n.removeprefix(strip_prefix): p for n, p in files.items()}
+    elif not any(n.startswith("model.") for n in files) and any(n.startswith("layers.") for n in files):
         files = {f"model.{n}": p for n, p in files.items()}
         stored = {n: n.removeprefix("model.") for n in files}
     else:

@@ -189,7 +189,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         consumed, summary = install_gguf_quantized(model, g, check_gguf_tensors(g, expected))
         to_load = {k: v for k, v in expected.items() if k not in consumed}
     weights = (iter_gguf_weights(g, config, to_load, torch_dtype) if kind == "gguf"
-               else iter_hf_weights(path, to_load, torch_dtype, optional={"lm_head.weight"} if pooling else set()))
+               else iter_hf_weights(path, to_load, torch_dtype, optional={"lm_head.weight"} if pooling else set(),
+                                    strip_prefix=getattr(model, "checkpoint_prefix", "")))
     loaded = model.load_weights(weights)
     if config.classifier_token_ids is not None:
         with torch.no_grad():

@@ -38,6 +38,9 @@ class ModelEntry:
     # with a `score` head): they run with runner="pooling" on the same class.
     pooling: tuple[str, ...] = ()
     notes: str = ""  # one line for the docs table: what differs from Llama
+    # How the model pools where neither the user nor its sentence-transformers files say (vLLM's
+    # default_pooling_type): LAST for decoders, CLS for encoders.
+    pooling_type: str = "LAST"
 
 
 # HF `architectures[0]` of a generative checkpoint -> its entry. Several names may share our
@@ -101,6 +104,24 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
               "RoPE in adjacent pairs"),
 }
 
+# Encoder-only models (vLLM's _EMBEDDING_MODELS and _CROSS_ENCODER_MODELS): they run with
+# runner="pooling" only (bidirectional attention, each prompt whole in one step, no KV cache
+# read), as embedders (the bare `*Model`) and cross-encoders (the `pooling` forms).
+ENCODER_MODELS: dict[str, ModelEntry] = {
+    "BertModel": ModelEntry(
+        "bert", "bert", "BertModel", "BERT (bge, e5, MiniLM, ms-marco cross-encoders)", lora=False,
+        tensor_parallel=False, pooling=("BertForSequenceClassification",), pooling_type="CLS",
+        notes="post-norm encoder, absolute positions, token types (a pair's second text)"),
+    "XLMRobertaModel": ModelEntry(
+        "xlm_roberta", "bert", "XLMRobertaModel", "XLM-RoBERTa (bge-m3, multilingual-e5, bge-reranker)",
+        lora=False, tensor_parallel=False, pooling=("XLMRobertaForSequenceClassification",), pooling_type="CLS",
+        notes="BERT's, positions from padding_idx + 1, RoBERTa's classifier head"),
+    "ModernBertModel": ModelEntry(
+        "modernbert", "modernbert", "ModernBertModel", "ModernBERT (gte-modernbert, modernbert-embed)",
+        lora=False, tensor_parallel=False, pooling=("ModernBertForSequenceClassification",), pooling_type="CLS",
+        notes="pre-norm, RoPE, local (windowed) and global layers, GeGLU; classifier pooling from config.json"),
+}
+
 # _MODEL_MODULES[entry.module]: the module to import (a literal, so tests/house/test_imports.py
 # sees the dependency).
 _MODEL_MODULES = {
@@ -111,18 +132,23 @@ _MODEL_MODULES = {
     "phi3": "tokenloom.model.phi3",
     "glm4": "tokenloom.model.glm4",
     "cohere": "tokenloom.model.cohere",
+    "bert": "tokenloom.model.bert",
+    "modernbert": "tokenloom.model.modernbert",
 }
+
+# Every entry: the generative models', then the encoders'.
+_ALL_MODELS: dict[str, ModelEntry] = TEXT_GENERATION_MODELS | ENCODER_MODELS
 
 # config.json `architectures[0]` -> our architecture name, pooling forms included.
 HF_ARCHITECTURES: dict[str, str] = {
     name: entry.architecture
-    for hf, entry in TEXT_GENERATION_MODELS.items()
+    for hf, entry in _ALL_MODELS.items()
     for name in (hf, *entry.pooling)
 }
 
 # Our architecture name -> its entry (the first of that name).
 ARCHITECTURE_ENTRIES: dict[str, ModelEntry] = {}
-for _entry in TEXT_GENERATION_MODELS.values():
+for _entry in _ALL_MODELS.values():
     ARCHITECTURE_ENTRIES.setdefault(_entry.architecture, _entry)
 
 # GGUF `general.architecture` -> our architecture name (the first entry that reads it: Mistral's
@@ -162,6 +188,15 @@ def models_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def encoder_table() -> str:
+    """The markdown table of ENCODER_MODELS, one row per entry."""
+    rows = ["| architecture | family | classifier form | default pooling | what it is |", "|---|---|---|---|---|"]
+    for hf, e in ENCODER_MODELS.items():
+        pooling = ", ".join(f"`{p}`" for p in e.pooling) or "-"
+        rows.append(f"| `{hf}` | {e.family} | {pooling} | {e.pooling_type} | {e.notes or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
 def models_page_markdown() -> str:
     """docs/models.md: the model table with how to read it."""
     return (
@@ -173,6 +208,11 @@ def models_page_markdown() -> str:
         "the GGUF column (llama.cpp's converter writes Mistral as `llama`). Families that are Llama with a few "
         "changes run on Llama's decoder with those changes switched on by the config.\n\n"
         + models_table()
+        + "\n## Encoder models\n\n"
+        "Run with `runner=\"pooling\"` only (the default for them): embeddings from the bare `*Model`, "
+        "cross-encoder scores (`LLM.score`, `/score`, `/rerank`) from the `*ForSequenceClassification` form. "
+        "See [embeddings and pooling](embeddings.md).\n\n"
+        + encoder_table()
         + "\nRoPE scaling (`rope_scaling` or `rope_parameters` in config.json): `linear`, `llama3`, `yarn` and "
         "`dynamic`, as transformers computes them. YaRN and dynamic NTK stretch the context to `factor` times "
         "the original, as vLLM does. Dynamic NTK rotates each position past the original context with the "

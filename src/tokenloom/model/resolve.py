@@ -23,7 +23,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.hub import fetch_model_files
 from tokenloom.model.lora_config import check_lora_support
-from tokenloom.model.pooling_config import resolve_pooling
+from tokenloom.model.pooling_config import resolve_encoder, resolve_pooling
 from tokenloom.model.source import check_load_format, check_tokenizer_mode, load_model_config, resolve_model
 
 # The name of `model=None`, the embedded SmolLM2-135M-Instruct GGUF (model/source.default_model_path).
@@ -60,6 +60,7 @@ def resolve_engine_config(config: EngineConfig) -> None:
         config.runner = "generate"
     arch = model_arch_config(config.model, config.hf_overrides, config.convert)
     check_lora_support(arch.architecture, config.enable_lora)
+    resolve_encoder(config, arch)
     source = ("the GGUF's context_length" if kind == "gguf" else "max_position_embeddings in its config.json"
               + (" with rope_scaling" if arch.rope_scaling else ""))
     config.max_model_len = resolve_max_model_len(config.max_model_len, arch.max_position_embeddings, source)

@@ -127,7 +127,7 @@ class ModelRunner:
                                                      quantized=loaded.quantization != "none")
         if config.is_pooling:  # pooled, never sampled: no LM head to hold or pack
             self.model.drop_lm_head()
-        if self.device.type == "cpu" and not config.compile:
+        if self.device.type == "cpu" and not config.compile and not getattr(self.model, "plain_weights", False):
             prepare_cpu_weights(self.model)
             # A Llama-family model's decode steps as one C call (the eager layers for every
             # other step); None where the layers are not what that call computes.
@@ -340,6 +340,9 @@ class ModelRunner:
             self.lora.prepare(step.rows, step.query_start_loc, self.device)
         if step.graph_size is not None:
             hidden = self.graphs.replay(step.graph_size)[: len(step.req_ids)]  # type: ignore[union-attr]
+        elif self.pooler is not None and getattr(self.model, "takes_token_types", False):
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans,
+                                token_type_ids=self.pooler.token_types(step.req_ids, step.num_sched, step.computed).to(self.device))
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, self.attn_backend, step.plans)
         if self.pooler is not None:

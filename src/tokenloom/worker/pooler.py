@@ -120,5 +120,14 @@ class Pooler:
             start = end
         return finals
 
+    def token_types(self, req_ids: list[str], num_sched: np.ndarray, computed: np.ndarray) -> torch.Tensor:
+        """Each scheduled token's type [T] (an encoder's token_type_ids): 1 from its request's
+        `token_type_start` on (a cross-encoder pair's second text), else 0."""
+        never = np.iinfo(np.int64).max
+        starts = np.fromiter((never if (p := self.params.get(r)) is None or p.token_type_start is None
+                              else p.token_type_start for r in req_ids), dtype=np.int64, count=len(req_ids))
+        offsets = np.concatenate([np.arange(c, c + n) for c, n in zip(computed.tolist(), num_sched.tolist())])
+        return torch.from_numpy((offsets >= np.repeat(starts, num_sched)).astype(np.int64))
+
     def _kind(self, req_id: str) -> str:
         return "ALL" if self.params[req_id].task in TOKEN_TASKS else self.pooling_type
