@@ -153,7 +153,11 @@ def _checkpoint_method(method: str | None, spec: QuantSpec, dtype: torch.dtype,
     if method not in ("auto", spec.method):
         raise ValueError(f"quantization={method!r}, but this checkpoint is quantized as {spec.describe()} "
                          f"(config.json's quantization_config): use quantization='auto' or {spec.method!r}")
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    if spec.dequantized_at_load:  # FP8: the float path, in any dtype and on any device
+        return spec.method
+    on_cpu = torch.device(device).type == "cpu"
+    # bfloat16 activations where the CPU has AMX-BF16, as for a GGUF (ops/quant's bf16 tiles)
+    if not on_cpu or (dtype != torch.float32 and not (dtype == torch.bfloat16 and _quant_bf16_pays())):
         raise ValueError(f"a {spec.method} checkpoint runs on the CPU with dtype float32 (got device "
                          f"{torch.device(device).type}, dtype {str(dtype).removeprefix('torch.')})")
     return spec.method
@@ -179,7 +183,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         quantization = "none"  # random float weights: there are no quantized tensors to compute with
     torch_dtype = resolve_dtype(dtype, device)
     spec = None if kind == "gguf" or dummy else detect_quantization(read_config_json(path, hf_overrides, convert))
-    if (dtype == "auto" and torch_dtype != torch.float32
+    if (dtype == "auto" and torch_dtype != torch.float32 and not (spec and spec.dequantized_at_load)
             and resolve_quantization(quantization, kind, torch.float32, device, spec) != "none"):
         # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
         # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.

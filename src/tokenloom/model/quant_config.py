@@ -33,11 +33,23 @@ class QuantSpec:
     symmetric: bool = True
     desc_act: bool = False  # GPTQ's act-order: input columns grouped by g_idx, not in order
     zeros_minus_one: bool = False  # GPTQ v1 stores each zero point minus 1
+    act_bits: int | None = None  # W8A8: activations quantized at run time; None: weight-only
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def dequantized_at_load(self) -> bool:
+        """FP8 weights: dequantized once at load and computed on the float path (fp8_checkpoint)."""
+        return self.format in FP8_FORMATS
+
+    @property
+    def scheme(self) -> str:
+        """vLLM's name of the scheme: W8A8, W8A16, W4A16."""
+        return f"W{self.bits}A{self.act_bits or 16}"
 
     def describe(self) -> str:
         group = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"{self.method} {self.format} int{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+        kind = "fp" if self.dequantized_at_load else "int"
+        return f"{self.method} {self.format} {kind}{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
 # (method, format) -> the module of its loader (`install_checkpoint`).
@@ -45,7 +57,12 @@ LOADERS: dict[tuple[str, str], str] = {
     ("compressed-tensors", "pack-quantized"): "tokenloom.model.int4_checkpoint",
     ("awq", "awq-gemm"): "tokenloom.model.int4_checkpoint",
     ("gptq", "gptq"): "tokenloom.model.int4_checkpoint",
+    ("compressed-tensors", "int-quantized"): "tokenloom.model.int8_checkpoint",
+    ("compressed-tensors", "float-quantized"): "tokenloom.model.fp8_checkpoint",
+    ("fp8", "fp8"): "tokenloom.model.fp8_checkpoint",
 }
+# Formats whose weights are FP8 (e4m3), dequantized at load.
+FP8_FORMATS = frozenset({"float-quantized", "fp8"})
 
 
 def loader_for(spec: QuantSpec) -> Callable[..., Any]:
@@ -74,10 +91,76 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantSpec:
     fmt = formats.pop()
     if q.get("quantization_status", "compressed") != "compressed":
         raise _refuse("quantization_status", q.get("quantization_status"), "a compressed checkpoint")
+    for option in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if q.get(option):
+            raise _refuse(option, q[option], "quantized weights and activations only")
     if fmt == "pack-quantized":
         return _ct_pack_quantized(q, groups)
-    # int-quantized (W8A8) and float-quantized (FP8): the int8 helper's loaders (not yet here)
-    return QuantSpec("compressed-tensors", fmt, bits=8, raw=q)
+    types = {(g.get("weights") or {}).get("type", "int") for g in groups.values()}
+    if fmt == "int-quantized" or (fmt == "naive-quantized" and types == {"int"}):
+        return _ct_int8(q, groups)
+    if fmt in ("float-quantized", "naive-quantized"):  # naive: the same tensors, another name
+        return _ct_fp8(q, groups)
+    raise _refuse("format", fmt, "pack-quantized, int-quantized, float-quantized")
+
+
+def _ct_8bit_weights(name: str, g: dict[str, Any], kind: str, strategies: tuple[str, ...]) -> dict[str, Any]:
+    """A compressed-tensors group's 8-bit weight args (checked); for int8 and FP8."""
+    w = g.get("weights") or {}
+    where = f"config_groups.{name}"
+    if w.get("type", "int") != kind or int(w.get("num_bits", 0)) != 8:
+        raise _refuse(f"{where}.weights.num_bits", w.get("num_bits"), f"8-bit {kind} weights in this format")
+    if not w.get("symmetric", True):
+        raise _refuse(f"{where}.weights.symmetric", False, "symmetric 8-bit weights (no zero point)")
+    if w.get("dynamic"):
+        raise _refuse(f"{where}.weights.dynamic", w["dynamic"], "static weight scales")
+    if w.get("strategy") not in strategies:
+        raise _refuse(f"{where}.weights.strategy", w.get("strategy"), " or ".join(strategies))
+    if g.get("output_activations") is not None:
+        raise _refuse(f"{where}.output_activations", g["output_activations"], "unquantized outputs")
+    return w
+
+
+def _ct_int8(q: dict[str, Any], groups: dict[str, Any]) -> QuantSpec:
+    """int-quantized: int8 weights per tensor, channel or group of a multiple of 32 (the int8
+    kernels' blocks), activations none (W8A16) or symmetric int8 (W8A8; dynamic or static scales,
+    both quantized per 32 elements at run time by the kernels: the static scales are not read)."""
+    acts = set()
+    for name, g in groups.items():
+        w = _ct_8bit_weights(name, g, "int", ("tensor", "channel", "group"))
+        if w["strategy"] == "group" and (int(w.get("group_size") or 0) <= 0 or int(w["group_size"]) % 32):
+            raise _refuse(f"config_groups.{name}.weights.group_size", w.get("group_size"), "a multiple of 32")
+        a = g.get("input_activations")
+        if a is not None:
+            if a.get("type", "int") != "int" or int(a.get("num_bits", 0)) != 8:
+                raise _refuse(f"config_groups.{name}.input_activations.num_bits", a.get("num_bits"),
+                              "8-bit int activations with int8 weights")
+            if not a.get("symmetric", True):
+                raise _refuse(f"config_groups.{name}.input_activations.symmetric", False,
+                              "symmetric int8 activations; asymmetric W8A8 is not computed")
+            if a.get("strategy") not in ("token", "tensor"):
+                raise _refuse(f"config_groups.{name}.input_activations.strategy", a.get("strategy"), "token or tensor")
+        acts.add(a is not None)
+    return QuantSpec("compressed-tensors", "int-quantized", 8, act_bits=8 if True in acts else None, raw=q)
+
+
+def _ct_fp8(q: dict[str, Any], groups: dict[str, Any]) -> QuantSpec:
+    """float-quantized: FP8 e4m3 weights per tensor, channel or block, dequantized at load; FP8
+    activation args (static or dynamic) are accepted and not applied: computed weight-only."""
+    shapes = set()
+    for name, g in groups.items():
+        w = _ct_8bit_weights(name, g, "float", ("tensor", "channel", "block"))
+        block = w.get("block_structure")
+        if w["strategy"] == "block" and not (isinstance(block, list) and len(block) == 2
+                                             and all(isinstance(b, int) and b > 0 for b in block)):
+            raise _refuse(f"config_groups.{name}.weights.block_structure", block, "two positive ints")
+        a = g.get("input_activations")
+        if a is not None and (a.get("type") != "float" or int(a.get("num_bits", 0)) != 8):
+            raise _refuse(f"config_groups.{name}.input_activations", a, "none, or FP8 (computed weight-only)")
+        shapes.add((w["strategy"], tuple(block) if w["strategy"] == "block" else None))
+    if len(shapes) != 1:
+        raise _refuse("config_groups", sorted(groups), "one FP8 weight strategy for every layer")
+    return QuantSpec("compressed-tensors", "float-quantized", 8, raw=q)
 
 
 def _ct_pack_quantized(q: dict[str, Any], groups: dict[str, Any]) -> QuantSpec:
@@ -138,7 +221,19 @@ def _gptq(q: dict[str, Any]) -> QuantSpec:
 
 
 def _fp8(q: dict[str, Any]) -> QuantSpec:
-    return QuantSpec("fp8", "fp8", 8, raw=q)  # the int8 helper's loader (not yet here)
+    """quant_method fp8 (transformers' FineGrainedFP8 / vLLM's Fp8Config): e4m3 weights with a
+    per-tensor `weight_scale`, or a `weight_scale_inv` per block of `weight_block_size`; the
+    activation scheme (static or dynamic) is not applied: computed weight-only."""
+    fmt = str(q.get("fmt", q.get("format", "e4m3"))).lower()
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise _refuse("fmt", q.get("fmt", q.get("format")), "e4m3")
+    if q.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        raise _refuse("activation_scheme", q["activation_scheme"], "dynamic or static")
+    block = q.get("weight_block_size")
+    if block is not None and not (isinstance(block, list) and len(block) == 2
+                                  and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse("weight_block_size", block, "two positive ints, or none for per-tensor scales")
+    return QuantSpec("fp8", "fp8", 8, raw=q)
 
 
 _DETECTORS: dict[str, Callable[[dict[str, Any]], QuantSpec]] = {

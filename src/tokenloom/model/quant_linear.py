@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,9 +94,11 @@ class QuantEmbedding(nn.Module):
 class QuantSummary:
     """What a load computed with: tensor count per format, and what was left in float."""
 
-    method: str  # "gguf" | "int8"
+    method: str  # "gguf" | "int8" | a checkpoint's, e.g. "compressed-tensors W8A8"
     formats: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
+    # Set where the checkpoint's weights were dequantized at load (FP8): the dtype they run in.
+    dequantized_to: str | None = None
 
     def describe(self) -> str:
         """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_bf16" (bf16 tiles from 16 rows, AMX int8
@@ -103,6 +106,9 @@ class QuantSummary:
         "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2,
         float32 panels from 16 rows": the formats in use and the kernel that runs them (named per
         format where they differ)."""
+        if self.dequantized_to is not None:
+            fmts = "+".join(f"{k}x{n}" for k, n in sorted(self.formats.items()))
+            return f"{self.method} {fmts} dequantized to {self.dequantized_to} at load (float path)"
         if not self.formats:
             return f"{self.method} (no quantized tensors: float path)"
         names = sorted(self.formats)
@@ -183,6 +189,33 @@ class _GGUFParts:
         return QuantLinear(parts)
 
 
+def linear_groups(model: nn.Module, stored: Container[str]) -> Iterator[tuple[nn.Module, str, list[str]]]:
+    """(parent module, attribute, HF weight names) of every decoder linear layer: q|k|v and
+    gate|up are one module (fused rows) read from three or two checkpoint tensors, or from one
+    where the checkpoint (`stored`: its tensor names) holds them fused (Phi-3's qkv_proj)."""
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        groups = {
+            (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
+            (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
+            (layer.mlp, "down_proj"): ["mlp.down_proj"],
+        }
+        for (parent, attr), suffixes in groups.items():
+            names = [f"{p}{s}.weight" for s in suffixes]
+            fused = f"{p}{suffixes[0].split('.')[0]}.{attr}.weight"
+            yield parent, attr, [fused] if fused in stored else names
+
+
+def replace_linear(parent: nn.Module, attr: str, new: QuantLinear) -> None:
+    """Puts `new` in place of `parent.attr`, with an (unfilled) bias where the old layer had one:
+    Qwen2's q/k/v bias, filled by load_weights into the fused rows."""
+    old = getattr(parent, attr)
+    if old.bias is not None:
+        new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+    setattr(parent, attr, new)
+
+
 def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFTensorInfo]) -> tuple[set[str], QuantSummary]:
     """Swap the model's linear layers, LM head and embedding for quantized ones over the GGUF's
     quantized tensors (`found`: HF name -> tensor, from `check_gguf_tensors`). Returns the HF
@@ -196,27 +229,11 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
     def quantized(names: list[str]) -> bool:
         return any(found[n].ggml_type not in _FLOAT_TYPES for n in names)
 
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        groups = {
-            (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-            (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
-            (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
-            (layer.mlp, "down_proj"): ["mlp.down_proj"],
-        }
-        for (parent, attr), suffixes in groups.items():
-            names = [f"{p}{s}.weight" for s in suffixes]
-            fused = f"{p}{suffixes[0].split('.')[0]}.{attr}.weight"
-            if fused in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
-                names = [fused]
-            if not quantized(names):
-                continue
-            old = getattr(parent, attr)
-            new = parts.linear([found[n] for n in names])
-            if old.bias is not None:  # Qwen2's q/k/v bias: filled by load_weights (fused rows)
-                new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
-            setattr(parent, attr, new)
-            consumed.update(names)
+    for parent, attr, names in linear_groups(model, found):
+        if not quantized(names):
+            continue
+        replace_linear(parent, attr, parts.linear([found[n] for n in names]))
+        consumed.update(names)
 
     embed = "model.embed_tokens.weight"
     if quantized([embed]):

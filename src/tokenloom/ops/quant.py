@@ -363,9 +363,20 @@ def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:
     d = (amax / 127).to(torch.float16)
     inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(amax))
     q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return tile_q8(q.reshape(N, K), d)
+
+
+def tile_q8(codes: torch.Tensor, scales: torch.Tensor) -> TiledQuantWeight:
+    """int8 codes [N, K] and float16 scales [N, K/32] (weight = code * scale, one scale per 32
+    weights of a row) -> the Q8 tiles: a checkpoint's own int8 weights computed as they are."""
+    N, K = codes.shape
+    if K % QK or tuple(scales.shape) != (N, K // QK):
+        raise ValueError(f"Q8 codes [{N}, {K}] need K divisible by {QK} and scales [{N}, {K // QK}], "
+                         f"got scales {list(scales.shape)}")
     n_pad = -(-N // TILE_N) * TILE_N
-    codes = (q.numpy().view(np.uint8) ^ np.uint8(0x80))
-    data = np.concatenate([_tile_codes(codes, n_pad), _tile_halves(d.numpy(), n_pad)], axis=2)
+    q = codes.contiguous().numpy().view(np.uint8).reshape(N, K // QK, QK) ^ np.uint8(0x80)
+    d = scales.to(torch.float16).contiguous().numpy()
+    data = np.concatenate([_tile_codes(q, n_pad), _tile_halves(d, n_pad)], axis=2)
     return TiledQuantWeight(FMT_Q8, torch.from_numpy(data), N, K)
 
 
