@@ -73,6 +73,12 @@ class LoadedModel:
     tokenizer_mode: str = "auto"
 
     @property
+    def quantized_matmuls(self) -> bool:
+        """Whether the matmuls run on the quantized kernels: not a float model, nor one whose
+        quantized weights were dequantized at load (FP8, QuantSummary's "(float path)")."""
+        return self.quantization != "none" and not self.quantization.endswith("float path)")
+
+    @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The model's tokenizer, built on first use: the engine core needs it only for a
         structured output's grammar, and building it (transformers' import, a GGUF's vocabulary)
