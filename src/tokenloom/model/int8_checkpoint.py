@@ -12,19 +12,25 @@ Layers the checkpoint keeps in float (its `ignore` list, usually the LM head) lo
 """
 from __future__ import annotations
 
-import logging
 
+import numpy as np
 import torch
 from torch import nn
 
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_loader import CheckpointTensors
 from tokenloom.model.quant_config import QuantSpec
-from tokenloom.model.quant_linear import QuantLinear, QuantSummary, linear_groups, replace_linear
+from tokenloom.model.quant_linear import (
+    _INTERLEAVED_ROPE,
+    QuantLinear,
+    QuantSummary,
+    _rotate_half_order,
+    linear_groups,
+    replace_linear,
+)
 from tokenloom.ops import quant
 from tokenloom.ops.quant import TiledQuantWeight
 
-logger = logging.getLogger(__name__)
 
 
 def block_scales(scale: torch.Tensor, rows: int, cols: int, name: str) -> torch.Tensor:
@@ -47,8 +53,11 @@ def block_scales(scale: torch.Tensor, rows: int, cols: int, name: str) -> torch.
     return half
 
 
-def int8_part(ckpt: CheckpointTensors, name: str, shape: tuple[int, ...]) -> TiledQuantWeight:
-    """The checkpoint's int8 weight `name` ([N, K]) and its `_scale` as Q8 tiles."""
+def int8_part(ckpt: CheckpointTensors, name: str, shape: tuple[int, ...],
+              order: np.ndarray | None = None) -> TiledQuantWeight:
+    """The checkpoint's int8 weight `name` ([N, K]) and its `_scale` as Q8 tiles, rows taken in
+    `order` where given (q/k rows of the interleaved-RoPE families: codes and scales move
+    together)."""
     if ckpt.shape(name) != shape:
         raise ModelLoadError(f"{name}: expected shape {shape}, got {ckpt.shape(name)} in {ckpt.directory}")
     rows, cols = shape
@@ -56,8 +65,11 @@ def int8_part(ckpt: CheckpointTensors, name: str, shape: tuple[int, ...]) -> Til
         raise ModelLoadError(f"{name}: int8 weights need in_features divisible by {quant.QK}, got {cols}")
     if f"{name}_zero_point" in ckpt and ckpt.get(f"{name}_zero_point").any():
         raise ModelLoadError(f"{name}_zero_point: asymmetric int8 weights are not supported (symmetric only)")
-    codes = ckpt.get(name)
-    return quant.tile_q8(codes, block_scales(ckpt.get(f"{name}_scale"), rows, cols, name))
+    codes, scales = ckpt.get(name), block_scales(ckpt.get(f"{name}_scale"), rows, cols, name)
+    if order is not None:
+        index = torch.from_numpy(order)
+        codes, scales = codes[index], scales[index]
+    return quant.tile_q8(codes, scales)
 
 
 def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tuple[set[str], QuantSummary]:
@@ -73,20 +85,34 @@ def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tup
     def is_int8(name: str) -> bool:
         return ckpt.dtype(name) == "I8"
 
+    config = model.config
+
+    def order(name: str) -> np.ndarray | None:
+        """The float loader's q/k row order for the interleaved-RoPE families (cohere.rotate_half_qk)."""
+        if config.architecture not in _INTERLEAVED_ROPE or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        heads = config.num_attention_heads if name.endswith("q_proj.weight") else config.num_key_value_heads
+        return _rotate_half_order(config, expected[name][0], heads)
+
     def linear(names: list[str]) -> QuantLinear:
         parts: list[TiledQuantWeight | torch.Tensor] = []
         for n in names:
+            if config.architecture in _INTERLEAVED_ROPE and n.endswith("qkv_proj.weight"):
+                raise ModelLoadError(f"{n}: a fused q|k|v in int8 is not supported for {config.architecture}")
+            rows = order(n)
             if is_int8(n):
-                parts.append(int8_part(ckpt, n, expected[n]))
+                parts.append(int8_part(ckpt, n, expected[n], rows))
                 summary.formats["Q8_0"] += 1
             else:
-                parts.append(ckpt.get(n).float().contiguous())
+                w = ckpt.get(n).float()
+                parts.append((w if rows is None else w[torch.from_numpy(rows)]).contiguous())
         if all(isinstance(p, TiledQuantWeight) for p in parts):
             fused = quant.concat_rows(parts)  # type: ignore[arg-type]
             parts = parts if fused is None else [fused]
         return QuantLinear(parts)
 
-    for parent, attr, names in linear_groups(model, ckpt):
+    for parent, attr, prefixes, fused in linear_groups(model):
+        names = [f"{fused}.weight"] if f"{fused}.weight" in ckpt else [f"{n}.weight" for n in prefixes]
         if any(is_int8(n) for n in names):
             replace_linear(parent, attr, linear(names))
             consumed.update(names)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Container, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +76,25 @@ class QuantLinear(nn.Module):
         kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
                          for p in self.parts)
         return f"out_features={self.out_features}, parts={kinds}"
+
+
+class PermutedQuantLinear(QuantLinear):
+    """A QuantLinear whose weight holds its input columns in another order (`in_perm`: input
+    feature of each stored column): GPTQ's act-order checkpoints, whose quantization groups are
+    columns scattered over the inputs (`g_idx`), stored with each group's columns side by side so
+    that a group is whole blocks. The activations are gathered into that order, one pass over
+    them per call. (The fused decode step takes plain QuantLinears only: such layers run eagerly.)"""
+
+    def __init__(self, parts: list[TiledQuantWeight | torch.Tensor], in_perm: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__(parts, bias)
+        self.in_perm = in_perm.to(torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.in_perm))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return super().silu_and_mul(x.index_select(-1, self.in_perm))
 
 
 class QuantEmbedding(nn.Module):
@@ -189,27 +208,21 @@ class _GGUFParts:
         return QuantLinear(parts)
 
 
-def linear_groups(model: nn.Module, stored: Container[str]) -> Iterator[tuple[nn.Module, str, list[str]]]:
-    """(parent module, attribute, HF weight names) of every decoder linear layer: q|k|v and
-    gate|up are one module (fused rows) read from three or two checkpoint tensors, or from one
-    where the checkpoint (`stored`: its tensor names) holds them fused (Phi-3's qkv_proj)."""
+def linear_groups(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str], str]]:
+    """Each decoder layer's matmuls as (parent module, attribute, the HF names of the checkpoint
+    matrices it fuses (no ".weight"), the HF name of the fused one a checkpoint may store instead):
+    q|k|v, o, gate|up, down."""
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        groups = {
-            (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-            (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
-            (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
-            (layer.mlp, "down_proj"): ["mlp.down_proj"],
-        }
-        for (parent, attr), suffixes in groups.items():
-            names = [f"{p}{s}.weight" for s in suffixes]
-            fused = f"{p}{suffixes[0].split('.')[0]}.{attr}.weight"
-            yield parent, attr, [fused] if fused in stored else names
+        yield layer.self_attn, "qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"], f"{p}self_attn.qkv_proj"
+        yield layer.self_attn, "o_proj", [f"{p}self_attn.o_proj"], f"{p}self_attn.o_proj"
+        yield layer.mlp, "gate_up_proj", [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], f"{p}mlp.gate_up_proj"
+        yield layer.mlp, "down_proj", [f"{p}mlp.down_proj"], f"{p}mlp.down_proj"
 
 
 def replace_linear(parent: nn.Module, attr: str, new: QuantLinear) -> None:
-    """Puts `new` in place of `parent.attr`, with an (unfilled) bias where the old layer had one:
-    Qwen2's q/k/v bias, filled by load_weights into the fused rows."""
+    """Puts `new` in place of `parent.attr`, with an (unfilled) bias where the float layer has one:
+    Qwen2's q/k/v bias, which load_weights then fills (fused rows)."""
     old = getattr(parent, attr)
     if old.bias is not None:
         new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
@@ -229,7 +242,10 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
     def quantized(names: list[str]) -> bool:
         return any(found[n].ggml_type not in _FLOAT_TYPES for n in names)
 
-    for parent, attr, names in linear_groups(model, found):
+    for parent, attr, prefixes, fused in linear_groups(model):
+        names = [f"{n}.weight" for n in prefixes]
+        if f"{fused}.weight" in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
+            names = [f"{fused}.weight"]
         if not quantized(names):
             continue
         replace_linear(parent, attr, parts.linear([found[n] for n in names]))
