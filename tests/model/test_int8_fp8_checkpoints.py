@@ -47,13 +47,25 @@ def _checkpoint(kind: str, tokenizer, directory: str) -> str:
                                     directory)
     scheme, fmt, dims = {
         "w8a8": (INT8_W8A8, "int-quantized", {}),
+        "w8a8_glm4": (INT8_W8A8, "int-quantized", {}),
         "w8a16_group": (W8A16 | dict(weights=W8A16["weights"].model_copy(update=dict(strategy="group", group_size=32))),
                         "int-quantized", {}),
         "fp8_w8a16": (dict(weights=FP8_DYNAMIC["weights"]), None, {}),  # compressed-tensors names it naive-quantized
         "fp8_dynamic": (FP8_DYNAMIC, "float-quantized", {}),
         "fp8_ct_block": (FP8_BLOCK, "float-quantized", BLOCK_DIMS),
     }[kind]
-    model = tiny_hf_model("llama", len(tokenizer), seed=sum(map(ord, kind)), tie_word_embeddings=False, **dims)
+    if kind == "w8a8_glm4":  # interleaved RoPE: q/k rows reordered at load, codes with their scales
+        import transformers
+        from model_helpers import randomize_
+
+        config = transformers.Glm4Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, max_position_embeddings=256, pad_token_id=0)
+        torch.manual_seed(0)
+        model = transformers.Glm4ForCausalLM(config).to(torch.float32).eval()
+        randomize_(model, 4)
+    else:
+        model = tiny_hf_model("llama", len(tokenizer), seed=sum(map(ord, kind)), tie_word_embeddings=False, **dims)
     return ct_checkpoint(model, tokenizer, directory, scheme, fmt)
 
 
@@ -114,11 +126,14 @@ def test_w8a8_runs_on_the_int8_kernels_with_its_own_codes(checkpoints, prompts):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
-def test_w8a16_group_scales(checkpoints, prompts):
-    """int8 weights with a scale per 32 weights (W8A16): each group is one Q8 block."""
-    directory, ref = checkpoints("w8a16_group")
+@pytest.mark.parametrize("kind,formats", [("w8a16_group", "W8A16 Q8_0x14"), ("w8a8_glm4", "W8A8 Q8_0x12")])
+def test_int8_group_scales_and_rope_order(checkpoints, prompts, kind, formats):
+    """int8 weights with a scale per 32 weights (W8A16): each group is one Q8 block; GLM-4's
+    q/k rows, reordered for its interleaved RoPE, take their scales along (its checkpoint stores
+    gate|up fused: 6 tensors a layer). Logits as in the W8A8 test."""
+    directory, ref = checkpoints(kind)
     loaded = load_model(directory)
-    assert loaded.quantization.startswith("compressed-tensors W8A16 Q8_0x14 ")
+    assert loaded.quantization.startswith(f"compressed-tensors {formats} ")
     got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
     assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
 

@@ -12,7 +12,6 @@ Layers the checkpoint keeps in float (its `ignore` list, usually the LM head) lo
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from torch import nn
@@ -30,7 +29,6 @@ from tokenloom.model.quant_linear import (
 )
 from tokenloom.ops import quant
 from tokenloom.ops.quant import TiledQuantWeight
-
 
 
 def block_scales(scale: torch.Tensor, rows: int, cols: int, name: str) -> torch.Tensor:
