@@ -23,7 +23,7 @@ from tokenloom.model.errors import ModelLoadError  # noqa: E402
 from tokenloom.model.loader import load_model  # noqa: E402
 from tokenloom.model.quant_config import detect_quantization  # noqa: E402
 from tokenloom.model.quant_linear import QuantLinear  # noqa: E402
-from tokenloom.ops import cpu_kernels  # noqa: E402
+from tokenloom.ops import cpu_kernels, quant  # noqa: E402
 
 N_TOKENS = 32
 # 256 x 320 matrices: FP8 128x128 blocks, the last column of blocks partial.
@@ -136,6 +136,24 @@ def test_int8_group_scales_and_rope_order(checkpoints, prompts, kind, formats):
     assert loaded.quantization.startswith(f"compressed-tensors {formats} ")
     got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
     assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
+def test_w8a8_dtype_choices(checkpoints, prompts):
+    """dtype="bfloat16" runs W8A8 with bfloat16 activations on AMX-BF16 CPUs (the bf16 tiles, as a
+    GGUF there; logits within bfloat16's rounding of the reference), and is refused by name
+    elsewhere; on CUDA the int8 kernels do not exist."""
+    directory, ref = checkpoints("w8a8")
+    if quant.bf16_activations_pay():
+        loaded = load_model(directory, dtype="bfloat16")
+        assert loaded.dtype == torch.bfloat16 and loaded.quantization.startswith("compressed-tensors W8A8")
+        got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
+        assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    else:
+        with pytest.raises(ValueError, match="dtype float32"):
+            load_model(directory, dtype="bfloat16")
+    with pytest.raises(ValueError, match="on the CPU"):
+        load_model(directory, device="cuda")
 
 
 # The block checkpoint's 256-wide model through the engine in the slow tier; its logits in the fast one
