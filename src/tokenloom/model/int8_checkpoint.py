@@ -18,7 +18,7 @@ from torch import nn
 
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_loader import CheckpointTensors
-from tokenloom.model.quant_config import QuantSpec
+from tokenloom.model.quant_spec import QuantSpec
 from tokenloom.model.quant_linear import (
     _INTERLEAVED_ROPE,
     QuantLinear,
