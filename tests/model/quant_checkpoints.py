@@ -94,49 +94,67 @@ def ct_reference(directory: str):
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def fp8_block_checkpoint(model, tokenizer, directory: str, block: tuple[int, int] = (128, 128)) -> str:
-    """`model` saved as a quant_method "fp8" checkpoint with block-wise scales, as DeepSeek-V3 and
-    Qwen3 FP8 ship: every decoder Linear's weight in float8_e4m3fn and a float32
-    `weight_scale_inv` per `block` (the last blocks of a row or column partial), the LM head,
-    embedding and norms as they are."""
+def fp8_checkpoint(model, tokenizer, directory: str, block: tuple[int, int] | None = (128, 128)) -> str:
+    """`model` saved as a quant_method "fp8" checkpoint as DeepSeek-V3 and Qwen3 FP8 (block-wise:
+    a float32 `weight_scale_inv` per `block`, the last blocks of a row or column partial) or the
+    per-tensor fp8 checkpoints (block None: a scalar `weight_scale` and a static `input_scale`)
+    ship: every decoder Linear's weight in float8_e4m3fn, the LM head, embedding and norms as
+    they are."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    bn, bk = block
+    bn, bk = block or (None, None)
     out = {}
     for name, w in state.items():
         if not (name.endswith("_proj.weight") and name.startswith("model.layers.")):
             out[name] = w
             continue
         N, K = w.shape
-        padded = torch.nn.functional.pad(w, (0, -K % bk, 0, -N % bn))
-        blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-        scale = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp_min(1e-12)
-        full = scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+        if block is None:
+            scale = (w.abs().amax() / FP8_MAX).reshape(())
+            full = scale
+            out[name.removesuffix("weight") + "weight_scale"] = scale.float()
+            out[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.01)
+        else:
+            padded = torch.nn.functional.pad(w, (0, -K % bk, 0, -N % bn))
+            blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+            scale = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp_min(1e-12)
+            full = scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale.float()
         out[name] = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        out[name.removesuffix("weight") + "weight_scale_inv"] = scale.float()
     save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": list(block)}
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"} | (
+        {"activation_scheme": "dynamic", "weight_block_size": list(block)} if block else {"activation_scheme": "static"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tokenizer.save_pretrained(directory)
     return directory
 
 
-def fp8_block_reference(directory: str):
-    """The float32 model of an `fp8` block checkpoint, dequantized by compressed-tensors'
-    FP8BlockDequantizer."""
+def fp8_reference(directory: str):
+    """The float32 model of an `fp8` checkpoint, dequantized by compressed-tensors: its
+    FP8BlockDequantizer (block scales), its `dequantize` for a per-tensor scale."""
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
 
     with open(os.path.join(directory, "config.json")) as f:
-        block = tuple(json.load(f)["quantization_config"]["weight_block_size"])
+        block = json.load(f)["quantization_config"].get("weight_block_size")
     tensors = _tensors(directory)
-    targets = {n.rpartition(".")[0] for n in tensors if n.endswith(".weight_scale_inv")}
-    state = FP8BlockDequantizer(targets=targets, weight_block_size=block, dtype=torch.float32).process(tensors)
+    if block is not None:
+        targets = {n.rpartition(".")[0] for n in tensors if n.endswith(".weight_scale_inv")}
+        state = FP8BlockDequantizer(targets=targets, weight_block_size=tuple(block), dtype=torch.float32).process(tensors)
+    else:
+        args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+        state = {}
+        for name, t in tensors.items():
+            if name.endswith(("weight_scale", "input_scale")):
+                continue
+            scale = tensors.get(name + "_scale")
+            state[name] = t if scale is None else dequantize(t, scale.reshape(1), args=args, dtype=torch.float32)
     return _float_model(directory, {k: v.float() for k, v in state.items()})

@@ -16,7 +16,7 @@ from model_helpers import byte_tokenizer, run_flat_batch, hf_last_logits, tiny_h
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.quantization.quant_scheme import FP8_BLOCK, FP8_DYNAMIC, INT8_W8A8, W8A16  # noqa: E402
-from quant_checkpoints import ct_checkpoint, ct_reference, fp8_block_checkpoint, fp8_block_reference  # noqa: E402
+from quant_checkpoints import ct_checkpoint, ct_reference, fp8_checkpoint, fp8_reference  # noqa: E402
 
 from tokenloom import LLM, SamplingParams  # noqa: E402
 from tokenloom.model.errors import ModelLoadError  # noqa: E402
@@ -43,8 +43,9 @@ def prompts(tokenizer):
 
 def _checkpoint(kind: str, tokenizer, directory: str) -> str:
     if kind == "fp8_block":
-        return fp8_block_checkpoint(tiny_hf_model("llama", len(tokenizer), seed=5, **BLOCK_DIMS), tokenizer,
-                                    directory)
+        return fp8_checkpoint(tiny_hf_model("llama", len(tokenizer), seed=5, **BLOCK_DIMS), tokenizer, directory)
+    if kind == "fp8_tensor":
+        return fp8_checkpoint(tiny_hf_model("llama", len(tokenizer), seed=6), tokenizer, directory, block=None)
     scheme, fmt, dims = {
         "w8a8": (INT8_W8A8, "int-quantized", {}),
         "w8a8_glm4": (INT8_W8A8, "int-quantized", {}),
@@ -77,7 +78,7 @@ def checkpoints(tokenizer, tmp_path_factory):
     def get(kind: str):
         if kind not in made:
             directory = _checkpoint(kind, tokenizer, str(tmp_path_factory.mktemp(kind)))
-            ref = fp8_block_reference(directory) if kind == "fp8_block" else ct_reference(directory)
+            ref = fp8_reference(directory) if kind in ("fp8_block", "fp8_tensor") else ct_reference(directory)
             made[kind] = directory, ref
         return made[kind]
     return get
@@ -157,7 +158,7 @@ def test_w8a8_dtype_choices(checkpoints, prompts):
 
 
 # The block checkpoint's 256-wide model through the engine in the slow tier; its logits in the fast one
-# (test_fp8_block_scales).
+# (test_fp8_scales).
 @pytest.mark.parametrize("kind", ["fp8_w8a16", pytest.param("fp8_block", marks=pytest.mark.slow),
                                   pytest.param("fp8_dynamic", marks=pytest.mark.slow)])
 def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind):
@@ -175,14 +176,16 @@ def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind
                                         "(float path)")
 
 
-@pytest.mark.parametrize("kind,method", [("fp8_block", "fp8"), ("fp8_ct_block", "compressed-tensors float-quantized")])
-def test_fp8_block_scales(checkpoints, prompts, kind, method):
+@pytest.mark.parametrize("kind,method", [("fp8_block", "fp8 128x128 blocks"), ("fp8_tensor", "fp8"),
+                                         ("fp8_ct_block", "compressed-tensors float-quantized 128x128 blocks")])
+def test_fp8_scales(checkpoints, prompts, kind, method):
     """128x128 weight blocks (partial ones at the edges), as `fp8` (weight_scale_inv, DeepSeek /
-    Qwen) and compressed-tensors' FP8_BLOCK (weight_scale) write them: dequantized at load, the
-    float32 logits are the reference's."""
+    Qwen) and compressed-tensors' FP8_BLOCK (weight_scale) write them, and `fp8` per-tensor scales
+    (a static input_scale, not applied): dequantized at load, the float32 logits are the
+    reference's."""
     directory, ref = checkpoints(kind)
     loaded = load_model(directory, dtype="float32")
-    assert loaded.quantization.startswith(f"{method} 128x128 blocks F8_E4M3x14")
+    assert loaded.quantization.startswith(f"{method} F8_E4M3x14")
     got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
