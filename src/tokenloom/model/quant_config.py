@@ -13,31 +13,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.model.errors import ModelLoadError
+from tokenloom.model.quant_spec import QuantSpec
+
+__all__ = ["CHECKPOINT_METHODS", "LOADERS", "QuantSpec", "detect_quantization", "loader_for"]
 
 # vLLM's names for the methods a checkpoint declares (`quantization=` accepts them too).
 CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq", "fp8")
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """What a checkpoint's `quantization_config` says, in one shape for every method."""
-
-    method: str  # one of CHECKPOINT_METHODS
-    format: str  # compressed-tensors: "pack-quantized" | "int-quantized" | "float-quantized"; "awq-gemm"; "gptq"; "fp8"
-    bits: int
-    group_size: int | None = None  # weights per scale along the input; None: one per output channel
-    symmetric: bool = True
-    desc_act: bool = False  # GPTQ's act-order: input columns grouped by g_idx, not in order
-    zeros_minus_one: bool = False  # GPTQ v1 stores each zero point minus 1
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def describe(self) -> str:
-        group = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"{self.method} {self.format} int{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
 # (method, format) -> the module of its loader (`install_checkpoint`).
