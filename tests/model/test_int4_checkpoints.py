@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 # hidden 128 and FFN 256: whole groups of 128 for every matrix (o_proj's input is 4 heads of 32);
 # act-order in groups of 32 and 64, so that the groups of a 128-input matrix are scattered
 DIMS = dict(hidden_size=128, intermediate_size=256)
-# id -> (method, options); the greedy comparison of the first three runs in the fast tier
+# id -> (method, options); the fast tier checks the weights of the first four and the greedy
+# tokens of the act-order one (the engine's every path but the fused decode step's)
 CASES = {
     "ct-g64-asym": ("compressed-tensors", dict(group_size=64, symmetric=False)),
     "awq-g128": ("awq", dict(group_size=128)),
@@ -35,7 +36,12 @@ CASES = {
     "gptq-g128-asym": ("gptq", dict(group_size=128, symmetric=False)),
     "gptq-g64-sym-desc_act": ("gptq", dict(group_size=64, symmetric=True, desc_act=True)),
 }
-FAST = ("ct-g64-asym", "awq-g128", "gptq-g32-asym-desc_act")
+FAST_WEIGHTS = ("ct-g64-asym", "awq-g128", "gptq-g32-asym-desc_act", "ct-g128-sym")
+FAST_GREEDY = ("gptq-g32-asym-desc_act",)
+
+
+def _tiered(fast: tuple[str, ...]) -> list:
+    return [c if c in fast else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +52,9 @@ def tokenizer(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def base(tokenizer):
-    return tiny_hf_model("llama", vocab_size=len(tokenizer), seed=11, **DIMS)
+def base():
+    # 512 of the tokenizer's ids: the LM head is a small part of a step, as in a real model
+    return tiny_hf_model("llama", vocab_size=512, seed=11, **DIMS)
 
 
 _built: dict[str, tuple[str, torch.nn.Module]] = {}
@@ -76,7 +83,7 @@ def _reference_matrices(ref) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _tiered(FAST_WEIGHTS))
 def test_packed_weights_are_the_formats_dequantization(case, base, tokenizer, tmp_path_factory):
     """Every matrix is held in Q4_0 (symmetric) or Q4_1 tiles, none in float, and those tiles
     hold the weights of the format's own dequantization: exactly where the zero point is 8,
@@ -105,29 +112,50 @@ def test_packed_weights_are_the_formats_dequantization(case, base, tokenizer, tm
         assert torch.allclose(module(x), x @ want.t(), atol=2e-3 * (x @ want.t()).abs().max().item())
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+def _hf_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits that chose each, float32 [n, vocab]."""
     with torch.inference_mode():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                           pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+                           pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.scores).float()
 
 
-PROMPTS = [[1, 4093, 314, 260, 3467, 28, 6231, 30], [1, 2683, 355, 1201, 2017, 47], [1, 23, 24, 25, 26, 27, 28]]
+PROMPTS = [[1, 409, 314, 260, 346, 28, 231, 30], [1, 283, 355, 121, 217, 47], [1, 23, 24, 25, 26, 27, 28]]
+# A random 2-layer model's logits (spread over about +-4) have near-ties, top two within a few
+# thousandths, that the int8 activations (1/65024 of each block's largest) and Q4_1's float16
+# minimums (-scale * zero rounded: below 1/128 of a quantization step, but the same sign over a
+# group) may break either way: a sequence may leave the reference only at such a tie, and is
+# then compared no further.
+TIE = 1e-2
 
 
-@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("case", _tiered(FAST_GREEDY))
 def test_greedy_tokens_match_transformers_on_the_dequantized_weights(case, base, tokenizer, tmp_path_factory):
     """Through the engine (in process): 3 prompts x 32 greedy tokens, the same as transformers'
-    float32 model holding the format's dequantized weights."""
+    float32 model holding the format's dequantized weights. With the bf16 tiles off: from 16
+    rows on AMX-BF16 CPUs they round the weights and activations to bfloat16 (the kernel plan's
+    trade, tests/ops), which breaks far more ties than the formats' own arithmetic."""
     from tokenloom import LLM, SamplingParams
 
     directory, ref = _checkpoint(case, base, tokenizer, tmp_path_factory)
-    want = [_hf_greedy(ref, p, 32) for p in PROMPTS]
-    with LLM(directory, multiprocess=False, num_kv_blocks=32, max_num_batched_tokens=64) as llm:
-        assert llm.llm_engine.engine_core.info.quantization.startswith(CASES[case][0])
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    previous = quant.set_amx_bf16_rows(0)
+    try:
+        with LLM(directory, multiprocess=False, num_kv_blocks=32, max_num_batched_tokens=64) as llm:
+            assert llm.llm_engine.engine_core.info.quantization.startswith(CASES[case][0])
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    finally:
+        quant.set_amx_bf16_rows(previous)
+    compared = 0
+    for prompt, out in zip(PROMPTS, outs):
+        want, logits = _hf_greedy(ref, prompt, 32)
+        got = list(out.outputs[0].token_ids)
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        if same < len(want):
+            top = logits[same].topk(2).values
+            assert (top[0] - top[1]).item() < TIE, f"left the reference at token {same}: {got} != {want}"
+        compared += same
+    assert compared >= 64, f"only {compared} of 96 tokens before a tie"
 
 
 def _edit_config(directory: str, **changes) -> str:

@@ -30,7 +30,6 @@ from torch import nn
 
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_loader import _safetensors_files
-from tokenloom.model.quant_spec import QuantSpec
 from tokenloom.model.quant_linear import (
     _INTERLEAVED_ROPE,
     PermutedQuantLinear,
@@ -40,6 +39,7 @@ from tokenloom.model.quant_linear import (
     linear_groups,
     replace_linear,
 )
+from tokenloom.model.quant_spec import QuantSpec
 from tokenloom.ops import quant
 from tokenloom.ops.quant import TiledQuantWeight
 

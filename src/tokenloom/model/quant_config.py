@@ -16,9 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenloom.model.errors import ModelLoadError
-from tokenloom.model.quant_spec import CHECKPOINT_METHODS, QuantSpec
+from tokenloom.model.quant_spec import QuantSpec
 
 __all__ = ["CHECKPOINT_METHODS", "LOADERS", "QuantSpec", "detect_quantization", "loader_for"]
+
+# vLLM's names for the methods a checkpoint declares (`quantization=` accepts them too).
+CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq", "fp8")
 
 
 # (method, format) -> the module of its loader (`install_checkpoint`).

@@ -1,13 +1,10 @@
-"""What a pre-quantized checkpoint's `quantization_config` says (`QuantSpec`), apart from its
-detection (quant_config) so that the loaders quant_config names by string can import it without
-an import cycle. No tensor library here."""
+"""A pre-quantized checkpoint's quantization, as model/quant_config.py reads it from config.json:
+its own module so that the loaders, which quant_config imports by name, can import it too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-# vLLM's names for the methods a checkpoint declares (`quantization=` accepts them too).
-CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq", "fp8")
 # Formats whose weights are FP8 (e4m3), dequantized at load.
 FP8_FORMATS = frozenset({"float-quantized", "fp8"})
 
