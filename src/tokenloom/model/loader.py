@@ -162,8 +162,9 @@ def _checkpoint_method(method: str | None, spec: QuantSpec, dtype: torch.dtype,
     if spec.dequantized_at_load:  # FP8: the float path, in any dtype and on any device
         return spec.method
     on_cpu = torch.device(device).type == "cpu"
-    # bfloat16 activations where the CPU has AMX-BF16, as for a GGUF (ops/quant's bf16 tiles)
-    if not on_cpu or (dtype != torch.float32 and not (dtype == torch.bfloat16 and _quant_bf16_pays())):
+    # W8A8 with bfloat16 activations where the CPU has AMX-BF16, as a GGUF (ops/quant's bf16 tiles)
+    bf16_ok = dtype == torch.bfloat16 and spec.format == "int-quantized" and _quant_bf16_pays()
+    if not on_cpu or (dtype != torch.float32 and not bf16_ok):
         raise ValueError(f"a {spec.method} checkpoint runs on the CPU with dtype float32 (got device "
                          f"{torch.device(device).type}, dtype {str(dtype).removeprefix('torch.')})")
     return spec.method
