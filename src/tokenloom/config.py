@@ -11,6 +11,10 @@ from tokenloom import envs
 from tokenloom.pooling_params import PoolerConfig
 from tokenloom.sampling_params import MAX_LOGPROBS
 
+# `quantization=` values (model/loader.QUANTIZATION_METHODS; the last four are the methods a
+# pre-quantized checkpoint declares, model/quant_config.CHECKPOINT_METHODS).
+QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "none", "compressed-tensors", "awq", "gptq", "fp8")
+
 
 # vLLM's tokenizer modes and load formats that tokenloom has (the others need its GPU loaders).
 TOKENIZER_MODES = ("auto", "slow", "mistral")
@@ -162,8 +166,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # graphs captured at start-up (worker/cuda_graph.py); on the CPU there are none to turn off.
     enforce_eager: bool = False
     # What the matmuls compute with (model/loader.QUANTIZATION_METHODS): "auto" computes a GGUF's
-    # quantized tensors as shipped and an HF checkpoint in `dtype`; "int8" quantizes any
-    # checkpoint's matrices at load; None / "none" is the float path (a GGUF dequantized).
+    # quantized tensors as shipped, a pre-quantized HF checkpoint (compressed-tensors, awq, gptq,
+    # fp8: its config.json's quantization_config) as shipped, and any other HF checkpoint in
+    # `dtype`; "int8" quantizes a float checkpoint's matrices at load; None / "none" is the float
+    # path (a GGUF dequantized).
     quantization: str | None = "auto"
     # Data parallelism (vLLM's data_parallel_size): this many whole engine cores (each with its
     # own scheduler, KV cache and model runner) behind one front end, which sends each request to
@@ -314,8 +320,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
         if isinstance(self.max_logprobs, bool) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the engine's ceiling), "
                              f"got {self.max_logprobs!r}.")
-        if self.quantization not in (None, "auto", "gguf", "int8", "none"):
-            raise ValueError("quantization must be one of auto, gguf, int8, none (or None), got "
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or None), got "
                              f"{self.quantization!r}.")
 
     def _check_parallelism_and_features(self) -> None:

@@ -190,6 +190,20 @@ def save_hf_dir(model, tokenizer, directory: str, max_shard_size: str | None = N
     return directory
 
 
+def byte_tokenizer():
+    """A byte-level tokenizer of 259 tokens (3 specials, then the 256 bytes): the engine needs
+    one in the directory; the prompts are token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 # ------------------------------------------------------------------------------ GGUF files
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Llama q/k rows: within each head, interleave the two

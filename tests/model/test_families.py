@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import randomize_, save_hf_dir
+from model_helpers import byte_tokenizer, randomize_, save_hf_dir
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.errors import ModelLoadError
@@ -53,23 +53,9 @@ CASES = {
 }
 
 
-def _byte_tokenizer():
-    """A byte-level tokenizer of 259 tokens (3 specials, then the 256 bytes): the engine needs
-    one in the directory; the prompts are token ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab |= {c: i + 3 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _byte_tokenizer()
+    return byte_tokenizer()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -110,7 +110,7 @@ def test_quantization_option_errors(tmp_path, smollm2_path):
     from tokenloom.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization must be one of auto, gguf, int8, none"):
-        EngineConfig(quantization="fp8").validate()
+        EngineConfig(quantization="bitsandbytes").validate()
     EngineConfig(quantization=None).validate()
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenloom.config import LOAD_FORMATS, RESOLVED_FIELDS, TOKENIZER_MODES, EngineConfig
+from tokenloom.config import LOAD_FORMATS, QUANTIZATION_CHOICES, RESOLVED_FIELDS, TOKENIZER_MODES, EngineConfig
 from tokenloom.entrypoints.arg_fields import (
     FROM_CONFIG,
     add_dataclass_args,
@@ -134,9 +134,11 @@ class EngineArgs:
     compile: bool = arg("torch.compile the model forward (slower on CPU today: see benchmarks/CHANGELOG.md)")
     enforce_eager: bool = arg("run every step eagerly: on CUDA, no decode steps replayed from CUDA graphs (as vLLM's)")
     quantization: str | None = arg(
-        "auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), an HF model "
-        "in float; int8: int8 weights and activations for any model; none: dequantized float path",
-        choices=("auto", "gguf", "int8", "none"))
+        "auto: a GGUF computes with its quantized weights (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K kernels), a "
+        "pre-quantized HF checkpoint (compressed-tensors, awq, gptq, fp8) as its config.json's quantization_config "
+        "says, another HF model in float; int8: int8 weights and activations for a float model; none: dequantized "
+        "float path (a GGUF)",
+        choices=QUANTIZATION_CHOICES)
     tensor_parallel_size: int = arg("split the model across this many ranks (one process each; torch.distributed, "
                                     "gloo on CPU, NCCL on CUDA)", flags=("--tensor-parallel-size", "-tp"))
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = arg(

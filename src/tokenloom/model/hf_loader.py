@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -35,6 +36,37 @@ def _safetensors_files(directory: str) -> dict[str, str]:
             for name in f.keys():
                 files[name] = p
     return files
+
+
+class CheckpointTensors:
+    """A safetensors checkpoint's tensors read one at a time by name (a pre-quantized checkpoint's
+    codes and scales, read next to each other), each file opened once."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.files = _safetensors_files(directory)
+        self._open: dict[str, Any] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def _file(self, name: str) -> Any:
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
+    def dtype(self, name: str) -> str | None:
+        """The stored dtype's safetensors name ("I8", "F8_E4M3", "BF16", ...); None if absent."""
+        return self._file(name).get_slice(name).get_dtype() if name in self.files else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ModelLoadError(f"{name}: missing tensor in {self.directory}")
+        return self._file(name).get_tensor(name)
 
 
 def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],

@@ -23,8 +23,9 @@ from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.gguf_config import gguf_model_config
 from tokenloom.model.gguf_file import read_gguf
 from tokenloom.model.gguf_loader import check_gguf_tensors, iter_gguf_weights
-from tokenloom.model.hf_config import hf_model_config
+from tokenloom.model.hf_config import hf_model_config, read_config_json
 from tokenloom.model.hf_loader import classifier_score_weight, iter_hf_weights
+from tokenloom.model.quant_config import CHECKPOINT_METHODS, QuantSpec, detect_quantization, loader_for
 from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.source import (
@@ -51,9 +52,11 @@ __all__ = ["QUANTIZATION_METHODS", "LoadedModel", "ModelLoadError", "ModelNotFou
            "load_model", "load_model_config", "load_tokenizer", "resolve_dtype",
            "resolve_quantization"]
 
-# "auto": a GGUF's quantized tensors are computed as shipped ("gguf"), an HF checkpoint in float
-# ("none"); "int8" quantizes any checkpoint's matrices to int8 at load.
-QUANTIZATION_METHODS = ("auto", "gguf", "int8", "none")
+# "auto": a GGUF's quantized tensors are computed as shipped ("gguf"), a pre-quantized HF
+# checkpoint as its `quantization_config` says (model/quant_config: "compressed-tensors", "awq",
+# "gptq", "fp8"), any other HF checkpoint in float ("none"); "int8" quantizes any float
+# checkpoint's matrices to int8 at load.
+QUANTIZATION_METHODS = ("auto", "gguf", "int8", "none", *CHECKPOINT_METHODS)
 
 
 @dataclass
@@ -68,6 +71,12 @@ class LoadedModel:
     # Where the tokenizer comes from when it is not the model's own (vLLM's `tokenizer=`).
     tokenizer_path: str | None = None
     tokenizer_mode: str = "auto"
+
+    @property
+    def quantized_matmuls(self) -> bool:
+        """Whether the matmuls run on the quantized kernels: not a float model, nor one whose
+        quantized weights were dequantized at load (FP8, QuantSummary's "(float path)")."""
+        return self.quantization != "none" and not self.quantization.endswith("float path)")
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
@@ -104,16 +113,23 @@ def _quant_bf16_pays() -> bool:
 
 
 def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
-                         device: str | torch.device) -> str:
-    """"gguf", "int8" or "none" for the requested method (None means "none") and checkpoint
-    kind ("gguf" | "hf"). The quantized kernels are CPU kernels with float32 activations, and
-    bfloat16 ones for a GGUF where the CPU has AMX-BF16 (ops/quant): "auto" picks them only
-    there, an explicit method elsewhere is an error."""
-    if method is None:
-        return "none"
-    if method not in QUANTIZATION_METHODS:
+                         device: str | torch.device, checkpoint: QuantSpec | None = None) -> str:
+    """"gguf", "int8", "none" or a checkpoint's method (CHECKPOINT_METHODS) for the requested
+    method (None means "none"), checkpoint kind ("gguf" | "hf") and, for an HF checkpoint, the
+    quantization its config.json declares (`checkpoint`). The quantized kernels are CPU kernels
+    with float32 activations, and bfloat16 ones for a GGUF where the CPU has AMX-BF16
+    (ops/quant): "auto" picks them only there, an explicit method elsewhere is an error. A
+    pre-quantized checkpoint has no float weights to fall back on: it computes as it is shipped."""
+    if method not in (None, *QUANTIZATION_METHODS):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
                          f"got {method!r}")
+    if checkpoint is not None:
+        return _checkpoint_method(method, checkpoint, dtype, device)
+    if method in CHECKPOINT_METHODS:
+        raise ValueError(f"quantization={method!r} computes a checkpoint quantized as {method} (its config.json's "
+                         "quantization_config); this one has none")
+    if method is None:
+        return "none"
     on_cpu = torch.device(device).type == "cpu"
     on_cpu_f32 = on_cpu and dtype == torch.float32
     # A GGUF in bfloat16 (explicit dtype="bfloat16") where the CPU has AMX-BF16: its matmuls take
@@ -138,6 +154,22 @@ def resolve_quantization(method: str | None, kind: str, dtype: torch.dtype,
     return method
 
 
+def _checkpoint_method(method: str | None, spec: QuantSpec, dtype: torch.dtype,
+                       device: str | torch.device) -> str:
+    if method not in ("auto", spec.method):
+        raise ValueError(f"quantization={method!r}, but this checkpoint is quantized as {spec.describe()} "
+                         f"(config.json's quantization_config): use quantization='auto' or {spec.method!r}")
+    if spec.dequantized_at_load:  # FP8: the float path, in any dtype and on any device
+        return spec.method
+    on_cpu = torch.device(device).type == "cpu"
+    # W8A8 with bfloat16 activations where the CPU has AMX-BF16, as a GGUF (ops/quant's bf16 tiles)
+    bf16_ok = dtype == torch.bfloat16 and spec.format == "int-quantized" and _quant_bf16_pays()
+    if not on_cpu or (dtype != torch.float32 and not bf16_ok):
+        raise ValueError(f"a {spec.method} checkpoint runs on the CPU with dtype float32 (got device "
+                         f"{torch.device(device).type}, dtype {str(dtype).removeprefix('torch.')})")
+    return spec.method
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto",
                pooling: bool = False, hf_overrides: dict[str, Any] | None = None,
@@ -157,15 +189,16 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     if dummy and quantization in ("auto", "gguf"):
         quantization = "none"  # random float weights: there are no quantized tensors to compute with
     torch_dtype = resolve_dtype(dtype, device)
-    if (dtype == "auto" and torch_dtype != torch.float32
-            and resolve_quantization(quantization, kind, torch.float32, device) != "none"):
+    spec = None if kind == "gguf" or dummy else detect_quantization(read_config_json(path, hf_overrides, convert))
+    if (dtype == "auto" and torch_dtype != torch.float32 and not (spec and spec.dequantized_at_load)
+            and resolve_quantization(quantization, kind, torch.float32, device, spec) != "none"):
         # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
         # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
         # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs near the bf16 float path's
         # speed with its results, which differ from the float32 path's more often: the quality bar
         # of issue 14 is against float32, so not the default; benchmarks/quant_quality.py.)
         torch_dtype = torch.float32
-    method = resolve_quantization(quantization, kind, torch_dtype, device)
+    method = resolve_quantization(quantization, kind, torch_dtype, device, spec)
     if kind == "gguf":
         g = read_gguf(path)
         config = gguf_model_config(g)
@@ -187,6 +220,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     if method == "gguf":
         # Quantized modules go in first, so the float loader never writes those matrices.
         consumed, summary = install_gguf_quantized(model, g, check_gguf_tensors(g, expected))
+        to_load = {k: v for k, v in expected.items() if k not in consumed}
+    elif spec is not None:
+        consumed, summary = loader_for(spec)(model, spec, path)
         to_load = {k: v for k, v in expected.items() if k not in consumed}
     weights = (iter_gguf_weights(g, config, to_load, torch_dtype) if kind == "gguf"
                else iter_hf_weights(path, to_load, torch_dtype, optional={"lm_head.weight"} if pooling else set(),

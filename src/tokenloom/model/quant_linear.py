@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,6 +78,25 @@ class QuantLinear(nn.Module):
         return f"out_features={self.out_features}, parts={kinds}"
 
 
+class PermutedQuantLinear(QuantLinear):
+    """A QuantLinear whose weight holds its input columns in another order (`in_perm`: input
+    feature of each stored column): GPTQ's act-order checkpoints, whose quantization groups are
+    columns scattered over the inputs (`g_idx`), stored with each group's columns side by side so
+    that a group is whole blocks. The activations are gathered into that order, one pass over
+    them per call. (The fused decode step takes plain QuantLinears only: such layers run eagerly.)"""
+
+    def __init__(self, parts: list[TiledQuantWeight | torch.Tensor], in_perm: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__(parts, bias)
+        self.in_perm = in_perm.to(torch.int64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.in_perm))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return super().silu_and_mul(x.index_select(-1, self.in_perm))
+
+
 class QuantEmbedding(nn.Module):
     """Embedding lookup that dequantizes only the looked-up rows, into the model's dtype."""
 
@@ -93,9 +113,11 @@ class QuantEmbedding(nn.Module):
 class QuantSummary:
     """What a load computed with: tensor count per format, and what was left in float."""
 
-    method: str  # "gguf" | "int8"
+    method: str  # "gguf" | "int8" | a checkpoint's, e.g. "compressed-tensors W8A8"
     formats: Counter = field(default_factory=Counter)
     fallbacks: list[str] = field(default_factory=list)  # "tensor (TYPE)"
+    # Set where the checkpoint's weights were dequantized at load (FP8): the dtype they run in.
+    dequantized_to: str | None = None
 
     def describe(self) -> str:
         """e.g. "gguf Q4_1x210+Q8_0x1 avx512_vnni+amx_bf16" (bf16 tiles from 16 rows, AMX int8
@@ -103,6 +125,9 @@ class QuantSummary:
         "gguf Q4_Kx120+Q6_Kx49+Q8_0x1 avx512_vnni+amx_int8 (Q6_K: avx512_vnni)", "... avx2,
         float32 panels from 16 rows": the formats in use and the kernel that runs them (named per
         format where they differ)."""
+        if self.dequantized_to is not None:
+            fmts = "+".join(f"{k}x{n}" for k, n in sorted(self.formats.items()))
+            return f"{self.method} {fmts} dequantized to {self.dequantized_to} at load (float path)"
         if not self.formats:
             return f"{self.method} (no quantized tensors: float path)"
         names = sorted(self.formats)
@@ -185,6 +210,27 @@ class _GGUFParts:
         return QuantLinear(parts)
 
 
+def linear_groups(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str], str]]:
+    """Each decoder layer's matmuls as (parent module, attribute, the HF names of the checkpoint
+    matrices it fuses (no ".weight"), the HF name of the fused one a checkpoint may store instead):
+    q|k|v, o, gate|up, down."""
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        yield layer.self_attn, "qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"], f"{p}self_attn.qkv_proj"
+        yield layer.self_attn, "o_proj", [f"{p}self_attn.o_proj"], f"{p}self_attn.o_proj"
+        yield layer.mlp, "gate_up_proj", [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], f"{p}mlp.gate_up_proj"
+        yield layer.mlp, "down_proj", [f"{p}mlp.down_proj"], f"{p}mlp.down_proj"
+
+
+def replace_linear(parent: nn.Module, attr: str, new: QuantLinear) -> None:
+    """Puts `new` in place of `parent.attr`, with an (unfilled) bias where the float layer has one:
+    Qwen2's q/k/v bias, which load_weights then fills (fused rows)."""
+    old = getattr(parent, attr)
+    if old.bias is not None:
+        new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+    setattr(parent, attr, new)
+
+
 def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFTensorInfo]) -> tuple[set[str], QuantSummary]:
     """Swap the model's linear layers, LM head and embedding for quantized ones over the GGUF's
     quantized tensors (`found`: HF name -> tensor, from `check_gguf_tensors`). Returns the HF
@@ -198,27 +244,14 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
     def quantized(names: list[str]) -> bool:
         return any(found[n].ggml_type not in _FLOAT_TYPES for n in names)
 
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        groups = {
-            (layer.self_attn, "qkv_proj"): ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-            (layer.self_attn, "o_proj"): ["self_attn.o_proj"],
-            (layer.mlp, "gate_up_proj"): ["mlp.gate_proj", "mlp.up_proj"],
-            (layer.mlp, "down_proj"): ["mlp.down_proj"],
-        }
-        for (parent, attr), suffixes in groups.items():
-            names = [f"{p}{s}.weight" for s in suffixes]
-            fused = f"{p}{suffixes[0].split('.')[0]}.{attr}.weight"
-            if fused in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
-                names = [fused]
-            if not quantized(names):
-                continue
-            old = getattr(parent, attr)
-            new = parts.linear([found[n] for n in names])
-            if old.bias is not None:  # Qwen2's q/k/v bias: filled by load_weights (fused rows)
-                new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
-            setattr(parent, attr, new)
-            consumed.update(names)
+    for parent, attr, prefixes, fused in linear_groups(model):
+        names = [f"{n}.weight" for n in prefixes]
+        if f"{fused}.weight" in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
+            names = [f"{fused}.weight"]
+        if not quantized(names):
+            continue
+        replace_linear(parent, attr, parts.linear([found[n] for n in names]))
+        consumed.update(names)
 
     embed = "model.embed_tokens.weight"
     if quantized([embed]):

@@ -18,7 +18,8 @@ from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError, ModelNotFoundError
 from tokenloom.model.gguf_config import gguf_model_config
 from tokenloom.model.gguf_file import read_gguf
-from tokenloom.model.hf_config import hf_model_config
+from tokenloom.model.hf_config import hf_model_config, read_config_json
+from tokenloom.model.quant_config import detect_quantization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -90,13 +91,19 @@ def load_model_config(path: str | None = None, hf_overrides: dict[str, Any] | No
 
 def check_config_options(path: str, kind: str, hf_overrides: dict[str, Any] | None, convert: str) -> None:
     """`hf_overrides` and `convert="classify"` rewrite an HF directory's config.json; a GGUF file
-    has none (its metadata is llama.cpp's), so they are refused there rather than ignored."""
+    has none (its metadata is llama.cpp's), so they are refused there rather than ignored. An HF
+    directory's `quantization_config` is checked (model/quant_config)."""
     if kind == "gguf" and hf_overrides:
         raise ModelLoadError(f"{path}: hf_overrides replaces keys of an HF directory's config.json, and a GGUF "
                              "file has none")
     if kind == "gguf" and convert == "classify":
         raise ModelLoadError(f"{path}: convert='classify' needs an HF directory (its config.json and LM head); "
                              "this is a GGUF file")
+    if kind == "hf":  # a quantization_config this engine does not compute fails here, in the caller
+        try:
+            detect_quantization(read_config_json(path, hf_overrides, convert))
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def check_load_format(path: str, kind: str, load_format: str) -> None:

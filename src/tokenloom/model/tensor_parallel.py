@@ -29,7 +29,7 @@ from torch import nn
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.llama import Embedding
-from tokenloom.model.quant_linear import QuantEmbedding, QuantLinear
+from tokenloom.model.quant_linear import PermutedQuantLinear, QuantEmbedding, QuantLinear
 from tokenloom.model.registry import ARCHITECTURE_ENTRIES
 from tokenloom.ops import quant
 from tokenloom.ops.distributed import tp_all_gather, tp_all_reduce
@@ -169,8 +169,15 @@ def _part_rows(part: TiledQuantWeight | torch.Tensor) -> int:
     return part.out_features if isinstance(part, TiledQuantWeight) else part.shape[0]
 
 
+def _refuse_permuted(module: nn.Module, name: str) -> None:
+    if isinstance(module, PermutedQuantLinear):
+        raise ValueError(f"{name}: a GPTQ act-order (desc_act / g_idx) layer cannot be split across tensor-parallel "
+                         "ranks; use tensor_parallel_size=1 for this checkpoint")
+
+
 def take_rows(module: nn.Module, ranges: list[tuple[int, int]], name: str) -> nn.Module:
     """The module with only output rows `ranges` (in order): the column-parallel cut."""
+    _refuse_permuted(module, name)
     if isinstance(module, QuantLinear):
         parts, offset = [], 0
         for part in module.parts:
@@ -194,6 +201,7 @@ def take_rows(module: nn.Module, ranges: list[tuple[int, int]], name: str) -> nn
 
 def take_cols(module: nn.Module, a: int, b: int, keep_bias: bool, name: str) -> nn.Module:
     """The module with only input columns [a, b): the row-parallel cut."""
+    _refuse_permuted(module, name)
     if isinstance(module, QuantLinear):
         bias = module.bias.detach() if module.bias is not None and keep_bias else None
         return QuantLinear([_take_cols_of(p, a, b, name) for p in module.parts], bias)

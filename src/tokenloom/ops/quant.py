@@ -375,6 +375,33 @@ def _tile_chunk(raw: np.ndarray, fmt: int, nu: int, type_size: int) -> np.ndarra
     return np.concatenate(parts, axis=2)
 
 
+def tile_int4_groups(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None = None,
+                     name: str = "tensor") -> TiledQuantWeight:
+    """Group-wise int4 weights w = scale * (code - zero), codes uint8 [N, K] in 0..15, scales
+    [N, G] and zeros [N, G] (None: 8 everywhere) with K / G weights per group, a multiple of 32:
+    the weight-only int4 of compressed-tensors, AWQ and GPTQ. Each group is K / G / 32 blocks of
+    32 with its scale: Q4_0 where every zero is 8 (d * (q - 8), exact), else Q4_1 with the block's
+    min = -scale * zero (d * q + m). The kernels read d and m as float16: a scale that is float16
+    or bfloat16 in a normal range is kept exactly, m is rounded to float16 (an error below 1/128 of
+    one quantization step)."""
+    N, K = codes.shape
+    G = scales.shape[1]
+    if scales.shape[0] != N or K % G or (K // G) % QK:
+        raise ValueError(f"{name}: {K} inputs in {G} groups of scales; int4 groups must be whole "
+                         f"multiples of {QK} weights")
+    per = K // G // QK  # 32-weight blocks per group
+    n_pad = -(-N // TILE_N) * TILE_N
+    d = np.repeat(np.asarray(scales, np.float32), per, axis=1)
+    q = _block_codes(np.ascontiguousarray(codes, np.uint8).reshape(N, K // QK, QK), FMT_Q4_0, n_pad)
+    if zeros is None or np.all(zeros == 8):
+        data = np.concatenate([q, _tile_halves(d.astype(np.float16), n_pad)], axis=2)
+        return TiledQuantWeight(FMT_Q4_0, torch.from_numpy(data), N, K)
+    m = -d * np.repeat(np.asarray(zeros, np.float32), per, axis=1)
+    data = np.concatenate([q, _tile_halves(d.astype(np.float16), n_pad),
+                           _tile_halves(m.astype(np.float16), n_pad)], axis=2)
+    return TiledQuantWeight(FMT_Q4_1, torch.from_numpy(data), N, K)
+
+
 def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:
     """A float [N, K] weight -> Q8 codes with one scale per 32 weights of a row (Q8_0), for
     computing a float checkpoint in int8. K must be a multiple of 32."""
@@ -386,9 +413,20 @@ def quantize_q8(weight: torch.Tensor) -> TiledQuantWeight:
     d = (amax / 127).to(torch.float16)
     inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(amax))
     q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return tile_q8(q.reshape(N, K), d)
+
+
+def tile_q8(codes: torch.Tensor, scales: torch.Tensor) -> TiledQuantWeight:
+    """int8 codes [N, K] and float16 scales [N, K/32] (weight = code * scale, one scale per 32
+    weights of a row) -> the Q8 tiles: a checkpoint's own int8 weights computed as they are."""
+    N, K = codes.shape
+    if K % QK or tuple(scales.shape) != (N, K // QK):
+        raise ValueError(f"Q8 codes [{N}, {K}] need K divisible by {QK} and scales [{N}, {K // QK}], "
+                         f"got scales {list(scales.shape)}")
     n_pad = -(-N // TILE_N) * TILE_N
-    codes = (q.numpy().view(np.uint8) ^ np.uint8(0x80))
-    data = np.concatenate([_tile_codes(codes, n_pad), _tile_halves(d.numpy(), n_pad)], axis=2)
+    q = codes.contiguous().numpy().view(np.uint8).reshape(N, K // QK, QK) ^ np.uint8(0x80)
+    d = scales.to(torch.float16).contiguous().numpy()
+    data = np.concatenate([_tile_codes(q, n_pad), _tile_halves(d, n_pad)], axis=2)
     return TiledQuantWeight(FMT_Q8, torch.from_numpy(data), N, K)
 
 

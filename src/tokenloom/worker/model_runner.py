@@ -124,7 +124,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device,
-                                                     quantized=loaded.quantization != "none")
+                                                     quantized=loaded.quantized_matmuls)
         if config.is_pooling:  # pooled, never sampled: no LM head to hold or pack
             self.model.drop_lm_head()
         if self.device.type == "cpu" and not config.compile and not getattr(self.model, "plain_weights", False):
