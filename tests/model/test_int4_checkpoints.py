@@ -15,6 +15,7 @@ from model_helpers import tiny_hf_model
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.loader import load_model, load_model_config
 from tokenloom.model.quant_linear import PermutedQuantLinear, QuantLinear
+from tokenloom.model.tensor_parallel import take_cols
 from tokenloom.ops import cpu_kernels, quant
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
@@ -110,6 +111,9 @@ def test_packed_weights_are_the_formats_dequantization(case, base, tokenizer, tm
         assert (got - want).abs().max().item() <= tol, name
         x = torch.randn(3, want.shape[1], generator=torch.Generator().manual_seed(0))
         assert torch.allclose(module(x), x @ want.t(), atol=2e-3 * (x @ want.t()).abs().max().item())
+    if options.get("desc_act"):  # its columns are not in input order: no tensor-parallel cut
+        with pytest.raises(ValueError, match="act-order"):
+            take_cols(loaded.model.layers[0].mlp.down_proj, 0, 128, False, "down_proj")
 
 
 def _hf_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
