@@ -36,7 +36,7 @@ def _linears(model):
 def _save(model, tensors: dict[str, torch.Tensor], directory: str, quantization_config: dict, tokenizer) -> str:
     """config.json with `quantization_config`, the tensors, and the tokenizer."""
     os.makedirs(directory, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
     model.config.architectures = [type(model).__name__]
     model.config.to_json_file(os.path.join(directory, "config.json"))
     path = os.path.join(directory, "config.json")

@@ -15,6 +15,7 @@ from model_helpers import tiny_hf_model
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.loader import load_model, load_model_config
 from tokenloom.model.quant_linear import PermutedQuantLinear, QuantLinear
+from tokenloom.model.tensor_parallel import take_cols
 from tokenloom.ops import cpu_kernels, quant
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
@@ -110,6 +111,9 @@ def test_packed_weights_are_the_formats_dequantization(case, base, tokenizer, tm
         assert (got - want).abs().max().item() <= tol, name
         x = torch.randn(3, want.shape[1], generator=torch.Generator().manual_seed(0))
         assert torch.allclose(module(x), x @ want.t(), atol=2e-3 * (x @ want.t()).abs().max().item())
+    if options.get("desc_act"):  # its columns are not in input order: no tensor-parallel cut
+        with pytest.raises(ValueError, match="act-order"):
+            take_cols(loaded.model.layers[0].mlp.down_proj, 0, 128, False, "down_proj")
 
 
 def _hf_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -124,38 +128,56 @@ PROMPTS = [[1, 409, 314, 260, 346, 28, 231, 30], [1, 283, 355, 121, 217, 47], [1
 # A random 2-layer model's logits (spread over about +-4) have near-ties, top two within a few
 # thousandths, that the int8 activations (1/65024 of each block's largest) and Q4_1's float16
 # minimums (-scale * zero rounded: below 1/128 of a quantization step, but the same sign over a
-# group) may break either way: a sequence may leave the reference only at such a tie, and is
-# then compared no further.
-TIE = 1e-2
+# group) may break either way. Where a sequence leaves the reference at such a tie, the engine
+# goes on from the reference's token (a new request whose prompt is the reference's prefix), so
+# that every other token is still compared.
+TIE = 5e-3
+MAX_TIES = 1  # per case (3 x 32 tokens)
 
 
 @pytest.mark.parametrize("case", _tiered(FAST_GREEDY))
 def test_greedy_tokens_match_transformers_on_the_dequantized_weights(case, base, tokenizer, tmp_path_factory):
     """Through the engine (in process): 3 prompts x 32 greedy tokens, the same as transformers'
-    float32 model holding the format's dequantized weights. With the bf16 tiles off: from 16
-    rows on AMX-BF16 CPUs they round the weights and activations to bfloat16 (the kernel plan's
-    trade, tests/ops), which breaks far more ties than the formats' own arithmetic."""
+    float32 model holding the format's dequantized weights, but for near-ties (above). The
+    checkpoint's arithmetic alone: with a float32 KV cache (the quantized path's default is
+    float16, as llama.cpp's) and the bf16 tiles off (from 16 rows on AMX-BF16 CPUs they round
+    weights and activations to bfloat16: the kernel plan's trade, tests/ops), each of which
+    breaks more ties than the formats do."""
     from tokenloom import LLM, SamplingParams
 
     directory, ref = _checkpoint(case, base, tokenizer, tmp_path_factory)
+    references = [_hf_greedy(ref, p, 32) for p in PROMPTS]
+    ties = []
     previous = quant.set_amx_bf16_rows(0)
     try:
-        with LLM(directory, multiprocess=False, num_kv_blocks=32, max_num_batched_tokens=64) as llm:
+        with LLM(directory, multiprocess=False, num_kv_blocks=32, max_num_batched_tokens=64,
+                 kv_cache_dtype="float32") as llm:
             assert llm.llm_engine.engine_core.info.quantization.startswith(CASES[case][0])
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+
+            def greedy(prompts: list[list[int]], n: int) -> list[list[int]]:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+                return [list(o.outputs[0].token_ids) for o in outs]
+
+            got = greedy(PROMPTS, 32)  # the three as one batch
+            for prompt, (want, logits), tokens in zip(PROMPTS, references, got):
+                start = 0
+                while True:
+                    same = next((i for i, (a, b) in enumerate(zip(tokens, want[start:])) if a != b), None)
+                    if same is None:
+                        break
+                    at = start + same
+                    top = logits[at].topk(2).values
+                    assert (top[0] - top[1]).item() < TIE, f"left the reference at token {at}: {tokens} != {want}"
+                    ties.append((at, round((top[0] - top[1]).item(), 5)))
+                    start = at + 1
+                    if start == len(want):
+                        break
+                    tokens = greedy([prompt + want[:start]], len(want) - start)[0]
     finally:
         quant.set_amx_bf16_rows(previous)
-    compared = 0
-    for prompt, out in zip(PROMPTS, outs):
-        want, logits = _hf_greedy(ref, prompt, 32)
-        got = list(out.outputs[0].token_ids)
-        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-        if same < len(want):
-            top = logits[same].topk(2).values
-            assert (top[0] - top[1]).item() < TIE, f"left the reference at token {same}: {got} != {want}"
-        compared += same
-    assert compared >= 64, f"only {compared} of 96 tokens before a tie"
+    print(f"{case}: near-ties broken the other way at tokens {ties}")
+    assert len(ties) <= MAX_TIES, f"{len(ties)} near-ties broken the other way"
 
 
 def _edit_config(directory: str, **changes) -> str:
