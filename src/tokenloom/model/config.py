@@ -66,6 +66,14 @@ class ModelArchConfig:
     # How a one-label classifier reads a scored pair (vLLM's name): True, the tokenizer's pair
     # encoding (a cross-encoder's separator); False, the two texts joined (an LM as reranker).
     use_sep_token: bool = True
+    # gpt-oss: a learned logit per query head in every attention softmax (its `self_attn.sinks`),
+    # a key that holds no value: only the torch attention backend has them.
+    attention_sinks: bool = False
+    # gpt-oss's experts (model/gpt_oss.py): the clamped SwiGLU's sigmoid gain and clamp, and
+    # whether their weights are MXFP4 as shipped (quantization_config.quant_method "mxfp4").
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    experts_mxfp4: bool = False
 
     @property
     def is_plain_llama(self) -> bool:
@@ -74,4 +82,5 @@ class ModelArchConfig:
         return (not (self.o_proj_bias or self.mlp_bias or self.layer_norm or self.nope_layers)
                 and self.rotary_dim in (None, self.head_dim) and self.embedding_multiplier == 1.0
                 and self.residual_multiplier == 1.0 and self.logits_scaling == 1.0
-                and self.attention_multiplier is None and self.attn_logit_softcapping is None)
+                and self.attention_multiplier is None and self.attn_logit_softcapping is None
+                and not self.attention_sinks)

@@ -223,6 +223,29 @@ def _stablelm_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     }
 
 
+def _gpt_oss_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """q/k/v and o biases, attention sinks, sliding-window layers alternating with full ones
+    (layer_types; transformers' default: the even layers slide), experts of width
+    intermediate_size routed by a biased router, the clamped SwiGLU's alpha and limit, and the
+    experts' MXFP4 weights where quantization_config says so."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ModelLoadError(f"{path}: quantization_config.quant_method {method!r} is not supported for "
+                             "GptOssForCausalLM (expected 'mxfp4', or none for float experts)")
+    bias = bool(cfg.get("attention_bias", True))
+    experts, top_k = int(cfg.get("num_local_experts", 0)), int(cfg.get("num_experts_per_tok", 0))
+    if not 1 <= top_k <= experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok must be between 1 and num_local_experts ({experts}), "
+                             f"got {top_k}")
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": False, "attention_sinks": True,
+            "num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "experts_mxfp4": method == "mxfp4"} | _sliding_fields(path, n, cfg.get("sliding_window"), types)
+
+
 # vLLM's ways of making a classifier's `score` head from LM-head rows (`method`, with the
 # tokens in `classifier_from_token`): "from_2_way_softmax" is one label, the row of the second
 # token minus the first's, so its sigmoid is the two tokens' softmax (Qwen3-Reranker's "yes"
@@ -442,4 +465,5 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "phi3": _phi3_fields,
     "glm4": _glm4_fields,
     "cohere": _cohere_fields,
+    "gpt_oss": _gpt_oss_fields,
 }

@@ -99,6 +99,11 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         lora=False,  # its q/k rows are reordered at load, an adapter's are not
         notes="parallel attention and MLP after one LayerNorm (no bias), logit_scale, tied LM head, "
               "RoPE in adjacent pairs"),
+    "GptOssForCausalLM": ModelEntry(
+        "gpt_oss", "gpt_oss", "GptOssForCausalLM", "gpt-oss", tensor_parallel=False,
+        lora=False,  # its experts are stacked tensors, which model/lora.py does not wrap
+        notes="mixture of experts (biased router, clamped SwiGLU with biases, MXFP4 experts as shipped), "
+              "attention sinks (attention on the torch backend), q/k/v/o bias, alternating sliding-window layers"),
 }
 
 # _MODEL_MODULES[entry.module]: the module to import (a literal, so tests/house/test_imports.py
@@ -111,6 +116,7 @@ _MODEL_MODULES = {
     "phi3": "tokenloom.model.phi3",
     "glm4": "tokenloom.model.glm4",
     "cohere": "tokenloom.model.cohere",
+    "gpt_oss": "tokenloom.model.gpt_oss",
 }
 
 # config.json `architectures[0]` -> our architecture name, pooling forms included.
