@@ -447,6 +447,47 @@ def _cohere_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "logits_scaling": 1.0 / scale}
 
 
+# ------------------------------------------------ mixtures of experts (model/moe.py)
+def _moe_fields(cfg: dict[str, Any], path: str, width: Any, norm: bool) -> dict[str, Any]:
+    """The experts' fields; `mlp_only_layers` also takes the layers that decoder_sparse_step
+    leaves dense (transformers: layer i is sparse where (i + 1) % step == 0). The expert count
+    is num_experts (Qwen's checkpoints) or num_local_experts (Mixtral's, and transformers 5
+    saves Qwen's so)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ModelLoadError(f"{path}: the number of experts must be a positive integer, got {num_experts!r}")
+    if not 1 <= k <= num_experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok must be between 1 and the {num_experts} experts, "
+                             f"got {cfg.get('num_experts_per_tok')!r}")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or []} | {i for i in range(n) if (i + 1) % step}
+    return {"num_experts": num_experts, "num_experts_per_tok": k, "moe_intermediate_size": int(width),
+            "norm_topk_prob": norm, "mlp_only_layers": tuple(sorted(dense))}
+
+
+def _qwen3_moe_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen3's attention; experts of moe_intermediate_size, renormalised where norm_topk_prob."""
+    return _qwen3_fields(cfg, path) | _moe_fields(cfg, path, cfg.get("moe_intermediate_size"),
+                                                  bool(cfg.get("norm_topk_prob", False)))
+
+
+def _qwen2_moe_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen2's attention (q/k/v bias unless qkv_bias says no); experts as Qwen3-MoE's, and a
+    shared expert of shared_expert_intermediate_size gated by a sigmoid."""
+    return (_llama_fields(cfg, path)
+            | {"attention_bias": bool(cfg.get("qkv_bias", True)), "o_proj_bias": False, "mlp_bias": False,
+               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+            | _moe_fields(cfg, path, cfg.get("moe_intermediate_size"),
+                          bool(cfg.get("norm_topk_prob", False))))
+
+
+def _mixtral_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Mistral's attention; num_local_experts experts of intermediate_size, always renormalised."""
+    return _mistral_fields(cfg, path) | _moe_fields(cfg, path, cfg.get("intermediate_size"), True)
+
+
 # Our architecture name -> its reading of config.json beyond the common fields: a function of
 # (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
 # ones. A family without an entry reads as Llama (_llama_fields).
@@ -465,5 +506,8 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "phi3": _phi3_fields,
     "glm4": _glm4_fields,
     "cohere": _cohere_fields,
+    "qwen3_moe": _qwen3_moe_fields,
+    "qwen2_moe": _qwen2_moe_fields,
+    "mixtral": _mixtral_fields,
     "gpt_oss": _gpt_oss_fields,
 }

@@ -99,6 +99,18 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         lora=False,  # its q/k rows are reordered at load, an adapter's are not
         notes="parallel attention and MLP after one LayerNorm (no bias), logit_scale, tied LM head, "
               "RoPE in adjacent pairs"),
+    "Qwen3MoeForCausalLM": ModelEntry(
+        "qwen3_moe", "moe", "MoeForCausalLM", "Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)", gguf="qwen3moe",
+        lora=False, tensor_parallel=False,
+        notes="Qwen3's attention; sparse MoE MLP (softmax top-k routing, norm_topk_prob), mlp_only_layers"),
+    "Qwen2MoeForCausalLM": ModelEntry(
+        "qwen2_moe", "moe", "MoeForCausalLM", "Qwen2-MoE, Qwen1.5-MoE", gguf="qwen2moe",
+        lora=False, tensor_parallel=False,
+        notes="Qwen2's attention; sparse MoE MLP with a shared expert gated by a sigmoid"),
+    "MixtralForCausalLM": ModelEntry(
+        "mixtral", "moe", "MixtralForCausalLM", "Mixtral", gguf="llama",
+        lora=False, tensor_parallel=False,
+        notes="Mistral's attention; sparse MoE MLP (top-2 of 8, renormalised); GGUF: `llama` with expert tensors"),
     "GptOssForCausalLM": ModelEntry(
         "gpt_oss", "gpt_oss", "GptOssForCausalLM", "gpt-oss", tensor_parallel=False,
         lora=False,  # its experts are stacked tensors, which model/lora.py does not wrap
@@ -116,6 +128,7 @@ _MODEL_MODULES = {
     "phi3": "tokenloom.model.phi3",
     "glm4": "tokenloom.model.glm4",
     "cohere": "tokenloom.model.cohere",
+    "moe": "tokenloom.model.moe",
     "gpt_oss": "tokenloom.model.gpt_oss",
 }
 
