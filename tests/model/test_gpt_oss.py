@@ -166,3 +166,11 @@ def test_other_quantization_is_refused(gpt_oss, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ModelLoadError, match="quant_method 'awq'"):
         hf_model_config(directory)
+
+
+def test_dummy_weights_fill_the_packed_experts(gpt_oss):
+    from tokenloom.model.loader import load_model
+
+    experts = load_model(gpt_oss[1], dtype="float32", load_format="dummy").model.layers[1].mlp.experts
+    w = mxfp4.dequantize(experts.w2_blocks[0], experts.w2_scales[0])
+    assert torch.isfinite(w).all() and 0 < w.abs().max() <= 6 / 64 and w.std() > 0.01

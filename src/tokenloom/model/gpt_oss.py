@@ -53,6 +53,14 @@ class Mxfp4FusedMoE(FusedMoE):
         self.register_buffer("w2_blocks", torch.empty(E, H, I // G, G // 2, dtype=torch.uint8))
         self.register_buffer("w2_scales", torch.empty(E, H, I // G, dtype=torch.uint8))
 
+    def fill_dummy_(self, lay_over, phase: int) -> int:
+        """load_format="dummy": the blocks from the loader's random bytes (`lay_over(flat, phase)
+        -> phase`), every scale 2 ** -6 (values up to 6 / 64)."""
+        for blocks, scales in ((self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales)):
+            phase = lay_over(blocks.view(-1), phase)
+            scales.fill_(127 - 6)
+        return phase
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         w13 = mxfp4.dequantize(self.w13_blocks[e], self.w13_scales[e], x.dtype)
         w2 = mxfp4.dequantize(self.w2_blocks[e], self.w2_scales[e], x.dtype)

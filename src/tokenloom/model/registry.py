@@ -198,7 +198,14 @@ def models_page_markdown() -> str:
         "base transformers uses when it decodes that position; a prompt longer than the original context is "
         "therefore rotated position by position, where transformers' prefill rotates all of it with the "
         "prompt's length. Sliding windows (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) go through the "
-        "KV cache groups ([the KV cache](kv-cache.md)).\n")
+        "KV cache groups ([the KV cache](kv-cache.md)).\n"
+        "\ngpt-oss (`GptOssForCausalLM`) loads from its Hugging Face directory as shipped: the experts' MXFP4 "
+        "weights (`quantization_config.quant_method: mxfp4`, `*_blocks` and `*_scales`) stay packed in memory "
+        "and each expert is unpacked for the step whose tokens chose it, so no float copy of the experts is kept; "
+        "a checkpoint with float experts loads too. Its attention sinks run on the torch attention backend "
+        "(the selector picks it; decodes take the PyTorch path, not the C decode kernel). Its harmony chat "
+        "format is read back by `--reasoning-parser openai_gptoss` (alias `gpt_oss`) and `--tool-call-parser "
+        "openai` ([Structured outputs and tools](structured-outputs.md#reasoning-models)).\n")
 
 
 def readme_with_table(readme: str) -> str:
