@@ -31,6 +31,7 @@ CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|const
     ("<|channel|>final<|message|>Hi.", "", "Hi."),  # reasoning effort low: no analysis
     ("<|channel|>analysis<|message|>cut short", "cut short", ""),  # max_tokens inside the reasoning
     ("Plain text, no harmony.", "", "Plain text, no harmony."),
+    ("<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>comm", "plan", ""),  # a header cut short
 ])
 def test_split(text, reasoning, content):
     split = split_harmony(text)
@@ -91,7 +92,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def _chat(client, regex: str, **kw):
-    return client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=80,
+    return client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=160,
                                           messages=[{"role": "user", "content": "Weather in Oslo?"}],
                                           extra_body={"structured_outputs": {"regex": regex}}, **kw)
 
@@ -119,5 +120,5 @@ def test_the_server_reads_harmony_replies(server):
                     text += ch.delta.content or ""
                     calls += ch.delta.tool_calls or []
                     finish = ch.finish_reason or finish
-        assert not text and finish == "tool_calls"
+        assert not text and finish == "tool_calls", (text, finish)
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]

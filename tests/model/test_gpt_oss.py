@@ -16,14 +16,13 @@ import shutil
 import pytest
 import torch
 from model_helpers import randomize_, save_hf_dir
-from test_families import _byte_tokenizer
+from test_families import _byte_tokenizer, _greedy
+from test_moe import _hf_greedy, _prompts
 
-from tokenloom import LLM, SamplingParams
 from tokenloom.model import mxfp4
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_config import hf_model_config
 
-N_TOKENS = 32
 CONFIG = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
               sliding_window=8, max_position_embeddings=256, swiglu_limit=1.0, rms_norm_eps=2.0 ** -20,
@@ -96,24 +95,8 @@ def gpt_oss(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(gpt_oss):
     """(prompts, transformers' greedy tokens)."""
-    ref = gpt_oss[2]
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, ref.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
-                               do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
-    return prompts, expected
-
-
-def _greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
-    with LLM(path, dtype="float32", multiprocess=False, num_kv_blocks=64, block_size=4,
-             max_num_batched_tokens=32) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    prompts = _prompts(_byte_tokenizer())
+    return prompts, _hf_greedy(gpt_oss[2], prompts)
 
 
 def test_config_translation(gpt_oss):

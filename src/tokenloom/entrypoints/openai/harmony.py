@@ -71,8 +71,10 @@ def parse_messages(text: str, final: bool = True) -> list[HarmonyMessage]:
             pos += len(START)
         body = text.find(MESSAGE, pos)
         if body < 0:
-            if final and text[pos:].strip():  # a header cut short: its text is content
-                messages.append(HarmonyMessage("final", None, text[pos:], False))
+            # A reply without any marker (the model ignored the format) is content; a header
+            # cut short (max_tokens) says nothing.
+            if final and pos == 0 and not any(m in text for m in MARKERS):
+                messages.append(HarmonyMessage("final", None, text, False))
             break
         channel, recipient = _header(text[pos:body])
         body += len(MESSAGE)
