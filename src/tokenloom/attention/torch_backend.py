@@ -136,13 +136,31 @@ def _put_rows(out: torch.Tensor, rows: slice | None, index: torch.Tensor | None,
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., H, L, D] (GQA when k has fewer heads): causal from position 0 without a
-    mask, else the boolean `mask`; with `softcap` or `sinks` (one per query head, [H]),
-    `_eager_attention`."""
-    if softcap is not None or sinks is not None:
+    mask, else the boolean `mask`; with `sinks` (one per query head, [H]) `_sink_attention`, with
+    `softcap` `_eager_attention`."""
+    if softcap is not None or (sinks is not None and q.device.type != "cpu"):
         return _eager_attention(q, k, v, mask, scale, softcap,
                                 None if sinks is None else sinks.view(-1, 1, 1))
+    if sinks is not None:
+        return _sink_attention(q, k, v, mask, scale, sinks.view(-1, 1))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with gpt-oss's sinks on the CPU, in SDPA's fused kernel (no [Lq, Lk] scores in
+    memory): a sink s joins each row's softmax denominator, so the row's output is SDPA's times
+    sum(e^scores) / (sum(e^scores) + e^s) = sigmoid(logsumexp(scores) - s). `mask` as `_sdpa`'s, or
+    an additive float one; `sinks` broadcasts to the logsumexp's [..., H, Lq]."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, mask is None, attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+    return out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
 
 
 def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -495,7 +513,9 @@ class TorchAttentionBackend(AttentionBackend):
         # and accumulates the softmax in float32 also for bf16/fp16 inputs.
         if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        else:  # query head h is row h % group of KV head h // group
+        elif softcap is None and q.device.type == "cpu":  # query head h is row h % group of KV head h // group
+            o = _sink_attention(q, k, v, bias, scale, sinks.view(Hkv, Hq // Hkv))
+        else:
             o = _eager_attention(q, k, v, bias, scale, softcap,
                                  None if sinks is None else sinks.view(Hkv, Hq // Hkv, 1))
         _put_rows(out, dp.token_slice, dp.token_index, o.reshape(Bd, Hq, D))
