@@ -192,7 +192,11 @@ def models_page_markdown() -> str:
         "base transformers uses when it decodes that position; a prompt longer than the original context is "
         "therefore rotated position by position, where transformers' prefill rotates all of it with the "
         "prompt's length. Sliding windows (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) go through the "
-        "KV cache groups ([the KV cache](kv-cache.md)).\n")
+        "KV cache groups ([the KV cache](kv-cache.md)).\n\n"
+        "Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) run their base family's attention with a "
+        "sparse MoE layer in place of the MLP: top-k routing, tokens grouped by expert, one matmul per chosen "
+        "expert over only its tokens, quantized GGUF experts computed from the file's blocks. They run on one "
+        "rank (no tensor or expert parallelism) and without LoRA; see [Mixture-of-experts models](moe.md).\n")
 
 
 def readme_with_table(readme: str) -> str:
