@@ -157,3 +157,17 @@ def test_dummy_weights_fill_the_packed_experts(gpt_oss):
     experts = load_model(gpt_oss[1], dtype="float32", load_format="dummy").model.layers[1].mlp.experts
     w = mxfp4.dequantize(experts.w2_blocks[0], experts.w2_scales[0])
     assert torch.isfinite(w).all() and 0 < w.abs().max() <= 6 / 64 and w.std() > 0.01
+
+
+def test_int8_keeps_the_router_and_the_biased_experts(gpt_oss):
+    """quantization="int8": attention in Q8, the router float (its rounding would move the choice
+    of experts), the MXFP4 experts as shipped; a decode step reads top_k experts' packed bytes."""
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.quant_linear import weight_bytes_per_token
+
+    loaded = load_model(gpt_oss[1], dtype="float32", quantization="int8")
+    block = loaded.model.layers[0].mlp
+    assert type(block.router).__name__ == "Linear" and block.experts.w13_blocks.dtype == torch.uint8
+    assert type(loaded.model.layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
+    per_expert = (128 * 2 * 16 + 128 * 2) + (64 * 2 * 16 + 64 * 2)  # blocks and scales of w13, w2
+    assert weight_bytes_per_token(loaded.model) > 2 * 2 * per_expert

@@ -53,6 +53,10 @@ class Mxfp4FusedMoE(FusedMoE):
         self.register_buffer("w2_blocks", torch.empty(E, H, I // G, G // 2, dtype=torch.uint8))
         self.register_buffer("w2_scales", torch.empty(E, H, I // G, dtype=torch.uint8))
 
+    def packed_bytes_per_expert(self) -> int:
+        """What one expert's matrices occupy (quant_linear.weight_bytes_per_token)."""
+        return sum(t[0].numel() for t in (self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales))
+
     def fill_dummy_(self, lay_over, phase: int) -> int:
         """load_format="dummy": the blocks from the loader's random bytes (`lay_over(flat, phase)
         -> phase`), every scale 2 ** -6 (values up to 6 / 64)."""
@@ -82,6 +86,11 @@ class GptOssMoeBlock(SparseMoeBlock):
                                    activation=functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha,
                                                                 limit=cfg.swiglu_limit))
         self.shared_expert = self.shared_expert_gate = None
+
+    @property
+    def gate(self) -> Linear:
+        """The router under SparseMoeBlock's name (int8 quantization keeps it float)."""
+        return self.router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))

@@ -320,6 +320,8 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     for x in experts:  # a token reads top_k of its experts
         if x.quant_w13 is not None:
             per_expert = sum(_nbytes(q) for q in (*x.quant_w13, *x.quant_w2)) / x.num_experts
+        elif x.w13_weight is None:  # packed as shipped (gpt-oss's MXFP4, model/gpt_oss.py)
+            per_expert = x.packed_bytes_per_expert()
         else:
             per_expert = (x.w13_weight[0].numel() + x.w2_weight[0].numel()) * x.w13_weight.element_size()
         total += int(per_expert * x.top_k)
