@@ -109,6 +109,11 @@ def test_the_server_reads_harmony_replies(server):
             for key in streamed:
                 streamed[key] += getattr(choice.delta, key, None) or ""
     assert streamed == {"reasoning_content": reasoning, "content": content}
+    # The Responses API: the analysis channel is a reasoning item ahead of the message.
+    response = client.responses.create(model="SmolLM2-135M-Instruct", input="Weather in Oslo?", temperature=0,
+                                       max_output_tokens=160, extra_body={"structured_outputs": {"regex": REPLY}})
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == reasoning and response.output_text == content
     for stream in (False, True):
         if not stream:
             choice = _chat(client, TOOL_REPLY, tools=[WEATHER]).choices[0]
