@@ -114,9 +114,10 @@ def test_unpacking_is_transformers():
 
     g = torch.Generator().manual_seed(1)
     blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(110, 140, (3, 8, 2), dtype=torch.uint8, generator=g)
-    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
-    assert torch.equal(mxfp4.dequantize(blocks, scales), theirs.transpose(1, 2))
+    scales = torch.randint(1, 255, (3, 8, 2), dtype=torch.uint8, generator=g)  # E8M0 but its NaN
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+        assert torch.equal(mxfp4.dequantize(blocks, scales, dtype), theirs.transpose(1, 2))
 
 
 def test_mxfp4_experts_match_transformers(gpt_oss, expected):

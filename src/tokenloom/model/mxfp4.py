@@ -11,17 +11,21 @@ The bytes are kept as shipped; a matrix is made float only for the step that mul
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # The 16 values of an E2M1 nibble (sign bit on top), as transformers' FP4_VALUES.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
-_LUTS: dict[torch.dtype, torch.Tensor] = {}
+_PAIRS: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _lut(dtype: torch.dtype) -> torch.Tensor:
-    lut = _LUTS.get(dtype)
+def _pair_lut(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: a byte's two values, the low nibble's first."""
+    lut = _PAIRS.get(dtype)
     if lut is None:
-        lut = _LUTS[dtype] = torch.tensor(FP4_VALUES, dtype=dtype)
+        values = torch.tensor(FP4_VALUES, dtype=dtype)
+        byte = torch.arange(256)
+        lut = _PAIRS[dtype] = torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1)
     return lut
 
 
@@ -33,8 +37,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(expected blocks [..., G, {GROUP // 2}] for scales [..., G])")
-    lut = _lut(torch.float32)
-    # lo, hi nibbles side by side: element 2j is the low nibble of byte j.
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32).sub_(127).unsqueeze(-1))
+    # One lookup per byte (both nibbles), then each group times its power of two: exact in
+    # float32 and in bfloat16 (float32's exponent range); float16 goes through float32.
+    work = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    values = F.embedding(blocks.int(), _pair_lut(work)).flatten(-2)
+    values.mul_(torch.exp2(scales.to(work) - 127).unsqueeze(-1))
     return values.flatten(-2).to(dtype)
