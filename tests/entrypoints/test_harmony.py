@@ -4,8 +4,8 @@ analysis channel is the message's reasoning_content, the final channel its conte
 with the official client, the embedded model made to write harmony replies by a regex grammar
 (its vocabulary spells the markers in several tokens, so they stay in the text).
 
-The replies are written here as gpt-oss writes them (openai_harmony renders the same text; its
-encoder needs a vocabulary file it downloads, so the tests spell the text out)."""
+The replies are spelled out here in the harmony format as OpenAI documents it: openai_harmony's
+encoder would render them, but it downloads its vocabulary file on first use, which a test cannot."""
 from __future__ import annotations
 
 import json
