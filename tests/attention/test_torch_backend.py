@@ -236,3 +236,25 @@ def test_bfloat16_prefill_batches_the_prompts_of_one_length():
         cache = batch.kv_cache.to(torch.bfloat16)
         outs[mode] = backend.forward(batch.query, batch.key, batch.value, cache, plan, batch.scale)
     assert torch.equal(outs["auto"], outs["per_request"])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_sinks_are_transformers(kv_heads):
+    """gpt-oss's sinks (a logit per query head in each softmax's denominator), causal and
+    under a window, as transformers' GptOss eager attention computes them (float32)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from tokenloom.attention.torch_backend import _sdpa
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k, v = torch.randn(2, kv_heads, 9, 16, generator=g), torch.randn(2, kv_heads, 9, 16, generator=g)
+    sinks = 2 * torch.randn(4, generator=g)
+    module = SimpleNamespace(num_key_value_groups=4 // kv_heads, sinks=sinks, training=False)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    for keep in (None, causal & ~causal.tril(-4)):  # causal from 0, and a window of 4
+        additive = torch.zeros(9, 9).masked_fill(~(causal if keep is None else keep), float("-inf"))
+        ref, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25)
+        torch.testing.assert_close(_sdpa(q, k, v, keep, 0.25, sinks=sinks).transpose(1, 2), ref)

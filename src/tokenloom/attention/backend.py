@@ -39,9 +39,11 @@ class AttentionBackend(ABC):
         plan: Any,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write the new tokens' K/V through `slot_mapping`, then attend causally over each
         request's whole context read through `block_table`. `softcap` (Gemma 2): each scaled
-        score s becomes softcap * tanh(s / softcap) before the softmax."""
+        score s becomes softcap * tanh(s / softcap) before the softmax. `sinks` (gpt-oss): one
+        logit per query head added to each softmax's denominator (a key that holds no value)."""
 
 

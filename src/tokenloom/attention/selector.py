@@ -20,16 +20,20 @@ def _triton_interpreter_on() -> bool:
 
 
 def get_attn_backend(name: str = "auto", device: torch.device | str | None = None,
-                     softcap: bool = False) -> AttentionBackend:
+                     softcap: bool = False, sinks: bool = False) -> AttentionBackend:
     """`auto`: the Triton kernels on CUDA when triton is importable, the PyTorch backend otherwise.
     `triton` off CUDA is only allowed under `TRITON_INTERPRET=1` (the kernels' CPU test mode).
-    `softcap`: the model caps its attention scores (Gemma 2), which only the PyTorch backend does."""
+    `softcap`: the model caps its attention scores (Gemma 2); `sinks`: its softmax has a learned
+    logit per head (gpt-oss). Only the PyTorch backend does either."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if name == "auto":
-        name = "triton" if dev.type == "cuda" and _triton_importable() and not softcap else "torch"
+        name = "triton" if dev.type == "cuda" and _triton_importable() and not (softcap or sinks) else "torch"
     if name == "triton" and softcap:
         raise ValueError("attention backend 'triton' cannot cap attention scores "
                          "(the model's attn_logit_softcapping); use --attention-backend torch or auto")
+    if name == "triton" and sinks:
+        raise ValueError("attention backend 'triton' has no attention sinks "
+                         "(the model's self_attn.sinks); use --attention-backend torch or auto")
     if name == "torch":
         from tokenloom.attention.torch_backend import TorchAttentionBackend
 

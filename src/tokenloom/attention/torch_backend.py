@@ -134,24 +134,49 @@ def _put_rows(out: torch.Tensor, rows: slice | None, index: torch.Tensor | None,
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          scale: float, softcap: float | None = None) -> torch.Tensor:
+          scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., H, L, D] (GQA when k has fewer heads): causal from position 0 without a
-    mask, else the boolean `mask`; with `softcap`, `_capped_attention`."""
-    if softcap is not None:
-        return _capped_attention(q, k, v, mask, scale, softcap)
+    mask, else the boolean `mask`; with `sinks` (one per query head, [H]) `_sink_attention`, with
+    `softcap` `_eager_attention`."""
+    if softcap is not None or (sinks is not None and q.device.type != "cpu"):
+        return _eager_attention(q, k, v, mask, scale, softcap,
+                                None if sinks is None else sinks.view(-1, 1, 1))
+    if sinks is not None:
+        return _sink_attention(q, k, v, mask, scale, sinks.view(-1, 1))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, softcap: float) -> torch.Tensor:
-    """Attention with Gemma 2's score capping, which SDPA has no option for: the scores, capped,
-    masked (boolean: keep where True; float: added; None: causal from position 0) and softmaxed
-    in float32, in transformers' eager order."""
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with gpt-oss's sinks on the CPU, in SDPA's fused kernel (no [Lq, Lk] scores in
+    memory): a sink s joins each row's softmax denominator, so the row's output is SDPA's times
+    sum(e^scores) / (sum(e^scores) + e^s) = sigmoid(logsumexp(scores) - s). `mask` as `_sdpa`'s, or
+    an additive float one; `sinks` broadcasts to the logsumexp's [..., H, Lq]."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, mask is None, attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+    return out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention that SDPA has no option for, in transformers' eager order, softmaxed in float32:
+    Gemma 2's score capping (score = cap * tanh(score / cap)), then the mask (boolean: keep where
+    True; float: added; None: causal from position 0), then gpt-oss's sinks: a learned logit per
+    query head that joins each row's softmax denominator and attends to nothing (`sinks`
+    broadcasts to the scores' [..., :1])."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         Lq, Lk = scores.shape[-2:]
         mask = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()
@@ -159,7 +184,10 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = torch.cat([scores.float(), sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :-1].to(q.dtype) @ v
 
 
 def _kernel_fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -399,6 +427,7 @@ class TorchAttentionBackend(AttentionBackend):
         plan: TorchAttentionPlan,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         T = plan.num_actual_tokens
         _, num_blocks, bs, Hkv, D = kv_cache.shape
@@ -415,11 +444,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[T:].zero_()
         query = query[:T]
         if plan.decode is not None:
-            # The C kernel does not cap scores: capped decodes take the PyTorch path.
-            if plan.decode.block_table_i32 is not None and softcap is None and _kernel_fits(query, kv_cache):
+            # The C kernel neither caps scores nor adds sinks: such decodes take the PyTorch path.
+            if (plan.decode.block_table_i32 is not None and softcap is None and sinks is None
+                    and _kernel_fits(query, kv_cache)):
                 self._decode_kernel(query, kv_cache, plan.decode, scale, out)
             else:
-                self._decode(query, kv_cache, plan, scale, out, softcap)
+                self._decode(query, kv_cache, plan, scale, out, softcap, sinks)
         # The dtype prefill attention computes in (see prefill_in_cache_dtype).
         cdt = (kv_cache.dtype if self.prefill_in_cache_dtype and query.dtype == torch.float32
                and kv_cache.element_size() == 2 else query.dtype)
@@ -429,9 +459,9 @@ class TorchAttentionBackend(AttentionBackend):
             query, key, value = query.to(cdt), key_c, value_c
         if plan.padded_prefill is not None:
             self._padded_prefill(query, key, value, k_flat, v_flat, plan.padded_prefill, scale,
-                                out, cdt, softcap)
+                                out, cdt, softcap, sinks)
         for rp in plan.request_prefills:
-            self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out, cdt, softcap)
+            self._request_prefill(query, key, value, k_flat, v_flat, rp, scale, out, cdt, softcap, sinks)
         return out
 
     def _decode_kernel(self, query, kv_cache, dp: _DecodePlan, scale: float,
@@ -448,7 +478,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(query, kv_cache, plan: TorchAttentionPlan, scale: float, out: torch.Tensor,
-                softcap: float | None = None) -> None:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         dp = plan.decode
         _, num_blocks, bs, Hkv, D = kv_cache.shape
         Bd, nblk = dp.num_decodes, dp.num_blocks
@@ -481,15 +511,19 @@ class TorchAttentionBackend(AttentionBackend):
             bias = dp.bias_cast
         # On CPU this is the fused (flash) SDPA kernel: it reads the strided K/V views directly
         # and accumulates the softmax in float32 also for bf16/fp16 inputs.
-        if softcap is None:
+        if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        elif softcap is None and q.device.type == "cpu":  # query head h is row h % group of KV head h // group
+            o = _sink_attention(q, k, v, bias, scale, sinks.view(Hkv, Hq // Hkv))
         else:
-            o = _capped_attention(q, k, v, bias, scale, softcap)
+            o = _eager_attention(q, k, v, bias, scale, softcap,
+                                 None if sinks is None else sinks.view(Hkv, Hq // Hkv, 1))
         _put_rows(out, dp.token_slice, dp.token_index, o.reshape(Bd, Hq, D))
 
     @staticmethod
     def _padded_prefill(query, key, value, k_flat, v_flat, pp: _PaddedPrefillPlan, scale,
-                        out, cdt: torch.dtype, softcap: float | None = None) -> None:
+                        out, cdt: torch.dtype, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> None:
         P, Lq, Lk = pp.num_prefills, pp.max_query_len, pp.max_seq_len
         Hq, D = query.shape[1], query.shape[2]
         Hkv = k_flat.shape[1]
@@ -507,7 +541,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             k = k_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
             v = v_flat.index_select(0, pp.context_slots).view(P, Lk, Hkv, D).transpose(1, 2)
-        o = _sdpa(q.to(cdt), k.to(cdt), v.to(cdt), pp.mask, scale, softcap).to(out.dtype)
+        o = _sdpa(q.to(cdt), k.to(cdt), v.to(cdt), pp.mask, scale, softcap, sinks).to(out.dtype)
         o = o.transpose(1, 2)  # [P, Lq, Hq, D]
         if pp.valid_rows is None and pp.token_slice is not None:
             out[pp.token_slice].view(P, Lq, Hq, D).copy_(o)
@@ -519,7 +553,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _request_prefill(query, key, value, k_flat, v_flat, rp: _RequestPrefill, scale,
-                         out, cdt: torch.dtype, softcap: float | None = None) -> None:
+                         out, cdt: torch.dtype, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> None:
         # [1, H, len, D]: SDPA runs its fused (flash) CPU kernel only on 4-D inputs; 3-D ones go
         # to the math path, which in bfloat16 rounds where transformers (4-D, flash) does not.
         q = query[rp.start:rp.end].transpose(0, 1).unsqueeze(0)
@@ -529,5 +564,5 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             k, v = k_flat.index_select(0, rp.context_slots), v_flat.index_select(0, rp.context_slots)
         o = _sdpa(q.to(cdt), k.transpose(0, 1).unsqueeze(0).to(cdt),
-                  v.transpose(0, 1).unsqueeze(0).to(cdt), rp.mask, scale, softcap)
+                  v.transpose(0, 1).unsqueeze(0).to(cdt), rp.mask, scale, softcap, sinks)
         out[rp.start:rp.end] = o[0].transpose(0, 1)

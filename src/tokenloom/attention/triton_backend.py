@@ -168,10 +168,11 @@ class TritonAttentionBackend(AttentionBackend):
         plan: TritonAttentionPlan,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the selector picks the torch backend for such models
-            raise ValueError("the triton attention backend does not cap attention scores "
-                             "(attn_logit_softcapping); use --attention-backend torch")
+        if softcap is not None or sinks is not None:  # the selector picks the torch backend for such models
+            raise ValueError("the triton attention backend neither caps attention scores "
+                             "(attn_logit_softcapping) nor adds attention sinks; use --attention-backend torch")
         T = plan.num_actual_tokens
         assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
         tk.kv_cache_write(key, value, kv_cache, plan.slot_mapping, T)

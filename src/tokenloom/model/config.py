@@ -40,6 +40,17 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # Mixture of experts (model/moe.py; 0 experts: a dense model): each token's MLP is the
+    # weighted sum of `num_experts_per_tok` of `num_experts` experts of width
+    # `moe_intermediate_size`, weights renormalised over those (`norm_topk_prob`) or not; the
+    # layers in `mlp_only_layers` keep a dense MLP of `intermediate_size`. Qwen2-MoE adds a
+    # shared expert (`shared_expert_intermediate_size`) gated by a sigmoid.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Sliding-window attention (Gemma 3; Mistral and Qwen2 where their config sets one): a query at position p sees keys p - W < j <= p in the
@@ -79,6 +90,14 @@ class ModelArchConfig:
     local_layers: tuple[int, ...] = ()
     classifier_activation: str = "gelu"  # ModernBERT's classifier head
     classifier_bias: bool = False
+    # gpt-oss: a learned logit per query head in every attention softmax (its `self_attn.sinks`),
+    # a key that holds no value: only the torch attention backend has them.
+    attention_sinks: bool = False
+    # gpt-oss's experts (model/gpt_oss.py): the clamped SwiGLU's sigmoid gain and clamp, and
+    # whether their weights are MXFP4 as shipped (quantization_config.quant_method "mxfp4").
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    experts_mxfp4: bool = False
 
     @property
     def is_plain_llama(self) -> bool:
@@ -87,4 +106,5 @@ class ModelArchConfig:
         return (not (self.o_proj_bias or self.mlp_bias or self.layer_norm or self.nope_layers)
                 and self.rotary_dim in (None, self.head_dim) and self.embedding_multiplier == 1.0
                 and self.residual_multiplier == 1.0 and self.logits_scaling == 1.0
-                and self.attention_multiplier is None and self.attn_logit_softcapping is None)
+                and self.attention_multiplier is None and self.attn_logit_softcapping is None
+                and not self.attention_sinks and self.num_experts == 0)

@@ -19,6 +19,9 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {gguf_arch!r} "
                              f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
 
+    if g.metadata.get(f"{gguf_arch}.expert_count") and arch in _EXPERT_FORMS:
+        arch = _EXPERT_FORMS[arch]
+
     def get(key: str, default=None, required: bool = False):
         full = f"{gguf_arch}.{key}"
         if full not in md:
@@ -73,6 +76,10 @@ def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
         eos_token_ids=eos_ids,
     ) | (family(g, get, n_layers, head_dim, hidden // heads) if family else {})))
 
+
+# Our architectures whose GGUFs with experts (`expert_count`) are another family: llama.cpp
+# writes Mixtral as `llama`.
+_EXPERT_FORMS = {"llama": "mixtral"}
 
 # Architectures whose files may rotate part of each head (rope.dimension_count < head_dim):
 # llama.cpp rotates those halves NeoX-style, as HF does.
@@ -207,6 +214,33 @@ def _cohere_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_he
                 logits_scaling=1.0 / float(get("logit_scale", required=True)), qk_norm=False)
 
 
+def _moe_fields(g: GGUFFile, get, n_layers: int, norm: bool) -> dict:
+    """The experts' counts and width (expert_feed_forward_length; Mixtral's converter writes only
+    feed_forward_length), whether the k weights are renormalised (expert_weights_norm where the
+    file says; else llama.cpp's fixed choice for the architecture, `norm`), and the layers with a
+    dense MLP (those without a router tensor)."""
+    E, k = int(get("expert_count", required=True)), int(get("expert_used_count", required=True))
+    if not 1 <= k <= E:
+        raise ModelLoadError(f"{g.path}: expert_used_count must be between 1 and the {E} experts, got {k}")
+    width = get("expert_feed_forward_length") or get("feed_forward_length", required=True)
+    return dict(num_experts=E, num_experts_per_tok=k, moe_intermediate_size=int(width),
+                norm_topk_prob=bool(get("expert_weights_norm", norm)),
+                mlp_only_layers=tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors),
+                shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
+
+
+def _qwen3_moe_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    return _moe_fields(g, get, n_layers, norm=True)
+
+
+def _qwen2_moe_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    return _moe_fields(g, get, n_layers, norm=False)
+
+
+def _mixtral_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    return _moe_fields(g, get, n_layers, norm=True)
+
+
 GGUF_FAMILY_FIELDS = {
     "gemma3": _gemma3_gguf_fields,
     "granite": _granite_fields,
@@ -217,4 +251,7 @@ GGUF_FAMILY_FIELDS = {
     "phi3": _phi3_fields,
     "glm4": _glm4_fields,
     "cohere": _cohere_fields,
+    "qwen3_moe": _qwen3_moe_fields,
+    "qwen2_moe": _qwen2_moe_fields,
+    "mixtral": _mixtral_fields,
 }

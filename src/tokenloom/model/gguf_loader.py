@@ -7,6 +7,7 @@ before any is dequantized, so a bad file fails in milliseconds with a message na
 from __future__ import annotations
 
 import os
+import re
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -73,13 +74,31 @@ _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weig
 # GLM-4: norms after attention and MLP (GLM's HF names), gate/up fused.
 _GLM4_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_self_attn_layernorm.weight",
                      "post_ffw_norm.weight": "post_mlp_layernorm.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Mixtures of experts (model/moe.py): the router, the experts stacked [E, ...] in one tensor per
+# part (`{e}` marks the expert index: check_gguf_tensors cuts the stack into the checkpoint's
+# per-expert tensors) and Qwen2-MoE's shared expert. llama.cpp writes Mixtral as `llama`, so
+# Llama's table holds Mixtral's names.
+_MIXTRAL_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                        "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+                        "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+                        "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight"}
+_QWEN_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp.weight": "mlp.gate.weight",
+                         "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+                         "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+                         "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+                         "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                         "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                         "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                         "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
 # Gemma 2: Gemma 3's names (llama.cpp's converter writes no q/k norm for it).
 _ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES,
-                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
+                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES, "llama": _MIXTRAL_LAYER_NAMES,
+                     "mixtral": _MIXTRAL_LAYER_NAMES, "qwen3_moe": _QWEN_MOE_LAYER_NAMES,
+                     "qwen2_moe": _QWEN_MOE_LAYER_NAMES}
 
 # Our architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes
 # built on it: Mistral's files are `llama`, Granite, SmolLM3); the others keep HF's order.
-PERMUTED_QK = frozenset({"llama", "granite", "smollm3"})
+PERMUTED_QK = frozenset({"llama", "granite", "smollm3", "mixtral"})
 _HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 # GGUF files of these architectures store each RMSNorm weight as 1 + w (llama.cpp's converter
@@ -107,7 +126,23 @@ def hf_to_gguf_name(name: str, arch: str = "llama") -> str:
         return _HF_TO_GGUF_GLOBAL[name]
     _, _, layer, rest = name.split(".", 3)  # model.layers.N.<rest>
     to_gguf = {v: k for k, v in _layer_names(arch).items()}
+    expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.*)", rest)
+    if expert:  # one expert of a stacked tensor
+        return f"blk.{layer}.{to_gguf[f'{expert.group(1)}.{{e}}.{expert.group(3)}']}[{expert.group(2)}]"
     return f"blk.{layer}.{to_gguf[rest]}"
+
+
+def _expert_slices(info: GGUFTensorInfo) -> list[GGUFTensorInfo]:
+    """A stacked expert tensor [E, rows, cols] -> E tensors [rows, cols], each a byte range of
+    the file (expert e's bytes follow expert e - 1's), named `name[e]`."""
+    E = info.shape[0]
+    step = info.nbytes // E
+    return [GGUFTensorInfo(f"{info.name}[{e}]", info.shape[1:], info.ggml_type, info.offset + e * step, step,
+                           info.part) for e in range(E)]
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 # ----------------------------------------------------------------------------------- tensors
@@ -158,7 +193,11 @@ def check_gguf_tensors(g: GGUFFile, expected: dict[str, tuple[int, ...]]) -> dic
     arch = GGUF_ARCHITECTURES.get(g.architecture, "llama")
     for info in g.tensors.values():
         hf = gguf_to_hf_name(info.name, arch)
-        if hf in expected:
+        if hf is not None and "{e}" in hf and len(info.shape) == 3:
+            for e, sub in enumerate(_expert_slices(info)):
+                if (name := hf.format(e=e)) in expected:
+                    found[name] = sub
+        elif hf in expected:
             found[hf] = info
     for hf, shape in expected.items():
         info = found.get(hf)
@@ -168,7 +207,8 @@ def check_gguf_tensors(g: GGUFFile, expected: dict[str, tuple[int, ...]]) -> dic
             raise ModelLoadError(
                 f"{info.name}: unsupported tensor type {info.type_name} in {g.path} "
                 f"(supported: {', '.join(t.name for t in SUPPORTED_GGML_TYPES)})")
-        if info.shape != shape:
+        # ([H] and [1, H] are one tensor: llama.cpp reads Qwen2-MoE's shared-expert gate as [H])
+        if info.shape != shape and _squeezed(info.shape) != _squeezed(shape):
             raise ModelLoadError(
                 f"{info.name}: expected shape {shape}, got {info.shape} in {g.path} "
                 f"(row-major order; GGUF ne order is the reverse: got ne={info.ne})")

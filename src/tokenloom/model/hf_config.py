@@ -223,6 +223,29 @@ def _stablelm_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     }
 
 
+def _gpt_oss_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """q/k/v and o biases, attention sinks, sliding-window layers alternating with full ones
+    (layer_types; transformers' default: the even layers slide), experts of width
+    intermediate_size routed by a biased router, the clamped SwiGLU's alpha and limit, and the
+    experts' MXFP4 weights where quantization_config says so."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ModelLoadError(f"{path}: quantization_config.quant_method {method!r} is not supported for "
+                             "GptOssForCausalLM (expected 'mxfp4', or none for float experts)")
+    bias = bool(cfg.get("attention_bias", True))
+    experts, top_k = int(cfg.get("num_local_experts", 0)), int(cfg.get("num_experts_per_tok", 0))
+    if not 1 <= top_k <= experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok must be between 1 and num_local_experts ({experts}), "
+                             f"got {top_k}")
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": False, "attention_sinks": True,
+            "num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "experts_mxfp4": method == "mxfp4"} | _sliding_fields(path, n, cfg.get("sliding_window"), types)
+
+
 # vLLM's ways of making a classifier's `score` head from LM-head rows (`method`, with the
 # tokens in `classifier_from_token`): "from_2_way_softmax" is one label, the row of the second
 # token minus the first's, so its sigmoid is the two tokens' softmax (Qwen3-Reranker's "yes"
@@ -482,6 +505,47 @@ def _modernbert_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
             "tie_word_embeddings": False, "eos_token_ids": []}
 
+# ------------------------------------------------ mixtures of experts (model/moe.py)
+def _moe_fields(cfg: dict[str, Any], path: str, width: Any, norm: bool) -> dict[str, Any]:
+    """The experts' fields; `mlp_only_layers` also takes the layers that decoder_sparse_step
+    leaves dense (transformers: layer i is sparse where (i + 1) % step == 0). The expert count
+    is num_experts (Qwen's checkpoints) or num_local_experts (Mixtral's, and transformers 5
+    saves Qwen's so)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ModelLoadError(f"{path}: the number of experts must be a positive integer, got {num_experts!r}")
+    if not 1 <= k <= num_experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok must be between 1 and the {num_experts} experts, "
+                             f"got {cfg.get('num_experts_per_tok')!r}")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or []} | {i for i in range(n) if (i + 1) % step}
+    return {"num_experts": num_experts, "num_experts_per_tok": k, "moe_intermediate_size": int(width),
+            "norm_topk_prob": norm, "mlp_only_layers": tuple(sorted(dense))}
+
+
+def _qwen3_moe_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen3's attention; experts of moe_intermediate_size, renormalised where norm_topk_prob."""
+    return _qwen3_fields(cfg, path) | _moe_fields(cfg, path, cfg.get("moe_intermediate_size"),
+                                                  bool(cfg.get("norm_topk_prob", False)))
+
+
+def _qwen2_moe_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen2's attention (q/k/v bias unless qkv_bias says no); experts as Qwen3-MoE's, and a
+    shared expert of shared_expert_intermediate_size gated by a sigmoid."""
+    return (_llama_fields(cfg, path)
+            | {"attention_bias": bool(cfg.get("qkv_bias", True)), "o_proj_bias": False, "mlp_bias": False,
+               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+            | _moe_fields(cfg, path, cfg.get("moe_intermediate_size"),
+                          bool(cfg.get("norm_topk_prob", False))))
+
+
+def _mixtral_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Mistral's attention; num_local_experts experts of intermediate_size, always renormalised."""
+    return _mistral_fields(cfg, path) | _moe_fields(cfg, path, cfg.get("intermediate_size"), True)
+
+
 # Our architecture name -> its reading of config.json beyond the common fields: a function of
 # (config.json as a dict, its path for errors) -> ModelArchConfig fields, which replace the common
 # ones. A family without an entry reads as Llama (_llama_fields).
@@ -503,4 +567,8 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "bert": _bert_fields,
     "xlm_roberta": _xlm_roberta_fields,
     "modernbert": _modernbert_fields,
+    "qwen3_moe": _qwen3_moe_fields,
+    "qwen2_moe": _qwen2_moe_fields,
+    "mixtral": _mixtral_fields,
+    "gpt_oss": _gpt_oss_fields,
 }

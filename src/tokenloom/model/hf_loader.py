@@ -72,7 +72,8 @@ class CheckpointTensors:
 def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
                     dtype: torch.dtype, optional: set[str] = frozenset(),  # type: ignore[assignment]
                     strip_prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor in `dtype`) for every expected tensor, one file at a time. Presence and
+    """(name, tensor in `dtype`: a float one; integer tensors, MXFP4's packed bytes, as stored)
+    for every expected tensor, one file at a time. Presence and
     shapes of all tensors are checked (from the safetensors headers) before any is read.
     A checkpoint saved from the bare decoder (an HF `*Model`: `layers.0...`, not
     `model.layers.0...`) is read under the expected names; tensors in `optional` may be absent.
@@ -106,7 +107,8 @@ def iter_hf_weights(directory: str, expected: dict[str, tuple[int, ...]],
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                yield name, f.get_tensor(stored[name]).to(dtype)
+                t = f.get_tensor(stored[name])
+                yield name, t.to(dtype) if t.is_floating_point() else t
 
 
 def classifier_score_weight(directory: str, config: ModelArchConfig, embedding: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,8 @@ class Attention(nn.Module):
         self.use_rope = layer_id not in cfg.nope_layers
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: a learned logit per query head in each softmax ([num_heads]).
+        self.register_parameter("sinks", nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -136,7 +138,8 @@ class Attention(nn.Module):
                                                                    self.head_dim)
             q = self.rope(self.q_norm(q), positions, cos_sin)
             k = self.rope(self.k_norm(k), positions, cos_sin)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale, softcap=self.softcap)
+        out = backend.forward(q, k, v.contiguous(), kv_cache, plan, self.scale, softcap=self.softcap,
+                              sinks=self.sinks)
         return self.o_proj(out.reshape(T, self.q_size))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

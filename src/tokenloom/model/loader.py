@@ -286,6 +286,12 @@ def fill_dummy_weights_(model: nn.Module, seed: int = DUMMY_SEED) -> None:
             if source is None:
                 source = pools[param.dtype] = pool.to(param.dtype)
             phase = _lay_over(param.view(-1), source, phase)
+        # Packed weights kept as bytes (gpt-oss's MXFP4 experts): the pool's bytes, and scales
+        # that put the values near DUMMY_STD.
+        for module in model.modules():
+            fill = getattr(module, "fill_dummy_", None)
+            if fill is not None:
+                phase = fill(lambda flat, p: _lay_over(flat, pool.view(torch.uint8), p), phase)
 
 
 def _lay_over(flat: torch.Tensor, source: torch.Tensor, phase: int) -> int:

@@ -218,6 +218,10 @@ def linear_groups(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str],
         p = f"model.layers.{i}."
         yield layer.self_attn, "qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"], f"{p}self_attn.qkv_proj"
         yield layer.self_attn, "o_proj", [f"{p}self_attn.o_proj"], f"{p}self_attn.o_proj"
+        if hasattr(layer.mlp, "experts"):  # a sparse MoE block (model/moe.py): router, shared expert
+            for (parent, attr), suffixes in layer.mlp.linear_groups().items():
+                yield parent, attr, [p + s for s in suffixes], f"{p}{suffixes[0].split('.')[0]}.{attr}"
+            continue
         yield layer.mlp, "gate_up_proj", [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], f"{p}mlp.gate_up_proj"
         yield layer.mlp, "down_proj", [f"{p}mlp.down_proj"], f"{p}mlp.down_proj"
 
@@ -229,6 +233,20 @@ def replace_linear(parent: nn.Module, attr: str, new: QuantLinear) -> None:
     if old.bias is not None:
         new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
     setattr(parent, attr, new)
+
+
+def _install_quantized_experts(parts: _GGUFParts, block: nn.Module, prefix: str,
+                               found: dict[str, GGUFTensorInfo]) -> set[str]:
+    """An MoE block's experts as one quantized gate|up and one down per expert, tiled from the
+    file's bytes (each expert's slice of the stacked tensors); returns the names consumed, none
+    where the file holds the experts in float."""
+    names = [[prefix + n for n in block.expert_weight_names(e)] for e in range(block.experts.num_experts)]
+    if all(found[n].ggml_type in _FLOAT_TYPES for expert in names for n in expert):
+        return set()
+    w13 = [parts.linear([found[gate], found[up]]) for gate, up, _ in names]
+    w2 = [parts.linear([found[down]]) for _, _, down in names]
+    block.experts.install_quantized(w13, w2)
+    return {n for expert in names for n in expert}
 
 
 def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFTensorInfo]) -> tuple[set[str], QuantSummary]:
@@ -244,6 +262,9 @@ def install_gguf_quantized(model: nn.Module, g: GGUFFile, found: dict[str, GGUFT
     def quantized(names: list[str]) -> bool:
         return any(found[n].ggml_type not in _FLOAT_TYPES for n in names)
 
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer.mlp, "experts"):
+            consumed |= _install_quantized_experts(parts, layer.mlp, f"model.layers.{i}.", found)
     for parent, attr, prefixes, fused in linear_groups(model):
         names = [f"{n}.weight" for n in prefixes]
         if f"{fused}.weight" in found:  # stored fused (Phi-3's attn_qkv, gate|up in ffn_up)
@@ -280,11 +301,18 @@ def quantize_int8_(model: nn.Module) -> QuantSummary:
     from tokenloom.model.llama import Linear
 
     summary = QuantSummary("int8")
+    # An MoE block's router stays float (as vLLM's quantized MoE models keep it): a few rows,
+    # whose rounding would move the choice of experts.
+    routers = {id(m.gate) for m in model.modules() if hasattr(m, "experts")}
     for parent in list(model.modules()):
+        experts = getattr(parent, "experts", None)
+        if experts is not None and experts.quant_w13 is None and experts.w13_bias is None:
+            _quantize_experts_int8_(experts)
+            summary.formats["Q8_0"] += 2 * experts.num_experts
         for name, child in list(parent.named_children()):
             # (a classifier's score head stays float: a few rows, read once per request)
             if isinstance(child, Linear) and child is not getattr(model, "lm_head", None) \
-                    and child is not getattr(model, "score", None):
+                    and child is not getattr(model, "score", None) and id(child) not in routers:
                 new = QuantLinear([quant.quantize_q8(child.weight)],
                                   None if child.bias is None else child.bias.detach().float().clone())
                 setattr(parent, name, new)
@@ -297,23 +325,44 @@ def quantize_int8_(model: nn.Module) -> QuantSummary:
     summary.formats["Q8_0"] += 1 if model.config.tie_word_embeddings else 2
     return summary
 
+def _quantize_experts_int8_(experts: nn.Module) -> None:
+    """model/moe.FusedMoE's stacked float experts -> one Q8 gate|up and down per expert."""
+    w13 = [QuantLinear([quant.quantize_q8(w)]) for w in experts.w13_weight]
+    w2 = [QuantLinear([quant.quantize_q8(w)]) for w in experts.w2_weight]
+    experts.install_quantized(w13, w2)
+
+
+def _nbytes(m: nn.Module) -> int:
+    from tokenloom.model.llama import Linear
+
+    if isinstance(m, QuantLinear):
+        return sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size() for p in m.parts)
+    if isinstance(m, Linear):
+        # the plain weight, or the packed copy where the runner released it
+        packed = getattr(m, "packed_weight", None)
+        return (packed_nbytes(packed) if m.weight.numel() == 0 and packed is not None
+                else m.weight.numel() * m.weight.element_size())
+    return 0
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of matrix weights one decode step reads: every linear layer and the LM head as held
-    in memory (quantized blocks or float); the embedding lookup reads only its rows."""
-    from tokenloom.model.llama import Linear
-
+    """Bytes of matrix weights one decode step of one token reads: every linear layer and the LM
+    head as held in memory (quantized blocks or float), of an MoE layer's experts the top_k a
+    token chose (an average expert's bytes each); the embedding lookup reads only its rows."""
     total = 0
+    experts = [m for m in model.modules() if hasattr(m, "quant_w13")]  # model/moe.FusedMoE
+    inside = {id(q) for x in experts if x.quant_w13 is not None for q in (*x.quant_w13, *x.quant_w2)}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            total += sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size()
-                         for p in m.parts)
-        elif isinstance(m, Linear):
-            # the plain weight, or the packed copy where the runner released it
-            packed = getattr(m, "packed_weight", None)
-            total += (packed_nbytes(packed) if m.weight.numel() == 0 and packed is not None
-                      else m.weight.numel() * m.weight.element_size())
+        if id(m) not in inside:
+            total += _nbytes(m)
+    for x in experts:  # a token reads top_k of its experts
+        if x.quant_w13 is not None:
+            per_expert = sum(_nbytes(q) for q in (*x.quant_w13, *x.quant_w2)) / x.num_experts
+        elif x.w13_weight is None:  # packed as shipped (gpt-oss's MXFP4, model/gpt_oss.py)
+            per_expert = x.packed_bytes_per_expert()
+        else:
+            per_expert = (x.w13_weight[0].numel() + x.w2_weight[0].numel()) * x.w13_weight.element_size()
+        total += int(per_expert * x.top_k)
     if (getattr(model, "quant_lm_head", None) is None and getattr(model, "lm_head", None) is None
             and getattr(model, "computes_logits", True)):
         # a tied float head: its packed copy, else the embedding's table (none: a pooling model)

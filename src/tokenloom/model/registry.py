@@ -102,6 +102,23 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         lora=False,  # its q/k rows are reordered at load, an adapter's are not
         notes="parallel attention and MLP after one LayerNorm (no bias), logit_scale, tied LM head, "
               "RoPE in adjacent pairs"),
+    "Qwen3MoeForCausalLM": ModelEntry(
+        "qwen3_moe", "moe", "MoeForCausalLM", "Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)", gguf="qwen3moe",
+        lora=False, tensor_parallel=False,
+        notes="Qwen3's attention; sparse MoE MLP (softmax top-k routing, norm_topk_prob), mlp_only_layers"),
+    "Qwen2MoeForCausalLM": ModelEntry(
+        "qwen2_moe", "moe", "MoeForCausalLM", "Qwen2-MoE, Qwen1.5-MoE", gguf="qwen2moe",
+        lora=False, tensor_parallel=False,
+        notes="Qwen2's attention; sparse MoE MLP with a shared expert gated by a sigmoid"),
+    "MixtralForCausalLM": ModelEntry(
+        "mixtral", "moe", "MixtralForCausalLM", "Mixtral", gguf="llama",
+        lora=False, tensor_parallel=False,
+        notes="Mistral's attention; sparse MoE MLP (top-2 of 8, renormalised); GGUF: `llama` with expert tensors"),
+    "GptOssForCausalLM": ModelEntry(
+        "gpt_oss", "gpt_oss", "GptOssForCausalLM", "gpt-oss", tensor_parallel=False,
+        lora=False,  # its experts are stacked tensors, which model/lora.py does not wrap
+        notes="mixture of experts (biased router, clamped SwiGLU with biases, MXFP4 experts as shipped), "
+              "attention sinks (attention on the torch backend), q/k/v/o bias, alternating sliding-window layers"),
 }
 
 # Encoder-only models (vLLM's _EMBEDDING_MODELS and _CROSS_ENCODER_MODELS): they run with
@@ -134,6 +151,8 @@ _MODEL_MODULES = {
     "cohere": "tokenloom.model.cohere",
     "bert": "tokenloom.model.bert",
     "modernbert": "tokenloom.model.modernbert",
+    "moe": "tokenloom.model.moe",
+    "gpt_oss": "tokenloom.model.gpt_oss",
 }
 
 # Every entry: the generative models', then the encoders'.
@@ -219,7 +238,18 @@ def models_page_markdown() -> str:
         "base transformers uses when it decodes that position; a prompt longer than the original context is "
         "therefore rotated position by position, where transformers' prefill rotates all of it with the "
         "prompt's length. Sliding windows (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) go through the "
-        "KV cache groups ([the KV cache](kv-cache.md)).\n")
+        "KV cache groups ([the KV cache](kv-cache.md)).\n\n"
+        "Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) run their base family's attention with a "
+        "sparse MoE layer in place of the MLP: top-k routing, tokens grouped by expert, one matmul per chosen "
+        "expert over only its tokens, quantized GGUF experts computed from the file's blocks. They run on one "
+        "rank (no tensor or expert parallelism) and without LoRA; see [Mixture-of-experts models](moe.md).\n"
+        "\ngpt-oss (`GptOssForCausalLM`) loads from its Hugging Face directory as shipped: the experts' MXFP4 "
+        "weights (`quantization_config.quant_method: mxfp4`, `*_blocks` and `*_scales`) stay packed in memory "
+        "and each expert is unpacked for the step whose tokens chose it, so no float copy of the experts is kept; "
+        "a checkpoint with float experts loads too. Its attention sinks run on the torch attention backend "
+        "(the selector picks it; decodes take the PyTorch path, not the C decode kernel). Its harmony chat "
+        "format is read back by `--reasoning-parser openai_gptoss` (alias `gpt_oss`) and `--tool-call-parser "
+        "openai` ([Structured outputs and tools](structured-outputs.md#reasoning-models)).\n")
 
 
 def readme_with_table(readme: str) -> str:

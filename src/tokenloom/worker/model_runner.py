@@ -185,7 +185,8 @@ class ModelRunner:
     def _set_up_attention(self, config: EngineConfig) -> None:
         """The attention backend, told how the model's and the cache's dtypes want prefills run."""
         self.attn_backend = get_attn_backend(config.attention_backend, self.device,
-                                             softcap=self.model_config.attn_logit_softcapping is not None)
+                                             softcap=self.model_config.attn_logit_softcapping is not None,
+                                             sinks=self.model_config.attention_sinks)
         if (self.device.type == "cpu" and self.kv_cache_dtype == torch.bfloat16
                 and self.dtype == torch.float32 and hasattr(self.attn_backend, "prefill_in_cache_dtype")
                 and cpu_features.detect().native_bf16):

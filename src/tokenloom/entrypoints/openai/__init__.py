@@ -139,14 +139,16 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-parser",
         default="hermes",
-        choices=["hermes", "json", "llama3_json", "pythonic"],
+        choices=["hermes", "json", "llama3_json", "pythonic", "openai"],
         help="how replies to tool_choice='auto' are read as tool calls: 'hermes' (<tool_call>{...}</tool_call>, "
         "ChatML tool templates), 'json' (alias 'llama3_json': the whole reply is a call object or a list of "
-        "them) or 'pythonic' (Llama 3.2/4: [get_weather(city=\"Paris\")]); default: hermes",
+        "them), 'pythonic' (Llama 3.2/4: [get_weather(city=\"Paris\")]) or 'openai' (gpt-oss's harmony "
+        "messages to functions.NAME); default: hermes",
     )
-    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="a thinking model's <think>...</think> part of a chat reply becomes the message's "
-                        "reasoning_content (and reasoning), the rest its content (default: none, the reply is all content)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "openai_gptoss", "gpt_oss"],
+                   help="a thinking model's <think>...</think> part of a chat reply (gpt-oss, 'openai_gptoss' or "
+                        "'gpt_oss': its harmony analysis channel) becomes the message's reasoning_content (and "
+                        "reasoning), the rest its content (default: none, the reply is all content)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM's: tool_choice='auto' is always on here, read by --tool-call-parser")
     p.add_argument("--chat-template", default=None,

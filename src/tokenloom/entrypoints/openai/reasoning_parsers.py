@@ -19,7 +19,7 @@ from dataclasses import dataclass
 START, END = "<think>", "</think>"
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (held back: the next delta may
     complete it)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -49,7 +49,7 @@ def split_reasoning(text: str, opened: bool, final: bool = True) -> Split:
     end = text.find(END)
     if end >= 0:
         return Split(text[:end], text[end + len(END):])
-    held = 0 if final else _partial_tail(text, END)
+    held = 0 if final else partial_tail(text, END)
     return Split(text[:len(text) - held], "")
 
 
@@ -77,4 +77,6 @@ class ReasoningStream:
         return reasoning, content
 
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# gpt-oss's harmony channels are harmony.py's (vLLM's name openai_gptoss, and gpt_oss).
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "gpt_oss")
+HARMONY_PARSERS = ("openai_gptoss", "gpt_oss")

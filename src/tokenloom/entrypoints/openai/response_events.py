@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tokenloom.entrypoints.openai.harmony import HarmonyStream
 from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import ToolChoice, ToolStream
@@ -57,7 +58,7 @@ class ResponseRun:
 
     def __init__(self, response: dict[str, Any], choice: ToolChoice, parser: ToolParser,
                  logprobs_of: Callable[[CompletionOutput], list[dict[str, Any]]] | None,
-                 reasoning: ReasoningStream | None = None) -> None:
+                 reasoning: ReasoningStream | HarmonyStream | None = None) -> None:
         self.response = response
         # --reasoning-parser: the reply's reasoning goes to a `reasoning` item ahead of the message.
         self._reasoning = reasoning

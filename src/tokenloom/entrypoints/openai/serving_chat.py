@@ -16,7 +16,6 @@ from tokenloom.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
 from tokenloom.entrypoints.openai.structured import structured_outputs_of
 from tokenloom.entrypoints.openai.tool_parsers import ToolParser
 from tokenloom.entrypoints.openai.tools import (
@@ -72,6 +71,7 @@ class OpenAIServingChat(OpenAIServing):
                 field_names={"max_tokens": max_name, "logprobs": "top_logprobs"},
                 structured_outputs=structured,
             )
+            params = self.keep_harmony_markers(params)
         self.check_fan_out(1, req.n, "n")
         self.check_capacity(req.n)
         conversation = [template_message(m, i) for i, m in enumerate(req.messages)]
@@ -123,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
             text, thought = c.text, None
             if reasoning is not None:
-                split = split_reasoning(c.text, reasoning)
+                split = self.split_reasoning(c.text, reasoning)
                 text, thought = split.content, split.reasoning
             message, finish_reason = self._message(text, c.finish_reason, choice)
             if echo and isinstance(message.get("content"), str):
@@ -195,7 +195,7 @@ class OpenAIServingChat(OpenAIServing):
             ]
             yield sse_event({**base, "choices": first, **extra})
             tool_streams = [ToolStream(choice, self.tool_parser) for _ in range(stream.num_seqs)]
-            thoughts = [None if reasoning is None else ReasoningStream(reasoning) for _ in range(stream.num_seqs)]
+            thoughts = [None if reasoning is None else self.reasoning_stream(reasoning) for _ in range(stream.num_seqs)]
             async for _, out in self.merged_outputs([stream]):
                 prompt_tokens = len(out.prompt_token_ids or ())
                 cached = max(cached, out.num_cached_tokens)

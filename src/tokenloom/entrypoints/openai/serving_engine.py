@@ -20,7 +20,14 @@ from tokenloom.engine.core_client import EngineDeadError, EngineShutDownError
 from tokenloom.entrypoints.beam_search import BeamSearch, run_beam_search
 from tokenloom.entrypoints.openai.chat_render import ChatTemplateRenderer, RenderError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, _SamplingFields, bad_request
-from tokenloom.entrypoints.openai.reasoning_parsers import opens_reasoning
+from tokenloom.entrypoints.openai.harmony import HarmonyStream, split_harmony
+from tokenloom.entrypoints.openai.reasoning_parsers import (
+    HARMONY_PARSERS,
+    ReasoningStream,
+    Split,
+    opens_reasoning,
+    split_reasoning,
+)
 from tokenloom.lora_request import LoRARequest
 from tokenloom.messages import EngineCoreRequest
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
@@ -193,6 +200,24 @@ class OpenAIServing:
         """Under a reasoning parser, whether the rendered prompt leaves the reply inside `<think>`;
         None without one."""
         return None if self.reasoning_parser is None else opens_reasoning(prompt)
+
+    def split_reasoning(self, text: str, opened: bool) -> Split:
+        """A finished reply's reasoning and content, by the server's reasoning parser."""
+        if self.reasoning_parser in HARMONY_PARSERS:
+            return split_harmony(text)
+        return split_reasoning(text, opened)
+
+    def reasoning_stream(self, opened: bool) -> ReasoningStream | HarmonyStream:
+        """A streamed reply's splitter, by the server's reasoning parser."""
+        return HarmonyStream() if self.reasoning_parser in HARMONY_PARSERS else ReasoningStream(opened)
+
+    def keep_harmony_markers(self, params: SamplingParams) -> SamplingParams:
+        """Under gpt-oss's parsers (harmony.py), the reply's text keeps its special tokens: they
+        mark its channels and calls."""
+        tool_parser = getattr(getattr(self, "tool_parser", None), "name", None)
+        if self.reasoning_parser in HARMONY_PARSERS or tool_parser == "openai":
+            return params.clone(skip_special_tokens=False)
+        return params
 
     def grammar_after_reasoning(self, params: SamplingParams, opened: bool | None) -> None:
         """Under a reasoning parser, a request's grammar constrains its answer, not its reasoning

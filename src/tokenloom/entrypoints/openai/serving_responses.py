@@ -31,7 +31,6 @@ from starlette.responses import Response, StreamingResponse
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.core_client import EngineDeadError
 from tokenloom.entrypoints.openai.protocol import OpenAIServingError, ResponsesRequest, bad_request
-from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningStream
 from tokenloom.entrypoints.openai.response_events import FINAL_STATUSES, ResponseRun, item_id, response_usage
 from tokenloom.entrypoints.openai.serving_engine import (
     EngineStreamingResponse,
@@ -294,6 +293,7 @@ class OpenAIServingResponses(OpenAIServing):
         params = self.sampling_params(req, max_tokens=req.max_output_tokens, logprobs=num_top,
                                       field_names={"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
                                       structured_outputs=structured)
+        params = self.keep_harmony_markers(params)
         if req.background:  # its events are followed as they come (GET ?stream=true), streamed or not
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         self.check_capacity(1)
@@ -309,7 +309,7 @@ class OpenAIServingResponses(OpenAIServing):
         response = self._response_object(req, response_id, model, params.temperature, params.top_p)
         logprobs_of = None if num_top is None else (lambda c: self.token_logprobs(c, num_top, self.tokens_as_ids(req)))
         run = ResponseRun(response, choice, self.tool_parser, logprobs_of,
-                          None if opened is None else ReasoningStream(opened))
+                          None if opened is None else self.reasoning_stream(opened))
         entry = StoredResponse(response, conversation, input_items)
         if req.background:
             run.start(background=True)

@@ -7,7 +7,8 @@
   `arguments` or `parameters`;
 - `pythonic` (Llama 3.2 and 4, and templates written for it): the whole reply is a Python list
   of calls with keyword arguments, `[get_weather(city="Paris", days=2)]`, read with `ast`
-  (literal values only: nothing in the reply is ever evaluated).
+  (literal values only: nothing in the reply is ever evaluated);
+- `openai` (gpt-oss): harmony messages to `functions.NAME` (harmony.py).
 
 A reply that does not parse as calls is plain content: a model that chose to answer in text, or
 wrote a broken call, is answered as text, never with a made-up call.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+from tokenloom.entrypoints.openai import harmony
 
 
 @dataclass(slots=True)
@@ -161,5 +164,44 @@ def _loads(text: str) -> object:
         return None
 
 
+class HarmonyToolParser(ToolParser):
+    """`--tool-call-parser openai`: the calls in content that `split_harmony` wrote (or in a raw
+    harmony reply, without the reasoning parser); the text before the first call is the content."""
+    name = "openai"
+
+    @staticmethod
+    def _first_marker(text: str) -> int:
+        found = [i for m in harmony.MARKERS if (i := text.find(m)) >= 0]
+        return min(found) if found else -1
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        start = self._first_marker(text)
+        if start < 0:
+            return text, []
+        calls, rest = [], []
+        for m in harmony.parse_messages(text[start:]):
+            if m.function is None:
+                rest.append(m.content)
+                continue
+            try:
+                args = json.loads(m.content) if m.content.strip() else {}
+            except json.JSONDecodeError:
+                return text, []  # a broken call: the reply is text (tool_parsers' rule)
+            if not isinstance(args, dict):
+                return text, []
+            calls.append(ParsedToolCall(m.function, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        content = (text[:start] + "".join(rest)).strip()
+        return (content or None), calls
+
+    def content_end(self, text: str) -> int:
+        start = self._first_marker(text)
+        if start >= 0:
+            return start
+        return len(text) - max(harmony.partial_tail(text, m) for m in harmony.MARKERS)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "json": JsonToolParser,
-                                             "llama3_json": JsonToolParser, "pythonic": PythonicToolParser}
+                                             "llama3_json": JsonToolParser, "pythonic": PythonicToolParser,
+                                             "openai": HarmonyToolParser}

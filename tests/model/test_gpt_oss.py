@@ -1,0 +1,174 @@
+"""gpt-oss (`GptOssForCausalLM`): a tiny random transformers GptOss saved as an HF directory, run
+through `LLM(dir, dtype="float32")`; greedy tokens must be transformers' own (float32), 3 prompts
+x 32 tokens, past the sliding window (8) on the sliding layers, with chunked prefill.
+
+The config makes every difference count: sinks of a size that moves the softmax, a SwiGLU limit
+that the gate and up values cross, router and expert biases. The experts' weights are MXFP4
+values: packed by `pack_mxfp4` below and unpacked for the reference by transformers' own
+`convert_moe_packed_tensors` (integrations/mxfp4.py), so the same model is saved twice, with
+float experts and with the packed bytes as gpt-oss ships them (`quantization_config` mxfp4)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from model_helpers import randomize_, save_hf_dir
+from test_families import _byte_tokenizer, _greedy
+from test_moe import _hf_greedy, _prompts
+
+from tokenloom.model import mxfp4
+from tokenloom.model.errors import ModelLoadError
+from tokenloom.model.hf_config import hf_model_config
+
+CONFIG = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+              sliding_window=8, max_position_embeddings=256, swiglu_limit=1.0, rms_norm_eps=2.0 ** -20,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] float -> (blocks [..., rows, cols / 32, 16], scales [..., rows, cols / 32])
+    uint8, the inverse of transformers' unpacking: per group of 32, the smallest power of two that
+    brings the largest magnitude within E2M1's 6, each value rounded to the nearest E2M1 value,
+    element 2j in the low nibble of byte j."""
+    *lead, rows, cols = w.shape
+    g = w.float().reshape(*lead, rows, cols // 32, 32)
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127)).clamp(-127, 127)
+    lut = torch.tensor(mxfp4.FP4_VALUES)
+    idx = ((g / torch.exp2(e).unsqueeze(-1)).unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    return idx[..., 0::2] | (idx[..., 1::2] << 4), (e + 127).to(torch.uint8)
+
+
+def _mxfp4_dir(float_dir: str, packed: dict[str, tuple[torch.Tensor, torch.Tensor]], directory: str) -> str:
+    """`float_dir` with each expert matrix replaced by its blocks and scales, as gpt-oss ships them."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(float_dir, directory)
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(directory, f))
+            for name, (blocks, scales) in packed.items():
+                if tensors.pop(name, None) is not None:
+                    tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            save_file(tensors, os.path.join(directory, f), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                     "model.layers.*.mlp.router",
+                                                                                     "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(float directory, MXFP4 directory, the transformers model)."""
+    import transformers
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tokenizer = _byte_tokenizer()
+    torch.manual_seed(0)
+    ref = transformers.GptOssForCausalLM(transformers.GptOssConfig(vocab_size=len(tokenizer), **CONFIG)).float().eval()
+    randomize_(ref, seed=7)
+    packed = {}
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            layer.self_attn.sinks.copy_(torch.randn(CONFIG["num_attention_heads"], generator=g))
+            x = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):  # [E, in, out]; MXFP4 packs [E, out, in]
+                blocks, scales = pack_mxfp4(getattr(x, name).transpose(1, 2))
+                getattr(x, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"model.layers.{i}.mlp.experts.{name}"] = (blocks, scales)
+    float_dir = save_hf_dir(ref, tokenizer, str(tmp_path_factory.mktemp("gpt_oss") / "float"))
+    mxfp4_dir = _mxfp4_dir(float_dir, packed, str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4"))
+    return float_dir, mxfp4_dir, ref
+
+
+@pytest.fixture(scope="module")
+def expected(gpt_oss):
+    """(prompts, transformers' greedy tokens)."""
+    prompts = _prompts(_byte_tokenizer())
+    return prompts, _hf_greedy(gpt_oss[2], prompts)
+
+
+def test_config_translation(gpt_oss):
+    float_dir, mxfp4_dir, _ = gpt_oss
+    cfg = hf_model_config(float_dir)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("gpt_oss", 4, 2, 64)
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias and not cfg.experts_mxfp4
+    assert (cfg.sliding_window, cfg.layer_types) == (8, ("sliding_attention", "full_attention"))
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (1.0, 1.702)
+    assert hf_model_config(mxfp4_dir).experts_mxfp4
+
+
+def test_unpacking_is_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(1, 255, (3, 8, 2), dtype=torch.uint8, generator=g)  # E8M0 but its NaN
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+        assert torch.equal(mxfp4.dequantize(blocks, scales, dtype), theirs.transpose(1, 2))
+
+
+def test_mxfp4_experts_match_transformers(gpt_oss, expected):
+    """The checkpoint as gpt-oss ships it (the float experts' test below is the same model)."""
+    prompts, tokens = expected
+    assert _greedy(gpt_oss[1], prompts) == tokens
+
+
+@pytest.mark.slow
+def test_float_experts_match_transformers(gpt_oss, expected):
+    prompts, tokens = expected
+    assert _greedy(gpt_oss[0], prompts) == tokens
+
+
+def test_mxfp4_experts_stay_packed(gpt_oss):
+    from tokenloom.model.loader import load_model
+
+    model = load_model(gpt_oss[1], dtype="float32").model
+    experts = model.layers[0].mlp.experts
+    assert experts.w13_weight is None and experts.w2_weight is None
+    assert experts.w13_blocks.dtype == torch.uint8 and experts.w13_blocks.shape == (4, 128, 2, 16)
+
+
+def test_other_quantization_is_refused(gpt_oss, tmp_path):
+    directory = shutil.copytree(gpt_oss[0], str(tmp_path / "awq"))
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ModelLoadError, match="quant_method 'awq'"):
+        hf_model_config(directory)
+
+
+def test_dummy_weights_fill_the_packed_experts(gpt_oss):
+    from tokenloom.model.loader import load_model
+
+    experts = load_model(gpt_oss[1], dtype="float32", load_format="dummy").model.layers[1].mlp.experts
+    w = mxfp4.dequantize(experts.w2_blocks[0], experts.w2_scales[0])
+    assert torch.isfinite(w).all() and 0 < w.abs().max() <= 6 / 64 and w.std() > 0.01
+
+
+def test_int8_keeps_the_router_and_the_biased_experts(gpt_oss):
+    """quantization="int8": attention in Q8, the router float (its rounding would move the choice
+    of experts), the MXFP4 experts as shipped; a decode step reads top_k experts' packed bytes."""
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.quant_linear import weight_bytes_per_token
+
+    loaded = load_model(gpt_oss[1], dtype="float32", quantization="int8")
+    block = loaded.model.layers[0].mlp
+    assert type(block.router).__name__ == "Linear" and block.experts.w13_blocks.dtype == torch.uint8
+    assert type(loaded.model.layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
+    per_expert = (128 * 2 * 16 + 128 * 2) + (64 * 2 * 16 + 64 * 2)  # blocks and scales of w13, w2
+    assert weight_bytes_per_token(loaded.model) > 2 * 2 * per_expert
