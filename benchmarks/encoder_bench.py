@@ -65,7 +65,11 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["auto", "float32"])
     ap.add_argument("--st-bf16", action="store_true", help="sentence-transformers in bfloat16 as well")
     args = ap.parse_args()
-    env_offline()
+    with env_offline():
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     from sentence_transformers import SentenceTransformer
 
     print(format_machine(machine_info()))

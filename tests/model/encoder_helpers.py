@@ -4,7 +4,9 @@ cross-encoders saved as sentence_transformers.CrossEncoder loads them. Shared by
 tests/model/test_encoders.py, tests/entrypoints and benchmarks/encoder_bench.py."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -180,6 +182,19 @@ def ce_scores(path: str, query: str, docs: list[str]) -> list[float]:
     return [float(s) for s in ce.predict([(query, d) for d in docs])]
 
 
-def env_offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+@contextlib.contextmanager
+def env_offline() -> Iterator[None]:
+    """sentence-transformers and transformers without the hub (none is reachable) while a test
+    module runs, restored after it: the variables must not leak into the worker's other tests
+    (tests/model/test_hub.py's subprocesses inherit os.environ)."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

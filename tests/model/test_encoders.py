@@ -18,7 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from encoder_helpers import (DOCS, QUERY, TEXTS, ce_scores, env_offline, save_cross_encoder,  # noqa: E402
                              save_sentence_transformer, st_embeddings)
 
-env_offline()
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    with env_offline():
+        yield
 
 # kind -> the sentence-transformers Pooling mode its test model is saved with.
 EMBEDDERS = {"bert": "cls", "xlm_roberta": "mean", "modernbert": "mean"}

@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 import torch
-from model_helpers import randomize_, save_hf_dir
-from test_families import _byte_tokenizer, _greedy
+from model_helpers import byte_tokenizer, randomize_, save_hf_dir
+from test_families import _greedy
 from test_moe import _hf_greedy, _prompts
 
 from tokenloom.model import mxfp4
@@ -73,7 +73,7 @@ def gpt_oss(tmp_path_factory):
     import transformers
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tokenizer = _byte_tokenizer()
+    tokenizer = byte_tokenizer()
     torch.manual_seed(0)
     ref = transformers.GptOssForCausalLM(transformers.GptOssConfig(vocab_size=len(tokenizer), **CONFIG)).float().eval()
     randomize_(ref, seed=7)
@@ -95,7 +95,7 @@ def gpt_oss(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(gpt_oss):
     """(prompts, transformers' greedy tokens)."""
-    prompts = _prompts(_byte_tokenizer())
+    prompts = _prompts(byte_tokenizer())
     return prompts, _hf_greedy(gpt_oss[2], prompts)
 
 

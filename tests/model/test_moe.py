@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import llama_cpp_permute, randomize_, save_hf_dir
-from test_families import COMMON, N_TOKENS, _byte_tokenizer, _greedy
+from model_helpers import byte_tokenizer, llama_cpp_permute, randomize_, save_hf_dir
+from test_families import COMMON, N_TOKENS, _greedy
 
 from tokenloom.model.hf_config import hf_model_config
 from tokenloom.model.loader import load_model_config
@@ -98,7 +98,7 @@ def test_routing_scores():
 # ----------------------------------------------------------------------------- families
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _byte_tokenizer()
+    return byte_tokenizer()
 
 
 def _reference(case: str, tokenizer):

@@ -221,6 +221,11 @@ def detect_quantization(cfg: dict[str, Any]) -> QuantSpec | None:
     if not q:
         return None
     method = str(q.get("quant_method", "")).lower().replace("_", "-")
+    if method == "mxfp4":  # gpt-oss's experts as shipped: the model computes them (model/gpt_oss.py)
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch != "GptOssForCausalLM":
+            raise _refuse("quant_method", q.get("quant_method"), "MXFP4 experts are read for GptOssForCausalLM only")
+        return None
     detect = _DETECTORS.get(method)
     if detect is None:
         raise _refuse("quant_method", q.get("quant_method"), f"supported: {', '.join(CHECKPOINT_METHODS)}")
