@@ -394,3 +394,45 @@ def save_sentence_transformer_dir(model, tokenizer, directory: str, pooling: str
     with open(os.path.join(directory, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": model.config.hidden_size, **modes}, f)
     return directory
+
+
+def gguf_writer(path: str, arch, c):
+    """A gguf.GGUFWriter for architecture `arch` (a gguf.MODEL_ARCH) with the body keys every
+    family writes, from the transformers config `c`: layers, context, widths, heads."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    return w
+
+
+def three_prompts(tokenizer) -> list[list[int]]:
+    """The parity tests' 3 prompts (5, 17 and 40 random token ids, seeded)."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 17, 40)]
+
+
+def hf_greedy(ref, prompts: Sequence[Sequence[int]], n_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly n_tokens long."""
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = ref.generate(torch.tensor([list(p)]), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                               do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    return expected
+
+
+def gguf_add_byte_tokenizer(w, tokenizer) -> None:
+    """byte_tokenizer()'s vocabulary as a GGUF's gpt2 tokenizer (ids 0-2 control, BOS 1, EOS 2)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    w.add_token_types([3, 3, 3] + [1] * (len(tokenizer) - 3))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)

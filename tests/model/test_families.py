@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import byte_tokenizer, randomize_, save_hf_dir
+from model_helpers import (byte_tokenizer, gguf_add_byte_tokenizer, gguf_writer, hf_greedy,
+                           randomize_, save_hf_dir, three_prompts)
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.errors import ModelLoadError
@@ -70,14 +71,8 @@ def family(request, tokenizer, tmp_path_factory):
     ref = ref.to(torch.float32).eval()
     randomize_(ref, seed=sum(map(ord, request.param)))
     directory = save_hf_dir(ref, tokenizer, str(tmp_path_factory.mktemp(request.param)))
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 17, 40)]
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
-                               do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+    prompts = three_prompts(tokenizer)
+    expected = hf_greedy(ref, prompts, N_TOKENS)
     return request.param, directory, prompts, expected, ref
 
 
@@ -114,13 +109,7 @@ def _write_gguf(ref, case: str, tokenizer, path: str) -> str:
     c = ref.config
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHES[case])
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(path, arch, c)
     head_dim = c.hidden_size // c.num_attention_heads
     if case == "stablelm":  # its converter writes no rope base (10,000: the default) and LayerNorm's eps
         w.add_rope_dimension_count(int(head_dim * c.rope_parameters["partial_rotary_factor"]))
@@ -137,12 +126,7 @@ def _write_gguf(ref, case: str, tokenizer, path: str) -> str:
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    w.add_token_types([3, 3, 3] + [1] * (len(tokenizer) - 3))
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    gguf_add_byte_tokenizer(w, tokenizer)
     for name, t in ref.state_dict().items():
         a = t.detach().float().numpy()
         if case in PERMUTED and ".q_proj." in name:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import byte_tokenizer, llama_cpp_permute, randomize_, save_hf_dir
+from model_helpers import (byte_tokenizer, gguf_add_byte_tokenizer, gguf_writer, hf_greedy,
+                           llama_cpp_permute, randomize_, save_hf_dir, three_prompts)
 from test_families import COMMON, N_TOKENS, _greedy
 
 from tokenloom.model.hf_config import hf_model_config
@@ -114,18 +115,11 @@ def _reference(case: str, tokenizer):
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 17, 40)]
+    return three_prompts(tokenizer)
 
 
 def _hf_greedy(ref, prompts) -> list[list[int]]:
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS,
-                               do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
-    return expected
+    return hf_greedy(ref, prompts, N_TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -168,13 +162,7 @@ def _write_gguf(ref, case: str, tokenizer, path: str, expert_type=None) -> str:
     # llama.cpp's qwen3moe has no dense layers (Qwen3-MoE's checkpoints have none): ours, under
     # Llama's names, test that a layer without a router loads as a dense MLP.
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(path, arch, c)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     experts = c.num_local_experts if case == "mixtral" else c.num_experts
@@ -187,12 +175,7 @@ def _write_gguf(ref, case: str, tokenizer, path: str, expert_type=None) -> str:
     if case == "mixtral":  # LlamaModel's converter also writes these
         w.add_vocab_size(len(tokenizer))
         w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    w.add_token_types([3, 3, 3] + [1] * (len(tokenizer) - 3))
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    gguf_add_byte_tokenizer(w, tokenizer)
 
     def add(name: str, a: np.ndarray, quantize: bool = False) -> None:
         if quantize and expert_type is not None:
