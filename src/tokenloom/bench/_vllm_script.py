@@ -28,6 +28,9 @@ def main() -> None:
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         seed=spec["seed"],
+        # The workload's length: vLLM refuses to start when the model's whole context (131,072 for
+        # Llama 3 shapes) does not fit its KV cache space.
+        max_model_len=spec["max_model_len"],
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=min(4, spec["output_len"]), ignore_eos=True)

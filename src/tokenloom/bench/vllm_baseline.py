@@ -105,6 +105,7 @@ class VllmBaseline:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "seed": args.seed,
             "output_len": args.output_len,
+            "max_model_len": args.input_len + args.output_len + 64,
             "warmup": warmup,
         }
         self._spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
