@@ -25,11 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from tokenloom.model.errors import ModelLoadError
-from tokenloom.model.hf_loader import _safetensors_files
+from tokenloom.model.hf_loader import CheckpointTensors
 from tokenloom.model.quant_linear import (
     _INTERLEAVED_ROPE,
     PermutedQuantLinear,
@@ -166,21 +165,6 @@ READERS: dict[str, tuple[Reader, str]] = {
 }
 
 
-class _Tensors:
-    """Tensors by name across the checkpoint's files, one open handle per file."""
-
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files, self.handles = files, {}
-
-    def __call__(self, name: str) -> torch.Tensor | None:
-        path = self.files.get(name)
-        if path is None:
-            return None
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="pt")
-        return self.handles[path].get_tensor(name)
-
-
 def _tiled(w: Int4Weight, name: str, summary: QuantSummary) -> TiledQuantWeight | torch.Tensor:
     """The kernels' tiles, else (a shape they cannot take) the float weight in stored column order."""
     try:
@@ -221,8 +205,11 @@ def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tup
     as float (the float loader reads the rest: embeddings, norms, an unquantized LM head) and
     the summary."""
     reader, marker = READERS[spec.method]
-    files = _safetensors_files(directory)
-    get = _Tensors(files)
+    ckpt = CheckpointTensors(directory)
+    files = ckpt.files
+
+    def get(name: str) -> torch.Tensor | None:  # the readers take optional tensors as None
+        return ckpt.get(name) if name in ckpt else None
     summary = QuantSummary(spec.method)
     config = model.config
     consumed: set[str] = set()
