@@ -51,11 +51,13 @@ def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     huge = nbytes >= _HUGE_PAGE and _huge_pages_granted()
     buf = mmap.mmap(-1, nbytes + (_HUGE_PAGE if huge else 0),
                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        buf.madvise(mmap.MADV_HUGEPAGE)
     # frombuffer keeps `buf` alive as long as the tensor (or a view of it) lives.
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     skip = -raw.data_ptr() % _HUGE_PAGE if huge else 0
+    if huge:
+        # Only the whole huge pages: a tail on one would be a resident 2 MiB for what may be a
+        # few KiB of the tensor.
+        buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes // _HUGE_PAGE * _HUGE_PAGE)
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 

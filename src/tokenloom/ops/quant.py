@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenloom.ops import cpu_kernels, kernel_plan
+from tokenloom.ops import cpu_kernels, cpu_memory, kernel_plan
 from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, Q
 
 QK = 32  # weights per block
@@ -319,7 +319,8 @@ def tile_gguf(raw: np.ndarray, ggml_type: int, name: str = "tensor") -> TiledQua
     if N <= step:
         data = first
     else:
-        data = np.empty((-(-N // TILE_N), nu, first.shape[2]), dtype=np.uint8)
+        # On 2 MiB pages where granted: a decode streams every byte once (ops/cpu_memory).
+        data = cpu_memory.empty_huge((-(-N // TILE_N), nu, first.shape[2]), torch.uint8).numpy()
         data[:step // TILE_N] = first
         del first
         for r in range(step, N, step):
@@ -441,8 +442,10 @@ def concat_rows(parts: list[TiledQuantWeight]) -> TiledQuantWeight | None:
         return None
     # numpy's concatenate: torch.cat of uint8 tensors takes a slow element-wise path here, a large
     # part of every engine start (benchmarks/CHANGELOG.md, "Server start-up")
-    data = torch.from_numpy(np.concatenate([p.data.numpy() for p in parts]))
-    return TiledQuantWeight(fmt, data, sum(p.out_features for p in parts), K)
+    arrays = [p.data.numpy() for p in parts]
+    out = cpu_memory.empty_huge((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), torch.uint8)
+    np.concatenate(arrays, out=out.numpy())
+    return TiledQuantWeight(fmt, out, sum(p.out_features for p in parts), K)
 
 
 def bf16_activations_pay() -> bool:

@@ -240,6 +240,19 @@ static void *thread_panel(int64_t bytes) {
     return panel_buf;
 }
 
+/* A decode (a few rows) reads each weight byte once, and a block's products take less time than
+ * fetching the next block from memory: left to the hardware prefetchers, which stop at every
+ * 4 KiB page, the memory idles while the core computes. The vector kernels therefore request the
+ * bytes PREFETCH_DIST ahead of the block they are on, a block's worth per block, so that the
+ * stream runs while they compute; it carries on into the next tile, which a thread's static
+ * share of the tiles places right after (benchmarks/quant_decode_ab.py). */
+#define PREFETCH_DIST 2048
+static inline __attribute__((always_inline)) const char *prefetch_until(const char *pf,
+                                                                         const char *end) {
+    for (; pf < end; pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+    return pf;
+}
+
 #include "quant_gemm_avx512.inc" /* tile_avx512 and its helpers */
 
 #include "quant_gemm_avx2.inc" /* tile2_* and TILE2[] */
@@ -424,15 +437,6 @@ int32_t tl_q_linear(int32_t fmt, const uint8_t *w, int64_t N, int64_t K, const f
                 const int64_t m0 = mb * M_BLOCK, rows = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
                 const int ncols = (int)(N - t * TILE_N < TILE_N ? N - t * TILE_N : TILE_N);
                 float *yt = y + m0 * ldy + t * TILE_N;
-                /* A few rows (batch-1 decodes): the next tile's codes requested into L2 before
-                 * this tile's products, which alone leave the memory idle between their loads (a
-                 * tile is 5-15 KiB, and the hardware prefetchers stop at each 4 KiB page); from
-                 * 8 rows the products take long enough that it no longer pays (benchmarks/
-                 * README.md, "Eighth session"). */
-                if (M <= 8 && t + 1 < ntiles) {
-                    const char *nx = (const char *)(w + (t + 1) * tile_bytes);
-                    for (int64_t l = 0; l < tile_bytes; l += 64) _mm_prefetch(nx + l, _MM_HINT_T1);
-                }
 #ifdef TL_HAVE_AMX
                 if (buf)
                     AMX_KERNELS[fmt][levels - 1](w + t * tile_bytes, nb, xq + m0 * K, xd + m0 * nb,
