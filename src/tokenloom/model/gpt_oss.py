@@ -10,7 +10,10 @@
 - the checkpoint stores each layer's experts stacked, gate|up interleaved by columns
   (`mlp.experts.gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], as transformers' GptOssExperts),
   or as shipped, in MXFP4 (`*_blocks`, `*_scales`, mxfp4.py): those bytes are kept and each
-  expert's matrices are made float for the step that uses them (`Mxfp4FusedMoE`).
+  expert's matrices are made float for the step that uses them (`Mxfp4FusedMoE`);
+- llama.cpp's `gpt-oss` GGUF holds each part of the experts apart, stacked [E, out, in] (gate and
+  up de-interleaved, biases [E, out]), under the names its converter maps
+  (`gguf_checkpoint_shapes`), MXFP4 in ggml's block layout (mxfp4.from_ggml).
 """
 from __future__ import annotations
 
@@ -111,12 +114,40 @@ class GptOssMoeBlock(SparseMoeBlock):
             shapes |= {"mlp.experts.gate_up_proj": (E, H, 2 * I), "mlp.experts.down_proj": (E, I, H)}
         return shapes
 
+    def gguf_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """As `checkpoint_shapes`, under the names llama.cpp's converter gives a GGUF's tensors."""
+        x = self.experts
+        E, H, I = x.num_experts, x.hidden_size, x.intermediate_size
+        return {"mlp.router.weight": (E, H), "mlp.router.bias": (E,),
+                "mlp.experts.gate_proj.weight": (E, I, H), "mlp.experts.up_proj.weight": (E, I, H),
+                "mlp.experts.down_proj.weight": (E, H, I), "mlp.experts.gate_proj.bias": (E, I),
+                "mlp.experts.up_proj.bias": (E, I), "mlp.experts.down_proj.bias": (E, H)}
+
+    def _load_gguf_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
+        """One GGUF expert tensor (`part` gate, up or down): a float weight or bias, or MXFP4
+        blocks as stored (uint8 [E, out, in / 32, 17], gguf_loader.mxfp4_bytes)."""
+        x, I = self.experts, self.experts.intermediate_size
+        rows = slice(0, I) if part == "gate" else slice(I, 2 * I) if part == "up" else slice(None)
+        ours = "w2" if part == "down" else "w13"
+        if kind == "bias":
+            getattr(x, f"{ours}_bias")[:, rows].copy_(tensor)
+        elif tensor.dtype == torch.uint8:
+            blocks, scales = mxfp4.from_ggml(tensor)
+            getattr(x, f"{ours}_blocks")[:, rows].copy_(blocks)
+            getattr(x, f"{ours}_scales")[:, rows].copy_(scales)
+        else:
+            getattr(x, f"{ours}_weight")[:, rows].copy_(tensor)
+
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> bool:
-        """gate|up columns (float) or rows (MXFP4) interleaved -> FusedMoE's gate rows, then up."""
+        """gate|up columns (float) or rows (MXFP4) interleaved -> FusedMoE's gate rows, then up;
+        or a GGUF's parts apart (`gguf_checkpoint_shapes`)."""
         m = re.fullmatch(r"mlp\.(router\.(?:weight|bias)|experts\.(\w+))", name)
         if m is None:
-            return False
+            m = re.fullmatch(r"mlp\.experts\.(gate|up|down)_proj\.(weight|bias)", name)
+            if m is not None:
+                self._load_gguf_part(m.group(1), m.group(2), tensor)
+            return m is not None
         if m.group(2) is None:
             getattr(self.router, m.group(1).split(".")[1]).copy_(tensor)
             return True
@@ -149,4 +180,15 @@ class GptOssForCausalLM(MoeForCausalLM):
         shapes = super().checkpoint_shapes()
         for i in range(self.config.num_hidden_layers):
             shapes[f"model.layers.{i}.self_attn.sinks"] = (self.config.num_attention_heads,)
+        return shapes
+
+    def gguf_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors a GGUF holds, under the HF names gguf_loader maps them to: the MoE blocks'
+        as llama.cpp's converter names them (GptOssMoeBlock.gguf_checkpoint_shapes)."""
+        shapes = self.checkpoint_shapes()
+        for i, block in self.moe_blocks():
+            p = f"model.layers.{i}."
+            for name in block.checkpoint_shapes():
+                del shapes[p + name]
+            shapes |= {p + name: shape for name, shape in block.gguf_checkpoint_shapes().items()}
         return shapes
