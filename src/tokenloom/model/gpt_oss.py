@@ -9,8 +9,10 @@
   sigmoid(alpha * gate)` with gate clamped above at `limit` and up to [-limit, limit];
 - the checkpoint stores each layer's experts stacked, gate|up interleaved by columns
   (`mlp.experts.gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], as transformers' GptOssExperts),
-  or as shipped, in MXFP4 (`*_blocks`, `*_scales`, mxfp4.py): those bytes are kept and each
-  expert's matrices are made float for the step that uses them (`Mxfp4FusedMoE`);
+  or as shipped, in MXFP4 (`*_blocks`, `*_scales`, mxfp4.py): those bytes are kept; a step of a
+  few rows multiplies them in C (csrc/mxfp4_gemm.c, below the kernel plan's
+  `mxfp4_c_below_rows`), a larger one makes each chosen expert's matrices float for that step
+  (`Mxfp4FusedMoE`);
 - llama.cpp's `gpt-oss` GGUF holds each part of the experts apart, stacked [E, out, in] (gate and
   up de-interleaved, biases [E, out]), under the names its converter maps
   (`gguf_checkpoint_shapes`), MXFP4 in ggml's block layout (mxfp4.from_ggml).
@@ -28,6 +30,7 @@ from tokenloom.model import mxfp4
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.llama import Linear
 from tokenloom.model.moe import FusedMoE, MoeDecoderLayer, MoeForCausalLM, SparseMoeBlock
+from tokenloom.ops import cpu_kernels, kernel_plan
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -41,7 +44,8 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Mxfp4FusedMoE(FusedMoE):
     """FusedMoE whose expert weights are MXFP4 bytes (w13 rows gate first, as FusedMoE's):
     `w13_blocks` [E, 2I, H / 32, 16] with `w13_scales` [E, 2I, H / 32], `w2_blocks` [E, H, I / 32,
-    16] with `w2_scales` [E, H, I / 32], all uint8; an expert is dequantized when a token chose it."""
+    16] with `w2_scales` [E, H, I / 32], all uint8; an expert is computed from them when a token
+    chose it."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -69,11 +73,27 @@ class Mxfp4FusedMoE(FusedMoE):
         return phase
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w13 = mxfp4.dequantize(self.w13_blocks[e], self.w13_scales[e], x.dtype)
-        w2 = mxfp4.dequantize(self.w2_blocks[e], self.w2_scales[e], x.dtype)
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = None if self.w2_bias is None else self.w2_bias[e]
+        lib = _mxfp4_kernels(x)
+        if lib is not None:  # a decode step's few rows: the C kernel on the packed bytes
+            def linear(h, blocks, scales, bias):
+                bias = None if bias is None else bias.float()
+                return cpu_kernels.mxfp4_linear(lib, h.float(), blocks, scales, bias).to(x.dtype)
+
+            h = self.activation(linear(x, self.w13_blocks[e], self.w13_scales[e], b13))
+            return linear(h, self.w2_blocks[e], self.w2_scales[e], b2)
+        w13 = mxfp4.dequantize(self.w13_blocks[e], self.w13_scales[e], x.dtype)
+        w2 = mxfp4.dequantize(self.w2_blocks[e], self.w2_scales[e], x.dtype)
         return F.linear(self.activation(F.linear(x, w13, b13)), w2, b2)
+
+
+def _mxfp4_kernels(x: torch.Tensor):  # noqa: ANN202 - the ctypes library or None
+    """The C kernels where the plan runs MXFP4 matmuls of `x`'s rows on them (csrc/mxfp4_gemm.c),
+    else None: the expert is unpacked to float for torch's matmul."""
+    if x.device.type != "cpu" or x.shape[0] >= kernel_plan.current().mxfp4_c_below_rows:
+        return None
+    return cpu_kernels.load()
 
 
 class GptOssMoeBlock(SparseMoeBlock):
