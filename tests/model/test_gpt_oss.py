@@ -192,8 +192,10 @@ def _gguf_experts(ref) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_gpt_oss_gguf(ref, tokenizer, path: str) -> str:
-    """ref as llama.cpp's converter writes a gpt-oss GGUF, the expert matrices in MXFP4."""
+def _write_gpt_oss_gguf(ref, tokenizer, path: str, matrix_type=None) -> str:
+    """ref as llama.cpp's converter writes a gpt-oss GGUF, the expert matrices in MXFP4; with
+    `matrix_type` (a GGMLQuantizationType) the other matrices (attention, router, embedding, head)
+    quantized by gguf's quantizer."""
     import gguf
     import numpy as np
 
@@ -219,7 +221,11 @@ def _write_gpt_oss_gguf(ref, tokenizer, path: str) -> str:
         if ".mlp.experts." not in name:
             base, suffix = (name[:-len(".weight")], ".weight") if name.endswith(".weight") else \
                 (name[:-len(".bias")], ".bias") if name.endswith(".bias") else (name, ".weight")
-            w.add_tensor(names.get_name(base) + suffix, t.detach().float().numpy())
+            a = t.detach().float().numpy()
+            if matrix_type is not None and a.ndim == 2:
+                w.add_tensor(names.get_name(base) + suffix, gguf.quants.quantize(a, matrix_type), raw_dtype=matrix_type)
+            else:
+                w.add_tensor(names.get_name(base) + suffix, a)
     for name, t in _gguf_experts(ref).items():
         if name.endswith(".bias"):
             w.add_tensor(names.get_name(name.removesuffix(".bias")) + ".bias", t.float().numpy())
@@ -233,9 +239,10 @@ def _write_gpt_oss_gguf(ref, tokenizer, path: str) -> str:
     return path
 
 
-def _gguf_dequantized(ref):
-    """A copy of ref whose expert matrices went through gguf's MXFP4 quantizer and back, with
-    the SwiGLU limit llama.cpp fixes for gpt-oss (7.0: a GGUF has no key for it)."""
+def _gguf_dequantized(ref, matrix_type=None):
+    """A copy of ref whose expert matrices (and with `matrix_type` the other matrices) went
+    through gguf's quantizer and back, with the SwiGLU limit llama.cpp fixes for gpt-oss (7.0: a
+    GGUF has no key for it)."""
     import copy
 
     import gguf
@@ -243,6 +250,10 @@ def _gguf_dequantized(ref):
     q = copy.deepcopy(ref)
     MX = gguf.GGMLQuantizationType.MXFP4
     with torch.no_grad():
+        for name, p in q.named_parameters():
+            if matrix_type is not None and p.ndim == 2:
+                rows = p.detach().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, matrix_type), matrix_type)))
         for layer in q.model.layers:
             x = layer.mlp.experts
             x.limit = 7.0
@@ -275,3 +286,22 @@ def test_gguf_mxfp4_experts_match_transformers(gpt_oss, tmp_path):
     assert experts.w13_weight is None and experts.w13_blocks.shape == (4, 128, 2, 16)
     prompts = _prompts(tokenizer)
     assert _greedy(path, prompts) == hf_tokens(_gguf_dequantized(ref), prompts)
+
+
+def test_gguf_quantized_matrices_beside_the_mxfp4_experts(gpt_oss, tmp_path):
+    """Attention, router, embedding and head in Q8_0 (computed by the quantized kernels, q/k/v/o
+    biases and the router's bias beside them), the experts MXFP4: logits within the activations'
+    rounding of transformers' on the dequantized weights."""
+    import gguf
+    from model_helpers import hf_last_logits, run_flat_batch
+
+    from tokenloom.model.loader import load_model
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tokenizer = byte_tokenizer()
+    path = _write_gpt_oss_gguf(gpt_oss[2], tokenizer, str(tmp_path / "gpt-oss-q8.gguf"), matrix_type=q8)
+    loaded = load_model(path, dtype="float32")
+    assert loaded.quantization.startswith("gguf Q8_0x12 ")  # per layer q|k|v, o, router; embedding, head
+    prompts = _prompts(tokenizer)
+    theirs = hf_last_logits(_gguf_dequantized(gpt_oss[2], q8), prompts)
+    assert (run_flat_batch(loaded, prompts) - theirs).abs().max() < 0.02 * theirs.abs().max()
