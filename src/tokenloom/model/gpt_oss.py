@@ -59,6 +59,9 @@ class Mxfp4FusedMoE(FusedMoE):
         self.register_buffer("w13_scales", torch.empty(E, 2 * I, H // G, dtype=torch.uint8))
         self.register_buffer("w2_blocks", torch.empty(E, H, I // G, G // 2, dtype=torch.uint8))
         self.register_buffer("w2_scales", torch.empty(E, H, I // G, dtype=torch.uint8))
+        # Steps of fewer rows run csrc/mxfp4_gemm.c (the plan of the process that built the model,
+        # read once: it is asked for every expert of every step).
+        self.c_below_rows = kernel_plan.current().mxfp4_c_below_rows
 
     def packed_bytes_per_expert(self) -> int:
         """What one expert's matrices occupy (quant_linear.weight_bytes_per_token)."""
@@ -75,7 +78,7 @@ class Mxfp4FusedMoE(FusedMoE):
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         b13 = None if self.w13_bias is None else self.w13_bias[e]
         b2 = None if self.w2_bias is None else self.w2_bias[e]
-        lib = _mxfp4_kernels(x)
+        lib = self.c_kernels(x)
         if lib is not None:  # a decode step's few rows: the C kernel on the packed bytes
             def linear(h, blocks, scales, bias):
                 bias = None if bias is None else bias.float()
@@ -87,13 +90,12 @@ class Mxfp4FusedMoE(FusedMoE):
         w2 = mxfp4.dequantize(self.w2_blocks[e], self.w2_scales[e], x.dtype)
         return F.linear(self.activation(F.linear(x, w13, b13)), w2, b2)
 
-
-def _mxfp4_kernels(x: torch.Tensor):  # noqa: ANN202 - the ctypes library or None
-    """The C kernels where the plan runs MXFP4 matmuls of `x`'s rows on them (csrc/mxfp4_gemm.c),
-    else None: the expert is unpacked to float for torch's matmul."""
-    if x.device.type != "cpu" or x.shape[0] >= kernel_plan.current().mxfp4_c_below_rows:
-        return None
-    return cpu_kernels.load()
+    def c_kernels(self, x: torch.Tensor):  # noqa: ANN201 - the ctypes library or None
+        """The C kernels where the plan runs MXFP4 matmuls of `x`'s rows on them
+        (csrc/mxfp4_gemm.c), else None: the expert is unpacked to float for torch's matmul."""
+        if x.device.type != "cpu" or x.shape[0] >= self.c_below_rows:
+            return None
+        return cpu_kernels.load()
 
 
 class GptOssMoeBlock(SparseMoeBlock):
