@@ -1,6 +1,7 @@
 """gpt-oss's MXFP4 expert matmuls: the C kernel (csrc/mxfp4_gemm.c, `cpu_kernels.mxfp4_linear`)
 at each ISA level this CPU runs, against the torch path it replaces for decode (model/mxfp4.py:
-the expert's matrix unpacked to float, then F.linear), in float32 and bfloat16 activations, on
+the expert's matrix unpacked to float, then F.linear), in float32 and bfloat16 activations, and
+the larger steps' path (the matrix unpacked in C, `cpu_kernels.mxfp4_unpack`, then F.linear), on
 the same random MXFP4 bytes in the same run. Median CPU time of the calling thread over many
 calls, one thread (torch and OpenMP), so a shared machine's scheduler stays out of it.
 
@@ -117,6 +118,10 @@ def main() -> None:
             }
             for lvl, lib in libs.items():
                 rows[f"C {lvl}"] = lambda lib=lib: cpu_kernels.mxfp4_linear(lib, x, blocks, scales, bias)
+            lib = libs[feats.isa]  # the larger steps' path: unpacked in C, then torch's matmul
+            rows["C unpack f32 + F.linear"] = lambda: F.linear(x, cpu_kernels.mxfp4_unpack(lib, blocks, scales), bias)
+            rows["C unpack bf16 + F.linear"] = lambda: F.linear(
+                xb, cpu_kernels.mxfp4_unpack(lib, blocks, scales, torch.bfloat16), bias.bfloat16())
             base = None
             for path, f in rows.items():
                 t = bench(f, args.reps)

@@ -348,8 +348,16 @@ def test_mxfp4_avx512(image):
         calls.append(("tl_mxfp4_linear", [Buf(key + ".b"), Buf(key + ".s"), N, K, Buf(key + ".x"), K, M,
                                           Buf(key + ".y"), N, Buf(key + ".bias")]))
         cases.append((key, x, blocks, scales, bias))
+    blocks, scales = random_mxfp4(64, 64, seed=3, exponents=(0, 256))
+    buffers |= {"un.b": _raw(blocks), "un.s": _raw(scales), "un.f32": bytes(64 * 64 * 4), "un.bf16": bytes(64 * 64 * 2)}
+    calls += [("tl_mxfp4_unpack", [Buf("un.b"), Buf("un.s"), 64, 64, Buf("un.f32"), 0]),
+              ("tl_mxfp4_unpack", [Buf("un.b"), Buf("un.s"), 64, 64, Buf("un.bf16"), 1])]
     returns, out = image.run(calls, buffers)
-    assert returns == [2] + [0] * len(MXFP4)  # the AVX-512 loops
-    for key, x, blocks, scales, bias in cases:
-        got = _tensor(out[key + ".y"], torch.float32, (x.shape[0], blocks.shape[0]))
-        check_close(got, x, mxfp4.dequantize(blocks, scales), bias)
+    assert returns == [2] + [0] * (len(MXFP4) + 2)  # the AVX-512 loops
+    for key, x, blocks_, scales_, bias in cases:
+        got = _tensor(out[key + ".y"], torch.float32, (x.shape[0], blocks_.shape[0]))
+        check_close(got, x, mxfp4.dequantize(blocks_, scales_), bias)
+    for dtype, bits, name in ((torch.float32, torch.int32, "un.f32"), (torch.bfloat16, torch.int16, "un.bf16")):
+        got, ref = _tensor(out[name], dtype, (64, 64)), mxfp4.dequantize(blocks, scales, dtype)
+        nan = ref.isnan()  # (test_mxfp4's comparison)
+        assert torch.equal(got.isnan(), nan) and torch.equal(got.view(bits)[~nan], ref.view(bits)[~nan]), dtype

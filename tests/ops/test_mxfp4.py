@@ -1,8 +1,9 @@
 """gpt-oss's MXFP4 matmul in C (csrc/mxfp4_gemm.c, `cpu_kernels.mxfp4_linear`) at every ISA level
 this CPU runs: the source built alone with cpu_kernels' flags for each level (AVX-512, AVX2, plain
 C), against model/mxfp4's unpacking and a float64 matmul, on random bytes (every nibble, scales
-around one) at the rows of a decode step and past one pass of the kernel's row blocks. The
-AVX-512 loops are also run on an emulator by tests/ops/test_avx512_emulated.py."""
+around one) at the rows of a decode step and past one pass of the kernel's row blocks; its
+unpacking (`mxfp4_unpack`) bit for bit against model/mxfp4's. The AVX-512 loops are also run on
+an emulator by tests/ops/test_avx512_emulated.py."""
 from __future__ import annotations
 
 import ctypes
@@ -63,6 +64,19 @@ def test_matches_the_unpacked_matmul(lib, M, N, K, with_bias):
     check_close(cpu_kernels.mxfp4_linear(so, x, blocks, scales, bias), x, mxfp4.dequantize(blocks, scales), bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpack_is_model_mxfp4s(lib, dtype):
+    """Every scale byte (E8M0's NaN and the subnormal one included), every nibble: the same bits."""
+    _, so = lib
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (256, 3, 16), dtype=torch.uint8, generator=g)
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 3).contiguous()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    got, ref = cpu_kernels.mxfp4_unpack(so, blocks, scales, dtype), mxfp4.dequantize(blocks, scales, dtype)
+    nan = ref.isnan()  # zero times E8M0's NaN scale: a NaN either way, its payload bits may differ
+    assert torch.equal(got.isnan(), nan) and torch.equal(got.view(bits)[~nan], ref.view(bits)[~nan])
+
+
 def test_strided_rows_and_bad_shapes(lib):
     _, so = lib
     blocks, scales = random_mxfp4(16, 64, seed=1)
@@ -82,8 +96,10 @@ def test_gpt_oss_decode_rows_run_the_kernel():
     from tokenloom.model import gpt_oss
     from tokenloom.ops import kernel_plan
 
-    below = kernel_plan.current().mxfp4_c_below_rows
-    assert below > 1 and kernel_plan.current().kernel("mxfp4_matmul", "MXFP4", 1).kernel == "tl_mxfp4_linear"
+    plan = kernel_plan.current()
+    below = plan.mxfp4_c_below_rows
+    assert below > 1 and plan.kernel("mxfp4_matmul", "float32", 1).kernel == "tl_mxfp4_linear"
+    assert plan.kernel("mxfp4_matmul", "float32", below).kernel == "tl_mxfp4_unpack + F.linear"
     act = functools.partial(gpt_oss.clamped_swiglu, alpha=1.702, limit=7.0)
     experts = gpt_oss.Mxfp4FusedMoE(2, 1, 64, 96, bias=True, scoring="topk_softmax", activation=act)
     for name, (N, K) in {"w13": (192, 64), "w2": (64, 96)}.items():
@@ -98,3 +114,6 @@ def test_gpt_oss_decode_rows_run_the_kernel():
         w2 = mxfp4.dequantize(experts.w2_blocks[1], experts.w2_scales[1])
         ref = F.linear(act(F.linear(x, w13, experts.w13_bias[1])), w2, experts.w2_bias[1])
         torch.testing.assert_close(experts.expert_forward(1, x), ref, rtol=1e-5, atol=1e-5)
+    bf16 = plan.mxfp4_c_below_rows_bf16
+    assert experts.c_kernels(torch.zeros(bf16 - 1, 64).bfloat16()) is not None
+    assert experts.c_kernels(torch.zeros(bf16, 64).bfloat16()) is None

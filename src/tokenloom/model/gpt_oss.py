@@ -11,8 +11,8 @@
   (`mlp.experts.gate_up_proj` [E, H, 2I], `down_proj` [E, I, H], as transformers' GptOssExperts),
   or as shipped, in MXFP4 (`*_blocks`, `*_scales`, mxfp4.py): those bytes are kept; a step of a
   few rows multiplies them in C (csrc/mxfp4_gemm.c, below the kernel plan's
-  `mxfp4_c_below_rows`), a larger one makes each chosen expert's matrices float for that step
-  (`Mxfp4FusedMoE`);
+  `mxfp4_c_below_rows`, by dtype), a larger one makes each chosen expert's matrices float for that step
+  (in C too, `cpu_kernels.mxfp4_unpack`) for torch's matmul (`Mxfp4FusedMoE`);
 - llama.cpp's `gpt-oss` GGUF holds each part of the experts apart, stacked [E, out, in] (gate and
   up de-interleaved, biases [E, out]), under the names its converter maps
   (`gguf_checkpoint_shapes`), MXFP4 in ggml's block layout (mxfp4.from_ggml).
@@ -59,9 +59,10 @@ class Mxfp4FusedMoE(FusedMoE):
         self.register_buffer("w13_scales", torch.empty(E, 2 * I, H // G, dtype=torch.uint8))
         self.register_buffer("w2_blocks", torch.empty(E, H, I // G, G // 2, dtype=torch.uint8))
         self.register_buffer("w2_scales", torch.empty(E, H, I // G, dtype=torch.uint8))
-        # Steps of fewer rows run csrc/mxfp4_gemm.c (the plan of the process that built the model,
-        # read once: it is asked for every expert of every step).
-        self.c_below_rows = kernel_plan.current().mxfp4_c_below_rows
+        # Steps of fewer rows run csrc/mxfp4_gemm.c, by the activations' dtype (the plan of the
+        # process that built the model, read once: it is asked for every expert of every step).
+        plan = kernel_plan.current()
+        self.c_below_rows = {torch.float32: plan.mxfp4_c_below_rows, torch.bfloat16: plan.mxfp4_c_below_rows_bf16}
 
     def packed_bytes_per_expert(self) -> int:
         """What one expert's matrices occupy (quant_linear.weight_bytes_per_token)."""
@@ -86,16 +87,24 @@ class Mxfp4FusedMoE(FusedMoE):
 
             h = self.activation(linear(x, self.w13_blocks[e], self.w13_scales[e], b13))
             return linear(h, self.w2_blocks[e], self.w2_scales[e], b2)
-        w13 = mxfp4.dequantize(self.w13_blocks[e], self.w13_scales[e], x.dtype)
-        w2 = mxfp4.dequantize(self.w2_blocks[e], self.w2_scales[e], x.dtype)
+        w13 = _unpack(self.w13_blocks[e], self.w13_scales[e], x)
+        w2 = _unpack(self.w2_blocks[e], self.w2_scales[e], x)
         return F.linear(self.activation(F.linear(x, w13, b13)), w2, b2)
 
     def c_kernels(self, x: torch.Tensor):  # noqa: ANN201 - the ctypes library or None
         """The C kernels where the plan runs MXFP4 matmuls of `x`'s rows on them
         (csrc/mxfp4_gemm.c), else None: the expert is unpacked to float for torch's matmul."""
-        if x.device.type != "cpu" or x.shape[0] >= self.c_below_rows:
+        if x.device.type != "cpu" or x.shape[0] >= self.c_below_rows.get(x.dtype, 0):
             return None
         return cpu_kernels.load()
+
+
+def _unpack(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The matrix in `x`'s dtype: unpacked in C where the kernels are built (the same values)."""
+    lib = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if lib is None:
+        return mxfp4.dequantize(blocks, scales, x.dtype)
+    return cpu_kernels.mxfp4_unpack(lib, blocks, scales, x.dtype)
 
 
 class GptOssMoeBlock(SparseMoeBlock):

@@ -164,6 +164,8 @@ def bind_mxfp4(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_mxfp4_linear.argtypes = [_c_p, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
     lib.tl_mxfp4_isa.restype = _c_i32
     lib.tl_mxfp4_isa.argtypes = []
+    lib.tl_mxfp4_unpack.restype = _c_i32
+    lib.tl_mxfp4_unpack.argtypes = [_c_p, _c_p, _c_i64, _c_i64, _c_p, _c_i32]
     return lib
 
 
@@ -446,6 +448,19 @@ def mxfp4_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, scales
     if rc != 0:
         raise ValueError(f"mxfp4_linear rejected the shapes (code {rc}): x {tuple(x.shape)}, N {N}")
     return out.view(*x.shape[:-1], N)
+
+
+def mxfp4_unpack(lib: ctypes.CDLL, blocks: torch.Tensor, scales: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`mxfp4.dequantize(blocks, scales, dtype)` for contiguous uint8 `blocks` [N, K / 32, 16] and
+    `scales` [N, K / 32], float32 or bfloat16 (csrc/mxfp4_gemm.c): [N, K]."""
+    N, G, _ = blocks.shape
+    if (dtype not in (torch.float32, torch.bfloat16) or scales.shape != (N, G) or not blocks.is_contiguous()
+            or not scales.is_contiguous()):
+        raise ValueError(f"mxfp4_unpack rejected blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, {dtype}")
+    out = torch.empty(N, G * 32, dtype=dtype)
+    lib.tl_mxfp4_unpack(blocks.data_ptr(), scales.data_ptr(), N, G * 32, out.data_ptr(), int(dtype == torch.bfloat16))
+    return out
 
 
 def argmax_f32(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:

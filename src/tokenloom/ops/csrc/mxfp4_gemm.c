@@ -9,7 +9,10 @@
  * x is first copied group by group into the nibbles' order (the 16 even values, then the 16 odd
  * ones), so that the low nibbles of a group's 16 bytes meet 16 contiguous floats and the high
  * nibbles the next 16. Loops by the build's target (cpu_kernels' ISA level): AVX-512 F/BW/VL,
- * AVX2+FMA, or plain C. */
+ * AVX2+FMA, or plain C.
+ *
+ * tl_mxfp4_unpack makes the whole matrix float32 or bfloat16 (exact in both, but for scales past
+ * bfloat16's range), for the steps of many rows, whose matmul a library does better. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,5 +186,46 @@ int tl_mxfp4_linear(const uint8_t *blocks, const uint8_t *scales, int64_t N, int
     for (int64_t n = 0; n < N; n++)
         weight_row(blocks + n * G * MX_BYTES, scales + n * G, G, xp, K, M, y + n, ldy, bias ? bias[n] : 0.0f);
     free(xp);
+    return 0;
+}
+
+/* out [N, K] float32 (bf16 = 0) or bfloat16 (bf16 = 1, its bits) = the weight in `blocks` [N, K /
+ * 32, 16] and `scales` [N, K / 32]: model/mxfp4.dequantize's values. Returns 0, -1 for a bad K. */
+int tl_mxfp4_unpack(const uint8_t *blocks, const uint8_t *scales, int64_t N, int64_t K, void *out, int bf16) {
+    if (K <= 0 || K % MX_GROUP || N < 0) return -1;
+    const int64_t groups = N * (K / MX_GROUP);
+#pragma omp parallel for schedule(static) if (groups >= 4096)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b = blocks + g * MX_BYTES;
+        const float scale = e8m0(scales[g]);
+        float vals[MX_GROUP];
+#if defined(MX_AVX512)
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(scale));
+        const __m512 we = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), table);
+        const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        /* even and odd values back side by side: value 2j is we[j], 2j + 1 is wo[j] */
+        const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+        _mm512_storeu_ps(vals, _mm512_permutex2var_ps(we, first, wo));
+        _mm512_storeu_ps(vals + 16, _mm512_permutex2var_ps(we, second, wo));
+#else
+        for (int j = 0; j < MX_BYTES; j++) {
+            vals[2 * j] = kE2M1[b[j] & 0x0F] * scale;
+            vals[2 * j + 1] = kE2M1[b[j] >> 4] * scale;
+        }
+#endif
+        if (bf16) {
+            /* every value has at most two significant bits: its bfloat16 is its float32's top half */
+            uint16_t *dst = (uint16_t *)out + g * MX_GROUP;
+            for (int i = 0; i < MX_GROUP; i++) {
+                uint32_t bits;
+                memcpy(&bits, &vals[i], sizeof bits);
+                dst[i] = (uint16_t)(bits >> 16);
+            }
+        } else {
+            memcpy((float *)out + g * MX_GROUP, vals, sizeof vals);
+        }
+    }
     return 0;
 }
