@@ -192,10 +192,10 @@ def _gguf_experts(ref) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_gpt_oss_gguf(ref, tokenizer, path: str, matrix_type=None) -> str:
-    """ref as llama.cpp's converter writes a gpt-oss GGUF, the expert matrices in MXFP4; with
-    `matrix_type` (a GGMLQuantizationType) the other matrices (attention, router, embedding, head)
-    quantized by gguf's quantizer."""
+def _write_gpt_oss_gguf(ref, tokenizer, path: str, matrix_type=None, mxfp4_experts: bool = True) -> str:
+    """ref as llama.cpp's converter writes a gpt-oss GGUF, the expert matrices in MXFP4 (float32
+    without `mxfp4_experts`); with `matrix_type` (a GGMLQuantizationType) the other matrices
+    (attention, router, embedding, head) quantized by gguf's quantizer."""
     import gguf
     import numpy as np
 
@@ -227,8 +227,9 @@ def _write_gpt_oss_gguf(ref, tokenizer, path: str, matrix_type=None) -> str:
             else:
                 w.add_tensor(names.get_name(base) + suffix, a)
     for name, t in _gguf_experts(ref).items():
-        if name.endswith(".bias"):
-            w.add_tensor(names.get_name(name.removesuffix(".bias")) + ".bias", t.float().numpy())
+        if name.endswith(".bias") or not mxfp4_experts:
+            base, suffix = (name.removesuffix(".bias"), ".bias") if name.endswith(".bias") else (name, ".weight")
+            w.add_tensor(names.get_name(base) + suffix, np.ascontiguousarray(t.float().numpy()))
         else:
             q = gguf.quants.quantize(np.ascontiguousarray(t.float().numpy()), gguf.GGMLQuantizationType.MXFP4)
             w.add_tensor(names.get_name(name) + ".weight", q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
@@ -305,3 +306,24 @@ def test_gguf_quantized_matrices_beside_the_mxfp4_experts(gpt_oss, tmp_path):
     prompts = _prompts(tokenizer)
     theirs = hf_last_logits(_gguf_dequantized(gpt_oss[2], q8), prompts)
     assert (run_flat_batch(loaded, prompts) - theirs).abs().max() < 0.02 * theirs.abs().max()
+
+
+def test_gguf_float_experts(gpt_oss, tmp_path):
+    """A gpt-oss GGUF whose experts are float32 (llama.cpp converts a float checkpoint so): stacked
+    float experts, the logits transformers' (with llama.cpp's SwiGLU limit)."""
+    import copy
+
+    from model_helpers import hf_last_logits, run_flat_batch
+
+    from tokenloom.model.loader import load_model
+
+    tokenizer = byte_tokenizer()
+    path = _write_gpt_oss_gguf(gpt_oss[2], tokenizer, str(tmp_path / "gpt-oss-f32.gguf"), mxfp4_experts=False)
+    loaded = load_model(path, dtype="float32", quantization=None)
+    experts = loaded.model.layers[0].mlp.experts
+    assert not loaded.config.experts_mxfp4 and experts.w13_weight is not None
+    ref = copy.deepcopy(gpt_oss[2])
+    for layer in ref.model.layers:
+        layer.mlp.experts.limit = 7.0
+    prompts = _prompts(tokenizer)
+    torch.testing.assert_close(run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts), rtol=1e-4, atol=1e-4)
