@@ -13,9 +13,14 @@ layer shape cut to `--layers` layers (32 experts, top 4, random MXFP4 bytes: loa
 "dummy"; a 259-token byte vocabulary), the C kernel against the unpacking path (the kernel
 switched off on the model's experts), alternating rounds; wall-clock ms per output token.
 
+`--write-gguf PATH`: instead, write that shape as llama.cpp's `gpt-oss` GGUF (random weights,
+MXFP4 experts, float32 attention, a 260-token byte vocabulary with one merge, which llama.cpp
+requires), for `tokenloom bench latency --model PATH --baseline llamacpp` on the same file.
+
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/mxfp4_experts.py
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/mxfp4_experts.py --rows 1 16 --reps 20
     PYTHONPATH=src python benchmarks/mxfp4_experts.py --decode --layers 2 --rounds 3
+    PYTHONPATH=src python benchmarks/mxfp4_experts.py --write-gguf /tmp/gpt-oss-2l.gguf --layers 2
 """
 from __future__ import annotations
 
@@ -39,6 +44,71 @@ SHAPES = {"gate_up": (5760, 2880), "down": (2880, 2880)}
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
                    max_position_embeddings=4096)
+
+
+def write_gguf(path: str, layers: int) -> None:
+    """gpt-oss-20b's layer shape x `layers` as llama.cpp's gpt-oss GGUF, random weights."""
+    import gguf
+
+    c = GPT_OSS_20B
+    H, I, E, heads, kv, hd = (c["hidden_size"], c["intermediate_size"], c["num_local_experts"],
+                              c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+    rng = np.random.default_rng(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
+    from model_helpers import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) + ["\u0120\u0120"]
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(layers)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(E)
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(I)
+    w.add_sliding_window(c["sliding_window"])
+    w.add_rope_freq_base(150000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["\u0120 \u0120"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * 0.02
+
+    def experts(rows: int, cols: int) -> np.ndarray:  # ggml's MXFP4 blocks: a scale byte, 16 nibble bytes
+        blocks = rng.integers(0, 256, (E, rows, cols // 32, 17), dtype=np.uint8)
+        blocks[..., 0] = rng.integers(119, 123, (E, rows, cols // 32))
+        return blocks.reshape(E, rows, -1)
+
+    w.add_tensor("token_embd.weight", normal(len(tokens), H))
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    w.add_tensor("output.weight", normal(len(tokens), H))
+    for i in range(layers):
+        tensors = {"attn_norm.weight": np.ones(H, np.float32), "post_attention_norm.weight": np.ones(H, np.float32),
+                   "attn_q.weight": normal(heads * hd, H), "attn_q.bias": normal(heads * hd),
+                   "attn_k.weight": normal(kv * hd, H), "attn_k.bias": normal(kv * hd),
+                   "attn_v.weight": normal(kv * hd, H), "attn_v.bias": normal(kv * hd),
+                   "attn_output.weight": normal(H, heads * hd), "attn_output.bias": normal(H),
+                   "attn_sinks.weight": normal(heads), "ffn_gate_inp.weight": normal(E, H), "ffn_gate_inp.bias": normal(E),
+                   "ffn_gate_exps.bias": normal(E, I), "ffn_up_exps.bias": normal(E, I), "ffn_down_exps.bias": normal(E, H)}
+        for name, a in tensors.items():
+            w.add_tensor(f"blk.{i}.{name}", a)
+        for name, (rows, cols) in {"gate": (I, H), "up": (I, H), "down": (H, I)}.items():
+            w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", experts(rows, cols), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {path}")
 
 
 def decode(layers: int, rounds: int, prompt_len: int, out_len: int) -> None:
@@ -93,7 +163,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--write-gguf", metavar="PATH", help="write the --layers shape as a gpt-oss GGUF instead")
     args = ap.parse_args()
+    if args.write_gguf:
+        return write_gguf(args.write_gguf, args.layers)
     if args.decode:
         return decode(args.layers, args.rounds, args.prompt_len, args.output_len)
     torch.set_num_threads(1)
