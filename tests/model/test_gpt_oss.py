@@ -6,7 +6,10 @@ The config makes every difference count: sinks of a size that moves the softmax,
 that the gate and up values cross, router and expert biases. The experts' weights are MXFP4
 values: packed by `pack_mxfp4` below and unpacked for the reference by transformers' own
 `convert_moe_packed_tensors` (integrations/mxfp4.py), so the same model is saved twice, with
-float experts and with the packed bytes as gpt-oss ships them (`quantization_config` mxfp4)."""
+float experts and with the packed bytes as gpt-oss ships them (`quantization_config` mxfp4). The
+same model is also written as llama.cpp's `gpt-oss` GGUF (names from gguf's tensor map, the
+experts' gate and up apart, MXFP4 blocks by gguf's quantizer) and checked against transformers
+on the weights gguf's dequantizer reads back from it."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from model_helpers import byte_tokenizer, randomize_, save_hf_dir
+from model_helpers import byte_tokenizer, gguf_add_byte_tokenizer, gguf_writer, randomize_, save_hf_dir
 from test_families import _greedy
 from test_moe import _hf_greedy, _prompts
 
@@ -172,3 +175,155 @@ def test_int8_keeps_the_router_and_the_biased_experts(gpt_oss):
     assert type(loaded.model.layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
     per_expert = (128 * 2 * 16 + 128 * 2) + (64 * 2 * 16 + 64 * 2)  # blocks and scales of w13, w2
     assert weight_bytes_per_token(loaded.model) > 2 * 2 * per_expert
+
+
+# ----------------------------------------------------------------------------- GGUF
+def _gguf_experts(ref) -> dict[str, torch.Tensor]:
+    """Each layer's experts as llama.cpp's converter writes them, by HF name: gate and up apart
+    (the interleaved columns of gate_up_proj), each part [E, out, in], biases [E, out]."""
+    out = {}
+    for i, layer in enumerate(ref.model.layers):
+        x, p = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        gate_up = x.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], gate|up rows interleaved
+        out |= {p + "gate_proj": gate_up[:, 0::2], p + "up_proj": gate_up[:, 1::2],
+                p + "down_proj": x.down_proj.detach().transpose(1, 2),
+                p + "gate_proj.bias": x.gate_up_proj_bias.detach()[:, 0::2],
+                p + "up_proj.bias": x.gate_up_proj_bias.detach()[:, 1::2], p + "down_proj.bias": x.down_proj_bias.detach()}
+    return out
+
+
+def _write_gpt_oss_gguf(ref, tokenizer, path: str, matrix_type=None, mxfp4_experts: bool = True) -> str:
+    """ref as llama.cpp's converter writes a gpt-oss GGUF, the expert matrices in MXFP4 (float32
+    without `mxfp4_experts`); with `matrix_type` (a GGMLQuantizationType) the other matrices
+    (attention, router, embedding, head) quantized by gguf's quantizer."""
+    import gguf
+    import numpy as np
+
+    c, arch = ref.config, gguf.MODEL_ARCH.GPT_OSS
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    w = gguf_writer(path, arch, c)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    gguf_add_byte_tokenizer(w, tokenizer)
+    for name, t in ref.state_dict().items():
+        if ".mlp.experts." not in name:
+            base, suffix = (name[:-len(".weight")], ".weight") if name.endswith(".weight") else \
+                (name[:-len(".bias")], ".bias") if name.endswith(".bias") else (name, ".weight")
+            a = t.detach().float().numpy()
+            if matrix_type is not None and a.ndim == 2:
+                w.add_tensor(names.get_name(base) + suffix, gguf.quants.quantize(a, matrix_type), raw_dtype=matrix_type)
+            else:
+                w.add_tensor(names.get_name(base) + suffix, a)
+    for name, t in _gguf_experts(ref).items():
+        if name.endswith(".bias") or not mxfp4_experts:
+            base, suffix = (name.removesuffix(".bias"), ".bias") if name.endswith(".bias") else (name, ".weight")
+            w.add_tensor(names.get_name(base) + suffix, np.ascontiguousarray(t.float().numpy()))
+        else:
+            q = gguf.quants.quantize(np.ascontiguousarray(t.float().numpy()), gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor(names.get_name(name) + ".weight", q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_dequantized(ref, matrix_type=None):
+    """A copy of ref whose expert matrices (and with `matrix_type` the other matrices) went
+    through gguf's quantizer and back, with the SwiGLU limit llama.cpp fixes for gpt-oss (7.0: a
+    GGUF has no key for it)."""
+    import copy
+
+    import gguf
+
+    q = copy.deepcopy(ref)
+    MX = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for name, p in q.named_parameters():
+            if matrix_type is not None and p.ndim == 2:
+                rows = p.detach().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, matrix_type), matrix_type)))
+        for layer in q.model.layers:
+            x = layer.mlp.experts
+            x.limit = 7.0
+            for name in ("gate_up_proj", "down_proj"):  # [E, in, out]: rows of out are quantized
+                rows = getattr(x, name).transpose(1, 2).contiguous().numpy()
+                back = gguf.quants.dequantize(gguf.quants.quantize(rows, MX), MX)
+                getattr(x, name).copy_(torch.from_numpy(back).transpose(1, 2))
+    return q
+
+
+def test_gguf_mxfp4_experts_match_transformers(gpt_oss, tmp_path):
+    """llama.cpp's gpt-oss GGUF: config from its keys, the MXFP4 experts kept packed (ggml's
+    nibble order made the checkpoint's), greedy tokens transformers' on the dequantized weights."""
+    from test_moe import _hf_greedy as hf_tokens
+
+    from tokenloom.model.loader import load_model, load_model_config
+
+    tokenizer = byte_tokenizer()
+    ref = gpt_oss[2]
+    path = _write_gpt_oss_gguf(ref, tokenizer, str(tmp_path / "gpt-oss.gguf"))
+    cfg, hf = load_model_config(path), hf_model_config(gpt_oss[0])
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "attention_sinks",
+                  "attention_bias", "o_proj_bias", "sliding_window", "layer_types", "swiglu_alpha", "head_dim",
+                  "rope_theta", "rms_norm_eps"):
+        assert getattr(cfg, field) == getattr(hf, field), field
+    assert cfg.experts_mxfp4 and cfg.swiglu_limit == 7.0 and cfg.mlp_only_layers == ()
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    experts = load_model(path, dtype="float32").model.layers[1].mlp.experts
+    assert experts.w13_weight is None and experts.w13_blocks.shape == (4, 128, 2, 16)
+    prompts = _prompts(tokenizer)
+    assert _greedy(path, prompts) == hf_tokens(_gguf_dequantized(ref), prompts)
+
+
+def test_gguf_quantized_matrices_beside_the_mxfp4_experts(gpt_oss, tmp_path):
+    """Attention, router, embedding and head in Q8_0 (computed by the quantized kernels, q/k/v/o
+    biases and the router's bias beside them), the experts MXFP4: logits within the activations'
+    rounding of transformers' on the dequantized weights."""
+    import gguf
+    from model_helpers import hf_last_logits, run_flat_batch
+
+    from tokenloom.model.loader import load_model
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tokenizer = byte_tokenizer()
+    path = _write_gpt_oss_gguf(gpt_oss[2], tokenizer, str(tmp_path / "gpt-oss-q8.gguf"), matrix_type=q8)
+    loaded = load_model(path, dtype="float32")
+    assert loaded.quantization.startswith("gguf Q8_0x12 ")  # per layer q|k|v, o, router; embedding, head
+    prompts = _prompts(tokenizer)
+    theirs = hf_last_logits(_gguf_dequantized(gpt_oss[2], q8), prompts)
+    assert (run_flat_batch(loaded, prompts) - theirs).abs().max() < 0.02 * theirs.abs().max()
+
+
+def test_gguf_float_experts(gpt_oss, tmp_path):
+    """A gpt-oss GGUF whose experts are float32 (llama.cpp converts a float checkpoint so): stacked
+    float experts, the logits transformers' (with llama.cpp's SwiGLU limit)."""
+    import copy
+
+    from model_helpers import hf_last_logits, run_flat_batch
+
+    from tokenloom.model.loader import load_model
+
+    tokenizer = byte_tokenizer()
+    path = _write_gpt_oss_gguf(gpt_oss[2], tokenizer, str(tmp_path / "gpt-oss-f32.gguf"), mxfp4_experts=False)
+    loaded = load_model(path, dtype="float32", quantization=None)
+    experts = loaded.model.layers[0].mlp.experts
+    assert not loaded.config.experts_mxfp4 and experts.w13_weight is not None
+    ref = copy.deepcopy(gpt_oss[2])
+    for layer in ref.model.layers:
+        layer.mlp.experts.limit = 7.0
+    prompts = _prompts(tokenizer)
+    torch.testing.assert_close(run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts), rtol=1e-4, atol=1e-4)

@@ -4,7 +4,9 @@ checks the code that AVX-512 machines run: the quantized matmuls' VNNI kernel ag
 float64 reference and bounds as tests/ops/test_quant.py, and the element-wise kernels' AVX-512
 (and AVX512-BF16) loops against the PyTorch ops as in tests/ops/test_elementwise.py, the decode
 attention kernel (csrc/paged_decode.c) against float64 attention over its paged cache, and the
-AVX512-BF16 dot-product matmul (csrc/bf16_dp_gemm.c) bit for bit against its definition."""
+AVX512-BF16 dot-product matmul (csrc/bf16_dp_gemm.c) bit for bit against its definition, and
+gpt-oss's MXFP4 matmul (csrc/mxfp4_gemm.c) against the unpacked float64 matmul as in
+tests/ops/test_mxfp4.py."""
 from __future__ import annotations
 
 import sys
@@ -18,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from tokenloom.disk_cache import cache_dir
+from tokenloom.model import mxfp4
 from tokenloom.model.rope import cos_sin_cache
 from tokenloom.ops import amx, cpu_kernels, elementwise, quant
 from tokenloom.ops.elementwise import apply_rope
@@ -29,6 +32,7 @@ import emulator  # noqa: E402
 import kquants  # noqa: E402
 from test_amx import _dot_products_reference  # noqa: E402
 from test_elementwise import _close_bf16, _rms_norm  # noqa: E402
+from test_mxfp4 import check_close, random_mxfp4  # noqa: E402
 from test_quant import BLOCK_SHAPES, FORMATS, K_SHAPES, _random_blocks, check_bounds  # noqa: E402
 
 pytestmark = pytest.mark.skipif(emulator.unavailable() is not None,
@@ -325,3 +329,35 @@ def test_bf16_dot_products_avx512(image):
     for key, x, w, b, kchunk in cases:
         got = _tensor(out[key + ".y"], torch.bfloat16, (x.shape[0], w.shape[0]))
         assert torch.equal(got, _dot_products_reference(x, w, b, kchunk)), key
+
+
+# ---- gpt-oss's MXFP4 matmul (csrc/mxfp4_gemm.c): its AVX-512 loops, row blocks whole and partial
+MXFP4 = [(1, 5, 64), (8, 17, 96), (11, 9, 32)]
+
+
+def test_mxfp4_avx512(image):
+    buffers, calls, cases = {}, [("tl_mxfp4_isa", [])], []
+    Buf = emulator.Buf
+    for M, N, K in MXFP4:
+        blocks, scales = random_mxfp4(N, K, seed=M + N + K)
+        g = torch.Generator().manual_seed(K)
+        x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+        key = f"mx.{M}.{N}.{K}"
+        buffers |= {key + ".b": _raw(blocks), key + ".s": _raw(scales), key + ".x": _raw(x),
+                    key + ".bias": _raw(bias), key + ".y": bytes(4 * M * N)}
+        calls.append(("tl_mxfp4_linear", [Buf(key + ".b"), Buf(key + ".s"), N, K, Buf(key + ".x"), K, M,
+                                          Buf(key + ".y"), N, Buf(key + ".bias")]))
+        cases.append((key, x, blocks, scales, bias))
+    blocks, scales = random_mxfp4(64, 64, seed=3, exponents=(0, 256))
+    buffers |= {"un.b": _raw(blocks), "un.s": _raw(scales), "un.f32": bytes(64 * 64 * 4), "un.bf16": bytes(64 * 64 * 2)}
+    calls += [("tl_mxfp4_unpack", [Buf("un.b"), Buf("un.s"), 64, 64, Buf("un.f32"), 0]),
+              ("tl_mxfp4_unpack", [Buf("un.b"), Buf("un.s"), 64, 64, Buf("un.bf16"), 1])]
+    returns, out = image.run(calls, buffers)
+    assert returns == [2] + [0] * (len(MXFP4) + 2)  # the AVX-512 loops
+    for key, x, blocks_, scales_, bias in cases:
+        got = _tensor(out[key + ".y"], torch.float32, (x.shape[0], blocks_.shape[0]))
+        check_close(got, x, mxfp4.dequantize(blocks_, scales_), bias)
+    for dtype, bits, name in ((torch.float32, torch.int32, "un.f32"), (torch.bfloat16, torch.int16, "un.bf16")):
+        got, ref = _tensor(out[name], dtype, (64, 64)), mxfp4.dequantize(blocks, scales, dtype)
+        nan = ref.isnan()  # (test_mxfp4's comparison)
+        assert torch.equal(got.isnan(), nan) and torch.equal(got.view(bits)[~nan], ref.view(bits)[~nan]), dtype

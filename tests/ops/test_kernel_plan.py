@@ -185,3 +185,21 @@ def test_engine_info_carries_the_plan():
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=EngineInfo)
     assert back.kernel_plan == plan.encode() and back.kernel_plan_summary == plan.header()
     assert f"kernel_plan=<{len(plan.choices)} rows>" in repr(back)
+
+
+def test_mxfp4_experts_plan():
+    """gpt-oss's MXFP4 experts: the C kernel below 64 rows on the vector builds (16 for bfloat16
+    activations where bf16 matmuls are native), below 4 on plain C; the unpacking above; without
+    the C kernels torch's unpacking throughout."""
+    def kernels(p, dtype):
+        return [p.kernel("mxfp4_matmul", dtype, m).kernel for m in (1, 3, 4, 15, 16, 63, 64)]
+
+    c, unpack = "tl_mxfp4_linear", "tl_mxfp4_unpack + F.linear"
+    assert kernels(_plan(ZEN3), "float32") == kernels(_plan(ZEN3), "bfloat16") == [c] * 6 + [unpack]
+    for cpu in (ZEN4, SPR):
+        assert kernels(_plan(cpu), "float32") == [c] * 6 + [unpack]
+        assert kernels(_plan(cpu), "bfloat16") == [c] * 4 + [unpack] * 3
+    scalar = dataclasses.replace(known_features(ZEN3), isa="scalar")
+    assert kernels(build_kernel_plan(scalar, KernelEnv()), "float32") == [c] * 2 + [unpack] * 5
+    off = _plan(SPR, cpu_kernels=False)
+    assert off.mxfp4_c_below_rows == 0 and kernels(off, "float32") == ["unpack + F.linear"] * 7

@@ -3,12 +3,15 @@ frequency factors). No tensor library: the caller's process reads this (gguf_loa
 weights in the engine core)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.gguf_file import GGUFFile, dequantize
 from tokenloom.model.registry import GGUF_ARCHITECTURES
+from tokenloom.ops.ggml_types import GGMLQuantizationType
 
 
 def gguf_model_config(g: GGUFFile) -> ModelArchConfig:
@@ -164,6 +167,10 @@ def _rope_scaling(g: GGUFFile, get) -> dict | None:
         value = get(f"rope.scaling.{key}")
         if value is not None:
             scaling[key] = float(value)
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        value = get(f"rope.scaling.{theirs}")
+        if value is not None:
+            scaling[ours] = float(value)
     return scaling
 
 
@@ -241,6 +248,22 @@ def _mixtral_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_h
     return _moe_fields(g, get, n_layers, norm=True)
 
 
+def _gpt_oss_fields(g: GGUFFile, get, n_layers: int, head_dim: int, hidden_per_head: int) -> dict:
+    """What llama.cpp's gpt-oss leaves to the architecture (as hf_config's gpt-oss fields): q/k/v
+    and o biases, attention sinks, every even layer sliding, the clamped SwiGLU's alpha and limit
+    (llama.cpp fixes transformers' defaults) and YaRN without truncating its ramp (gpt-oss's
+    `truncate: false`). Experts stay MXFP4 where every expert tensor of the file is MXFP4."""
+    window = get("attention.sliding_window")
+    experts = [i for name, i in g.tensors.items() if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", name)]
+    rope = _rope_scaling(g, get)
+    return _moe_fields(g, get, n_layers, norm=False) | dict(
+        attention_sinks=True, mlp_bias=False, mlp_only_layers=(),
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)),
+        rope_scaling=rope if rope is None or rope["rope_type"] != "yarn" else rope | {"truncate": False},
+        experts_mxfp4=bool(experts) and all(i.ggml_type == GGMLQuantizationType.MXFP4 for i in experts))
+
+
 GGUF_FAMILY_FIELDS = {
     "gemma3": _gemma3_gguf_fields,
     "granite": _granite_fields,
@@ -254,4 +277,5 @@ GGUF_FAMILY_FIELDS = {
     "qwen3_moe": _qwen3_moe_fields,
     "qwen2_moe": _qwen2_moe_fields,
     "mixtral": _mixtral_fields,
+    "gpt_oss": _gpt_oss_fields,
 }

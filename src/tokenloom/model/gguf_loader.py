@@ -21,10 +21,11 @@ from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.registry import GGUF_ARCHITECTURES
 from tokenloom.ops.ggml_types import GGML_QUANT_SIZES, Q
 
-# Types we dequantize. gguf-py knows more (IQ*, TQ*, MXFP4, ...), but these are the ones the
-# llama.cpp quantizers produce for ordinary Llama/Qwen files and the ones tests cover.
+# Types we dequantize. gguf-py knows more (IQ*, TQ*, ...), but these are the ones the llama.cpp
+# quantizers produce for ordinary Llama/Qwen files (and gpt-oss's MXFP4 experts, which a gpt-oss
+# model keeps packed: `MXFP4_KEPT`) and the ones tests cover.
 SUPPORTED_GGML_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-                        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+                        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED_GGML_TYPES)
 
 _GLOBAL_NAMES = {
@@ -90,11 +91,22 @@ _QWEN_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp.weight": "mlp.gate.weight
                          "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                          "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                          "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# gpt-oss: the names llama.cpp's converter maps to its tensors, its experts' parts apart and
+# stacked (gate and up from the checkpoint's interleaved gate_up_proj; [E, out, in], biases
+# [E, out]); gpt_oss.GptOssForCausalLM.gguf_checkpoint_shapes expects these.
+_GPT_OSS_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith(("ffn_", "post_"))},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj.{kind}"
+       for part in ("gate", "up", "down") for kind in ("weight", "bias")},
+}
 # Gemma 2: Gemma 3's names (llama.cpp's converter writes no q/k norm for it).
 _ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES, "gemma2": _GEMMA3_LAYER_NAMES,
                      "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES, "llama": _MIXTRAL_LAYER_NAMES,
                      "mixtral": _MIXTRAL_LAYER_NAMES, "qwen3_moe": _QWEN_MOE_LAYER_NAMES,
-                     "qwen2_moe": _QWEN_MOE_LAYER_NAMES}
+                     "qwen2_moe": _QWEN_MOE_LAYER_NAMES, "gpt_oss": _GPT_OSS_LAYER_NAMES}
 
 # Our architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes
 # built on it: Mistral's files are `llama`, Granite, SmolLM3); the others keep HF's order.
@@ -177,6 +189,15 @@ def _dequantize_in_chunks(raw: np.ndarray, qtype: Q) -> np.ndarray:
     return out.reshape(*raw.shape[:-1], out.shape[1])
 
 
+def mxfp4_bytes(g: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
+    """An MXFP4 tensor's blocks as stored, uint8 [*rows, cols / 32, 17] (a block: its E8M0 scale
+    byte, then 16 bytes of E2M1 pairs in ggml's order; model/mxfp4.from_ggml reads them)."""
+    raw = g.raw(info)
+    t = torch.from_numpy(raw.reshape(*raw.shape[:-1], -1, 17).copy())
+    g.release(info)
+    return t
+
+
 def _undo_llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's converter reorders each head's rows of Llama's q/k from [first half, second
     half] (HF's rotate-half pairing) to interleaved pairs (row i of each half side by side). Put
@@ -226,6 +247,8 @@ def iter_gguf_weights(g: GGUFFile, config: ModelArchConfig, expected: dict[str, 
 
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
         hf, info = item
+        if config.experts_mxfp4 and info.ggml_type == Q.MXFP4:
+            return hf, mxfp4_bytes(g, info)
         t = _to_torch(g, info)
         g.release(info)
         if permuted and info.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):

@@ -212,7 +212,10 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         model = build_model(config).to(torch_dtype)
     if dummy:
         return _dummy_model(model, config, torch_dtype, path, method, tokenizer, tokenizer_mode, start)
-    expected = model.checkpoint_shapes()
+    # A family whose GGUF tensors are not its checkpoint's, one for one (gpt-oss's experts), says
+    # what a GGUF holds.
+    gguf_shapes = getattr(model, "gguf_checkpoint_shapes", None) if kind == "gguf" else None
+    expected = gguf_shapes() if gguf_shapes is not None else model.checkpoint_shapes()
     if config.classifier_token_ids is not None:
         expected.pop("score.weight")  # made from LM-head rows below, not read
     summary = None

@@ -43,3 +43,15 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     values = F.embedding(blocks.int(), _pair_lut(work)).flatten(-2)
     values.mul_(torch.exp2(scales.to(work) - 127).unsqueeze(-1))
     return values.flatten(-2).to(dtype)
+
+
+def from_ggml(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's MXFP4 blocks (GGML_TYPE_MXFP4, uint8 [..., G, 17]: the scale byte, then 16
+    bytes whose low nibbles are values 0-15 of the group and high nibbles values 16-31) -> the
+    checkpoint's (blocks [..., G, 16], value 2j in the low nibble of byte j; scales [..., G]).
+    Both scales are E8M0 biased by 127 (ggml's E2M1 table is doubled and its scale halved)."""
+    if stored.dtype != torch.uint8 or stored.shape[-1] != GROUP // 2 + 1:
+        raise ValueError(f"GGML MXFP4 blocks are uint8 [..., {GROUP // 2 + 1}], got {stored.dtype} {tuple(stored.shape)}")
+    q = stored[..., 1:]
+    values = torch.cat([q & 0x0F, q >> 4], dim=-1)
+    return values[..., 0::2] | (values[..., 1::2] << 4), stored[..., 0].contiguous()

@@ -241,6 +241,8 @@ def _install_quantized_experts(parts: _GGUFParts, block: nn.Module, prefix: str,
     file's bytes (each expert's slice of the stacked tensors); returns the names consumed, none
     where the file holds the experts in float."""
     names = [[prefix + n for n in block.expert_weight_names(e)] for e in range(block.experts.num_experts)]
+    if any(n not in found for expert in names for n in expert):
+        return set()  # a family that loads its experts stacked (gpt-oss: MXFP4 kept packed, or float)
     if all(found[n].ggml_type in _FLOAT_TYPES for expert in names for n in expert):
         return set()
     w13 = [parts.linear([found[gate], found[up]]) for gate, up, _ in names]

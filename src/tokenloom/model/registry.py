@@ -115,7 +115,7 @@ TEXT_GENERATION_MODELS: dict[str, ModelEntry] = {
         lora=False, tensor_parallel=False,
         notes="Mistral's attention; sparse MoE MLP (top-2 of 8, renormalised); GGUF: `llama` with expert tensors"),
     "GptOssForCausalLM": ModelEntry(
-        "gpt_oss", "gpt_oss", "GptOssForCausalLM", "gpt-oss", tensor_parallel=False,
+        "gpt_oss", "gpt_oss", "GptOssForCausalLM", "gpt-oss", gguf="gpt-oss", tensor_parallel=False,
         lora=False,  # its experts are stacked tensors, which model/lora.py does not wrap
         notes="mixture of experts (biased router, clamped SwiGLU with biases, MXFP4 experts as shipped), "
               "attention sinks (attention on the torch backend), q/k/v/o bias, alternating sliding-window layers"),
@@ -243,10 +243,11 @@ def models_page_markdown() -> str:
         "sparse MoE layer in place of the MLP: top-k routing, tokens grouped by expert, one matmul per chosen "
         "expert over only its tokens, quantized GGUF experts computed from the file's blocks. They run on one "
         "rank (no tensor or expert parallelism) and without LoRA; see [Mixture-of-experts models](moe.md).\n"
-        "\ngpt-oss (`GptOssForCausalLM`) loads from its Hugging Face directory as shipped: the experts' MXFP4 "
-        "weights (`quantization_config.quant_method: mxfp4`, `*_blocks` and `*_scales`) stay packed in memory "
-        "and each expert is unpacked for the step whose tokens chose it, so no float copy of the experts is kept; "
-        "a checkpoint with float experts loads too. Its attention sinks run on the torch attention backend "
+        "\ngpt-oss (`GptOssForCausalLM`) loads from its Hugging Face directory as shipped (the experts' MXFP4 "
+        "weights, `quantization_config.quant_method: mxfp4`, `*_blocks` and `*_scales`) and from llama.cpp's "
+        "`gpt-oss` GGUF (MXFP4 expert tensors): the MXFP4 experts stay packed in memory and each expert is "
+        "computed from its packed bytes for the step whose tokens chose it, so no float copy of the experts is "
+        "kept; a checkpoint with float experts loads too. Its attention sinks run on the torch attention backend "
         "(the selector picks it; decodes take the PyTorch path, not the C decode kernel). Its harmony chat "
         "format is read back by `--reasoning-parser openai_gptoss` (alias `gpt_oss`) and `--tool-call-parser "
         "openai` ([Structured outputs and tools](structured-outputs.md#reasoning-models)).\n")

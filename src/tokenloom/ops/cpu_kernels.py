@@ -19,6 +19,8 @@
 - `f32_panel_linear` (csrc/f32_panel.c): float32 matmuls of any row count on a weight packed once
   into panels of 16 output columns (`f32_panel_pack`); on AVX2 CPUs the float path's one copy of
   each weight (model/packed_linear.py), read by the eager layers and the fused decode step.
+- `mxfp4_linear` (csrc/mxfp4_gemm.c): float32 matmuls of a few rows on MXFP4 weights as gpt-oss
+  ships its experts (model/mxfp4.py), each weight byte read once, with no float copy of the weight.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
                                               "decode_step.c", "lora_decode.c", "amx_gemm.c", "bf16_dp_gemm.c",
-                                              "f32_gemv.c", "f32_panel.c")]
+                                              "f32_gemv.c", "f32_panel.c", "mxfp4_gemm.c")]
 # Every header (*.h, self-contained) and included fragment (*.inc, code included after the
 # macros it is a template over) is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
@@ -153,6 +155,17 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_f32_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
     lib.tl_f32_panel_linear.restype = _c_i32
     lib.tl_f32_panel_linear.argtypes = [_c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
+    return bind_mxfp4(lib)
+
+
+def bind_mxfp4(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares csrc/mxfp4_gemm.c's signatures (also on a library built from that source alone)."""
+    lib.tl_mxfp4_linear.restype = _c_i32
+    lib.tl_mxfp4_linear.argtypes = [_c_p, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_i64, _c_p, _c_i64, _c_p]
+    lib.tl_mxfp4_isa.restype = _c_i32
+    lib.tl_mxfp4_isa.argtypes = []
+    lib.tl_mxfp4_unpack.restype = _c_i32
+    lib.tl_mxfp4_unpack.argtypes = [_c_p, _c_p, _c_i64, _c_i64, _c_p, _c_i32]
     return lib
 
 
@@ -412,6 +425,42 @@ def f32_panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, ou
     if rc != 0:
         raise ValueError(f"f32_panel_linear rejected the shapes: x {tuple(x.shape)}, out_features {out_features}")
     return out.view(*x.shape[:-1], out_features)
+
+
+def mxfp4_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, mxfp4.dequantize(blocks, scales), bias)` for float32 `x` [..., K] (rows may be
+    strided, elements contiguous), MXFP4 `blocks` [N, K / 32, 16] and `scales` [N, K / 32]
+    (contiguous uint8) and a contiguous float32 `bias` [N], without the float weight
+    (csrc/mxfp4_gemm.c): float32 [..., N], summed in its own order."""
+    x2, ldx = _rows(x)
+    N, G, _ = blocks.shape
+    K = x2.shape[1]
+    if (x.dtype != torch.float32 or G * 32 != K or scales.shape != (N, G) or not blocks.is_contiguous()
+            or not scales.is_contiguous() or (bias is not None and bias.numel() != N)):
+        raise ValueError(f"mxfp4_linear rejected the shapes: x {tuple(x.shape)} {x.dtype}, blocks "
+                         f"{tuple(blocks.shape)}, scales {tuple(scales.shape)}")
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    rc = lib.tl_mxfp4_linear(blocks.data_ptr(), scales.data_ptr(), N, K, x2.data_ptr(), ldx, x2.shape[0],
+                             out.data_ptr(), N, None if bias is None else bias.data_ptr())
+    if rc == -3:
+        raise MemoryError("mxfp4_linear: no memory for the reordered activations")
+    if rc != 0:
+        raise ValueError(f"mxfp4_linear rejected the shapes (code {rc}): x {tuple(x.shape)}, N {N}")
+    return out.view(*x.shape[:-1], N)
+
+
+def mxfp4_unpack(lib: ctypes.CDLL, blocks: torch.Tensor, scales: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`mxfp4.dequantize(blocks, scales, dtype)` for contiguous uint8 `blocks` [N, K / 32, 16] and
+    `scales` [N, K / 32], float32 or bfloat16 (csrc/mxfp4_gemm.c): [N, K]."""
+    N, G, _ = blocks.shape
+    if (dtype not in (torch.float32, torch.bfloat16) or scales.shape != (N, G) or not blocks.is_contiguous()
+            or not scales.is_contiguous()):
+        raise ValueError(f"mxfp4_unpack rejected blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}, {dtype}")
+    out = torch.empty(N, G * 32, dtype=dtype)
+    lib.tl_mxfp4_unpack(blocks.data_ptr(), scales.data_ptr(), N, G * 32, out.data_ptr(), int(dtype == torch.bfloat16))
+    return out
 
 
 def argmax_f32(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:

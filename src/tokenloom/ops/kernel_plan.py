@@ -11,7 +11,10 @@ on: one table a reader can print. The dispatch takes its decisions from it:
   `quant_f32_rows` and `quant_force_level` to csrc/quant_gemm.c when it binds);
 - the float32 matmul's C GEMV threshold, panels and plain-weight threshold
   (model/packed_linear.py), the bfloat16 matmul's kernel (ops/amx.py) and the fused decode step
-  (model/fused_decode.py).
+  (model/fused_decode.py);
+- the rows below which gpt-oss's MXFP4 experts run the C kernel (model/gpt_oss.py,
+  `mxfp4_c_below_rows`, `mxfp4_c_below_rows_bf16`) rather than being unpacked to float for
+  torch's matmul.
 
 Some decisions stay in C because only the running CPU can answer them: the quantized kernel
 level (`__builtin_cpu_supports`, Linux granting the AMX tile state) and the function tables in
@@ -50,6 +53,12 @@ AMX_INT8_ROWS = {1: 16, 2: 8}  # csrc/quant_gemm_amx.inc's AMX_MIN_ROWS, by acti
 ACT_LEVELS = 2  # activation planes of a quantized matmul (ops/quant.ACT_LEVELS)
 F32_GEMV_BELOW_ROWS = 16  # "float32 GEMV"
 F32_PLAIN_FROM_ROWS = 512  # MKL on the plain weight beats oneDNN's copy from here (AVX2 only)
+# "MXFP4 experts in C": csrc/mxfp4_gemm.c below these rows, by the library's build level (its
+# vector loops outrun the unpacked float32 matmul well past a decode step's rows; the plain C ones
+# only for a few); with bfloat16 activations on CPUs that multiply bfloat16 natively, below
+# MXFP4_C_BELOW_ROWS_BF16 (the unpacked bfloat16 matmul catches up sooner).
+MXFP4_C_BELOW_ROWS = {"avx512": 64, "avx2": 64, "scalar": 4}
+MXFP4_C_BELOW_ROWS_BF16 = 16
 
 # The "last kernel" probe of csrc/quant_gemm.c (tl_q_last_kernel) -> the prefix of the kernel
 # names below that it stands for.
@@ -118,6 +127,8 @@ class KernelPlan:
     f32_plain_from_rows: int | None  # F.linear on the plain weight from here (None: never, released)
     bf16_matmul: str  # "tiles" | "dot_products" | "onednn" | "F.linear"
     fused_decode: bool  # whether FusedDecode.build may fuse a decode step into one C call
+    mxfp4_c_below_rows: int  # MXFP4 experts: csrc/mxfp4_gemm.c below this many rows (0: never)
+    mxfp4_c_below_rows_bf16: int  # the same for bfloat16 activations
     choices: tuple[KernelChoice, ...] = field(default=())
 
     def quant_level_for(self, fmt: str) -> str:
@@ -219,6 +230,16 @@ def _f32_choices(c: bool, panels: bool, gemv_below: int, plain_from: int | None)
     return _segments("f32_matmul", "float32", points)
 
 
+def _mxfp4_choices(isa: str, below: int, below_bf16: int, c: bool) -> list[KernelChoice]:
+    out = []
+    for dtype, rows in (("float32", below), ("bfloat16", below_bf16)):
+        points = [(1, "tl_mxfp4_linear", f"{isa} loops, each weight byte read once")] if rows > 1 else []
+        unpack = "tl_mxfp4_unpack + F.linear" if c else "unpack + F.linear"
+        points.append((max(rows, 1) if points else 1, unpack, f"the expert made {dtype} for the step"))
+        out += _segments("mxfp4_matmul", dtype, points)
+    return out
+
+
 def _bf16_kernel(features: CpuFeatures, env: KernelEnv) -> str:
     """ops/amx.py's choice: our AMX tile kernel where the avx512 build has AMX-BF16 (Linux
     granting the tile state), else the AVX512-BF16 dot products, else oneDNN where the CPU
@@ -277,12 +298,16 @@ def build_kernel_plan(features: CpuFeatures, env: KernelEnv) -> KernelPlan:
     choices = _f32_choices(c, panels, gemv_below, plain_from)
     if c:
         choices += _quant_choices(level, bf16_rows if level == 4 else 0, f32_rows if level == 1 else 0, silu_rows)
+    mxfp4_below = MXFP4_C_BELOW_ROWS[features.isa] if c else 0
+    mxfp4_below_bf16 = min(mxfp4_below, MXFP4_C_BELOW_ROWS_BF16) if features.native_bf16 else mxfp4_below
+    choices += _mxfp4_choices(features.isa, mxfp4_below, mxfp4_below_bf16, c)
     choices += _other_choices(features, c, bf16, env.fused_decode, panels)
     return KernelPlan(cpu_isa=features.isa, cpu_flags=tuple(features.isa_flags()), c_kernels=c,
                       quant_level=level, quant_force_level=force, quant_bf16_rows=bf16_rows,
                       quant_f32_rows=f32_rows, quant_silu_rows=silu_rows, f32_gemv_below_rows=gemv_below,
                       f32_panels=panels, f32_plain_from_rows=plain_from, bf16_matmul=bf16,
-                      fused_decode=env.fused_decode, choices=tuple(choices))
+                      fused_decode=env.fused_decode, mxfp4_c_below_rows=mxfp4_below,
+                      mxfp4_c_below_rows_bf16=mxfp4_below_bf16, choices=tuple(choices))
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[2] / "src" / "tokenloom" / "ops" / "csrc"
-SOURCES = ["quant_gemm.c", "f32_panel.c", "f32_gemv.c", "paged_decode.c", "elementwise.c",
+SOURCES = ["quant_gemm.c", "f32_panel.c", "f32_gemv.c", "paged_decode.c", "elementwise.c", "mxfp4_gemm.c",
            "amx_gemm.c", "bf16_dp_gemm.c"]
 # What GCC's -march=native enables on a Zen 4 (GCC 12 has no -march=znver4), i.e. the build
 # cpu_kernels makes there; the emulated Sapphire Rapids runs all of it.
