@@ -397,6 +397,43 @@ def test_silu_epilogue_is_silu_and_mul_of_the_matmul(qtype):
     assert quant.qlinear_silu_and_mul(x[:, :K].bfloat16(), w) is None
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None or quant.limit_isa(None) != AMX_BF16,
+                    reason="the L1 chunks are the bf16 tiles' own, which this CPU lacks")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_bf16_tiles_l1_chunks_are_the_whole_panels_bits(qtype):
+    """A decode step's matmul (a few 32-row pairs) dequantizes its panels a K chunk at a time into
+    L1, the sums waiting between chunks: the same bits as the whole panel dequantized at once, the
+    model's greedy output unmoved. K with a partial last chunk; row counts of one to four pairs
+    and one past them (a pass of the whole panels, then one of chunks); float32 and bfloat16
+    activations, a bias, the SiLU epilogue."""
+    K = 768 if qtype in K_FORMATS else 352
+    rng = np.random.default_rng(int(qtype) + 11)
+    tw = quant.tile_gguf(kquants.quantize(rng.standard_normal((80, K), dtype=np.float32), qtype), qtype)
+    gu = quant.concat_rows([quant.tile_gguf(kquants.quantize(rng.standard_normal((48, K), dtype=np.float32),
+                                                             qtype), qtype) for _ in range(2)])
+    bias = torch.from_numpy(rng.standard_normal(80, dtype=np.float32))
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for M in (16, 33, 64, 128, 300):
+            x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+            out += [quant.qlinear(x, tw, bias), quant.qlinear(x.bfloat16(), tw),
+                    quant.qlinear_silu_and_mul(x, gu)]
+        return out
+
+    state = rng.bit_generator.state
+    chunked = run()
+    rng.bit_generator.state = state
+    old = quant.set_bf16_tiles_l1_chunks(False)
+    try:
+        whole = run()
+    finally:
+        quant.set_bf16_tiles_l1_chunks(old)
+    assert old is True
+    for i, (a, b) in enumerate(zip(chunked, whole)):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_tiled_in_row_chunks_as_in_one_go(qtype, monkeypatch):
     """tile_gguf tiles a few MB of rows at a time (a whole LM head at once held several copies of

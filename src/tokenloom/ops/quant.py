@@ -111,6 +111,8 @@ def _lib() -> ctypes.CDLL:
         lib.tl_q_silu_rows.argtypes = [_c_i32]
         lib.tl_q_set_silu_epilogue.restype = _c_i32
         lib.tl_q_set_silu_epilogue.argtypes = [_c_i32]
+        lib.tl_q_set_amxb_l1_chunks.restype = _c_i32
+        lib.tl_q_set_amxb_l1_chunks.argtypes = [_c_i32]
         lib.tl_q_dequant_rows.restype = None
         lib.tl_q_dequant_rows.argtypes = [_c_i32, _c_p, _c_i64, _c_p, _c_i64, _c_p]
         lib.tl_q_force_isa.restype = _c_i32
@@ -180,6 +182,13 @@ def set_silu_epilogue(on: bool) -> bool:
     the gate|up matmul (default on); returns the previous setting. For tests and A/B runs."""
     _tile_rows.clear()
     return bool(_lib().tl_q_set_silu_epilogue(int(on)))
+
+
+def set_bf16_tiles_l1_chunks(on: bool) -> bool:
+    """Whether a bf16-tile matmul of a few row pairs (decode steps) dequantizes its weight panels
+    a K chunk at a time into L1 (default on) or each panel whole into L2; the results are the
+    same bits either way. Returns the previous setting. For tests and A/B runs."""
+    return bool(_lib().tl_q_set_amxb_l1_chunks(int(on)))
 
 
 _tile_rows: dict[int, int] = {}  # format -> silu_epilogue_rows(format), until a setting changes

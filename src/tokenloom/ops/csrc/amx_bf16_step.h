@@ -24,6 +24,15 @@ amx_bf16_store_sums(float *c) {
     _tile_stored(3, c + 528, 128);
 }
 
+/* Tiles 0-3 back from c (as amx_bf16_store_sums left them), to go on summing. */
+static inline __attribute__((always_inline, target("amx-tile"))) void
+amx_bf16_load_sums(const float *c) {
+    _tile_loadd(0, c, 128);
+    _tile_loadd(1, c + 16, 128);
+    _tile_loadd(2, c + 512, 128);
+    _tile_loadd(3, c + 528, 128);
+}
+
 /* The K step of a 16 x 32 block (one row tile: at most 16 rows, summed in one go): tiles 0-1
  * sum rows a0 times columns b0 | b1; tiles 2-3 stay zero. Each element is summed over the same
  * k in the same order as in amx_bf16_k_step, so the results are the same bits. */
