@@ -31,6 +31,7 @@ from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
 from tokenloom.ops import elementwise as ops
 from tokenloom.ops.moe import fused_experts, select_experts
+from tokenloom.ops.quant_moe import QuantExperts
 
 # The parts of an expert, in the order of `SparseMoeBlock.expert_names`.
 EXPERT_PARTS = ("gate", "up", "down")
@@ -57,10 +58,14 @@ class FusedMoE(nn.Module):
         # in place of the stacked weights (a GGUF's quantized experts); None: the stacked floats.
         self.quant_w13: nn.ModuleList | None = None
         self.quant_w2: nn.ModuleList | None = None
+        # Those experts as one C call per layer at decode sizes (ops/quant_moe), where they fit it.
+        self.quant_layer: QuantExperts | None = None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
         weights, ids = select_experts(router_logits, self.top_k, self.scoring, self.renormalize)
+        if self.quant_layer is not None and self.quant_layer.takes(x, ids):
+            return self.quant_layer.forward(x, weights, ids)
         return fused_experts(x, weights, ids, self.expert_forward)
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +102,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.num_experts} experts, got {len(w13)} gate|up and {len(w2)} down modules")
         self.quant_w13, self.quant_w2 = nn.ModuleList(w13), nn.ModuleList(w2)
         self.w13_weight = self.w2_weight = None
+        plain = self.activation is ops.silu_and_mul and type(self).expert_forward is FusedMoE.expert_forward
+        self.quant_layer = QuantExperts.of(w13, w2) if plain else None
 
     def extra_repr(self) -> str:
         kind = "float" if self.quant_w13 is None else "quantized"
