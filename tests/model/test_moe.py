@@ -297,10 +297,11 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(family, tok
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
-def test_int8_one_rank_and_no_fused_decode(family):
+def test_int8_one_rank_and_fused_decode(family, monkeypatch):
     """quantization="int8" makes every expert Q8 (routers stay float), logits close to the float
     path; a step reads top_k experts per MoE layer; tensor parallelism is refused naming the
-    option; the dense family's fused C decode step is off."""
+    option; the fused C decode step takes the quantized experts (not the float ones) and its
+    greedy tokens are the eager layers'."""
     from model_helpers import run_flat_batch
 
     from tokenloom.model.loader import load_model
@@ -324,4 +325,9 @@ def test_int8_one_rank_and_no_fused_decode(family):
     assert weight_bytes_per_token(q.model) - two == pytest.approx(experts * 6 / 8, abs=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=2: .* use tensor_parallel_size=1"):
         check_tensor_parallel(f.config, 2)
-    assert not f.config.is_plain_llama and not f.model.fused_decode_ok
+    from tokenloom.model.fused_decode import FusedDecode
+
+    assert FusedDecode.build(f.model) is None and FusedDecode.build(q.model).moe_experts
+    fused = _greedy(directory, prompts, quantization="int8")
+    monkeypatch.setenv("TOKENLOOM_FUSED_DECODE", "0")
+    assert fused == _greedy(directory, prompts, quantization="int8")

@@ -121,6 +121,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        # the router's plain weight stays beside its packed copy (a few rows): the fused decode
+        # step routes with it (model/fused_decode), and the eager step's C GEMV reads it
+        self.gate.keep_plain = True
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                 cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob)
         S = cfg.shared_expert_intermediate_size
@@ -220,7 +223,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     `MoeDecoderLayer`s; checkpoint names and loading of the MoE blocks are the blocks'."""
 
     decoder_layer_cls = MoeDecoderLayer
-    fused_decode_ok = False  # the C decode step computes dense MLPs only
+    fused_decode_ok = True  # float32 with quantized experts: model/fused_decode checks each block
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        plain = dataclasses.replace(config, num_experts=0).is_plain_llama
+        self.fused_decode_ok = type(self).fused_decode_ok and plain
 
     def moe_blocks(self) -> Iterable[tuple[int, SparseMoeBlock]]:
         for i, layer in enumerate(self.layers):
