@@ -60,10 +60,15 @@ class Shape:
     tied: bool
     context: int
     rope_factor: float | None = None  # Llama 3.1/3.2 ("llama3" rope scaling)
+    head_size: int | None = None  # where it is not hidden / heads (Qwen3)
+    experts: int = 0  # a mixture of experts in every layer (qwen3moe): expert count
+    experts_used: int = 0  # top-k
+    expert_ffn: int = 0  # each expert's width (moe_intermediate_size)
+    vocab: int | None = None  # the named model's vocabulary: SmolLM2's padded with unused tokens
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 # The published configs (Hugging Face config.json of each model).
@@ -73,6 +78,10 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, 1e-5, True, 131072, 32.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 500000.0, 1e-5, False, 131072, 8.0),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, 1000000.0, 1e-6, False, 32768),
+    # Qwen3-30B-A3B's body with 12 of its 48 layers (so that it fits: about 15 GB of F16, 4.5 GB
+    # of Q4_K_M), its full vocabulary and q/k norms.
+    "qwen3-30b-a3b-12l": Shape("qwen3moe", 2048, 12, 32, 4, 6144, 1000000.0, 1e-6, False, 40960,
+                               head_size=128, experts=128, experts_used=8, expert_ffn=768, vocab=151936),
 }
 
 # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*), as `llama_model_quantize` takes them.
@@ -91,7 +100,7 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 
 def tensor_specs(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, numpy shape [rows, cols], kind) in llama.cpp's order; kind is "weight" (F16,
-    random), "norm" (F32 ones), "bias" (F32 random) or "rope_freqs" (F32, computed)."""
+    random), "norm" (F32 ones), "bias" and "router" (F32 random) or "rope_freqs" (F32, computed)."""
     h, d = shape.hidden, shape.head_dim
     q, kv = shape.heads * d, shape.kv_heads * d
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, h), "weight")]
@@ -106,11 +115,20 @@ def tensor_specs(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], s
         if shape.arch == "qwen2":
             specs += [(f"{b}.attn_q.bias", (q,), "bias"), (f"{b}.attn_k.bias", (kv,), "bias"),
                       (f"{b}.attn_v.bias", (kv,), "bias")]
+        if shape.arch == "qwen3moe":
+            specs += [(f"{b}.attn_q_norm.weight", (d,), "norm"), (f"{b}.attn_k_norm.weight", (d,), "norm")]
         specs += [(f"{b}.attn_output.weight", (h, q), "weight"),
-                  (f"{b}.ffn_norm.weight", (h,), "norm"),
-                  (f"{b}.ffn_gate.weight", (shape.ffn, h), "weight"),
-                  (f"{b}.ffn_up.weight", (shape.ffn, h), "weight"),
-                  (f"{b}.ffn_down.weight", (h, shape.ffn), "weight")]
+                  (f"{b}.ffn_norm.weight", (h,), "norm")]
+        if shape.experts:  # stacked [E, rows, cols] as convert_hf_to_gguf.py writes them; the router F32
+            E, f = shape.experts, shape.expert_ffn
+            specs += [(f"{b}.ffn_gate_inp.weight", (E, h), "router"),
+                      (f"{b}.ffn_gate_exps.weight", (E, f, h), "weight"),
+                      (f"{b}.ffn_up_exps.weight", (E, f, h), "weight"),
+                      (f"{b}.ffn_down_exps.weight", (E, h, f), "weight")]
+        else:
+            specs += [(f"{b}.ffn_gate.weight", (shape.ffn, h), "weight"),
+                      (f"{b}.ffn_up.weight", (shape.ffn, h), "weight"),
+                      (f"{b}.ffn_down.weight", (h, shape.ffn), "weight")]
     specs.append(("output_norm.weight", (h,), "norm"))
     if not shape.tied:
         specs.append(("output.weight", (vocab, h), "weight"))
@@ -157,12 +175,24 @@ def _tokenizer_fields(source: str) -> tuple[list[tuple[str, Any, Any, Any]], int
     return fields, vocab
 
 
-def _copy_tokenizer(writer, source: str) -> int:
-    """Copies the tokenizer of `source` into `writer`; returns its vocabulary size."""
+_TOKEN_UNUSED = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED
+
+
+def _copy_tokenizer(writer, source: str, size: int | None = None) -> int:
+    """Copies the tokenizer of `source` into `writer`, its vocabulary padded to `size` entries
+    with unused tokens (never produced by the merges: the embedding and head get the named model's
+    rows); returns the vocabulary size."""
     fields, vocab = _tokenizer_fields(source)
+    pad = max(0, (size or vocab) - vocab)
     for key, value, vtype, sub in fields:
+        if pad and key == "tokenizer.ggml.tokens":
+            value = [*value, *(f"<|unused_{i}|>" for i in range(pad))]
+        elif pad and key == "tokenizer.ggml.token_type":
+            value = [*value, *([_TOKEN_UNUSED] * pad)]
+        elif pad and key == "tokenizer.ggml.scores":
+            value = [*value, *([0.0] * pad)]
         writer.add_key_value(key, value, vtype, sub)
-    return vocab
+    return vocab + pad
 
 
 def write_f16(name: str, shape: Shape, out: str, source: str, seed: int) -> None:
@@ -181,7 +211,14 @@ def write_f16(name: str, shape: Shape, out: str, source: str, seed: int) -> None
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
-    vocab = _copy_tokenizer(writer, source)
+    if shape.head_size is not None:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+    vocab = _copy_tokenizer(writer, source, shape.vocab)
     writer.add_vocab_size(vocab)
     writer.add_quantization_version(2)
     specs = tensor_specs(shape, vocab)
@@ -202,7 +239,7 @@ def write_f16(name: str, shape: Shape, out: str, source: str, seed: int) -> None
             data = np.resize(np.roll(pool, -start), n).reshape(tshape)  # tiles the pool
         elif kind == "norm":
             data = np.ones(tshape, dtype=np.float32)
-        elif kind == "bias":
+        elif kind in ("bias", "router"):
             data = (rng.standard_normal(n, dtype=np.float32) * 0.02).reshape(tshape)
         else:
             data = llama3_rope_factors(shape)
@@ -237,6 +274,10 @@ def hf_config(shape: Shape) -> dict[str, Any]:
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if shape.arch == "qwen2":
         config["attention_bias"] = True
+    if shape.arch == "qwen3moe":
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=shape.experts,
+                      num_experts_per_tok=shape.experts_used, moe_intermediate_size=shape.expert_ffn,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return config
 
 

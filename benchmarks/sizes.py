@@ -1,10 +1,15 @@
 """Issue 52's rows on one model shape, side by side, in one command: the speed at the sizes people
-run (a Llama-3.2-1B- or Llama-3.1-8B-shaped Q4_K_M file from `benchmarks/gguf_shapes.py`).
+run (a Llama-3.2-1B- or Llama-3.1-8B-shaped Q4_K_M file from `benchmarks/gguf_shapes.py`, or
+issue 50's Qwen3-30B-A3B-shaped mixture of experts, `qwen3-30b-a3b-12l`).
 
     python benchmarks/sizes.py --gguf /tmp/speed/shapes/llama-3.2-1b-Q4_K_M.gguf \
         --llamacpp-python /tmp/llamacpp-venv/bin/python \
         [--vllm-python /tmp/vllm-venv/bin/python] \
-        [--rows batch1,prefill512,concurrent16,batch64] [--num-iters 3] [--out-dir DIR]
+        [--rows batch1,prefill512,concurrent16,batch64] [--num-iters 3] [--out-dir DIR] \
+        [--output-len 128] [--warmup 1]
+
+`--output-len` (batch1, concurrent16) and `--warmup` shorten development runs on a busy machine;
+the issue's figures are the defaults.
 
 Each row is one `tokenloom bench` command (printed before it runs, its JSON kept in --out-dir),
 with the baseline loaded beside tokenloom and their timed runs alternating:
@@ -41,13 +46,15 @@ def _tokenloom() -> list[str]:
 def _commands(a: argparse.Namespace) -> dict[str, list[str]]:
     lc = ["--baseline", "llamacpp", "--llamacpp-python", a.llamacpp_python]
     iters = ["--num-iters", str(a.num_iters)]
+    warm = ["--warmup", str(a.warmup)]
+    out = str(a.output_len)
     cmds = {
-        "batch1": ["bench", "latency", "--model", a.gguf, "--input-len", "128", "--output-len", "128",
-                   *iters, *lc],
+        "batch1": ["bench", "latency", "--model", a.gguf, "--input-len", "128", "--output-len", out,
+                   *iters, *warm, *lc],
         "prefill512": ["bench", "latency", "--model", a.gguf, "--input-len", "512", "--output-len", "1",
-                       *iters, *lc],
+                       *iters, *warm, *lc],
         "concurrent16": ["bench", "throughput", "--model", a.gguf, "--num-prompts", "16",
-                         "--input-len", "128", "--output-len", "128", *iters, *lc],
+                         "--input-len", "128", "--output-len", out, *iters, *lc],
     }
     if a.vllm_python:
         cmds["batch64"] = ["bench", "throughput", "--model", a.gguf, "--num-prompts", "64",
@@ -72,7 +79,7 @@ def _row(name: str, r: dict[str, Any]) -> tuple[str, str, str, str, str]:
         frac = ours.get("roofline", {}).get("fraction_of_ceiling", 0.0)
         mem = (f"; RSS {ours['memory']['rss_mib']:.0f} / {base['memory']['rss_mib']:.0f} MiB, peak "
                f"{ours['memory']['peak_rss_mib']:.0f} / {base['memory']['peak_rss_mib']:.0f} MiB")
-        return ("1 x 128 x 128, decode tok/s", f"{t:.1f} ({frac:.0%} of roofline)", f"{b:.1f}",
+        return (f"1 x 128 x {r.get('output_len', 128)}, decode tok/s", f"{t:.1f} ({frac:.0%} of roofline)", f"{b:.1f}",
                 f"{t / b:.2f}x", ">= 1.2x or >= 90% roofline" + mem)
     if name == "prefill512":
         n = r["input_len"]
@@ -80,7 +87,7 @@ def _row(name: str, r: dict[str, Any]) -> tuple[str, str, str, str, str]:
         return ("prefill 512, prompt tok/s", f"{t:.0f}", f"{b:.0f}", f"{t / b:.2f}x", ">= 1.0x")
     t, b = ours["output_tokens_per_s"], base["output_tokens_per_s"]
     goal = ">= 1.5x llama.cpp batched" if name == "concurrent16" else ">= 1.3x vLLM best"
-    label = "16 x 128 x 128, out tok/s" if name == "concurrent16" else "64 x 128 x 128, out tok/s"
+    label = f"{r.get('num_prompts', 16)} x 128 x {r.get('output_len', 128)}, out tok/s"
     return (label, f"{t:.1f}", f"{b:.1f} ({base['backend']} {base.get('dtype', '')})", f"{t / b:.2f}x", goal)
 
 
@@ -91,6 +98,8 @@ def main() -> None:
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128, help="output tokens of batch1 and concurrent16")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations of the latency rows")
     p.add_argument("--out-dir", default="/tmp/tokenloom-sizes")
     a = p.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)

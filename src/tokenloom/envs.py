@@ -65,6 +65,8 @@ environment_variables: dict[str, tuple[Callable[[], Any], str]] = {
                           "0: bfloat16 matmuls not on our AVX512-BF16 dot-product kernel"),
     "TOKENLOOM_FUSED_DECODE": (_on_unless_zero("TOKENLOOM_FUSED_DECODE"),
                                "0: decode steps run the eager layers, never the one-call C step"),
+    "TOKENLOOM_FUSED_MOE": (_on_unless_zero("TOKENLOOM_FUSED_MOE"),
+                            "0: quantized experts run one matmul call per chosen expert, never the one-call C layer"),
     # --- resources
     "TOKENLOOM_NUM_THREADS": (lambda: os.environ.get("TOKENLOOM_NUM_THREADS", "").strip(),
                               "a fixed thread count per rank (no governor); empty: follow free cores"),

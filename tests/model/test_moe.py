@@ -96,6 +96,33 @@ def test_routing_scores():
         select_experts(logits, 2, "relu")
 
 
+def test_quantized_layer_in_one_call_equals_the_per_expert_path():
+    """Quantized experts (Q8_0 gate|up, Q4_0 down) at decode sizes: ops/quant_moe's one C call
+    per layer gives the per-expert matmuls' sum (float rounding apart), experts chosen by several
+    tokens included; a step whose expert has the plan's rows or more takes the per-expert path."""
+    from tokenloom.model.moe import FusedMoE
+    from tokenloom.model.quant_linear import QuantLinear
+    from tokenloom.ops import quant
+
+    torch.manual_seed(0)
+    E, H, I, k = 6, 64, 32, 2
+    moe = FusedMoE(E, k, H, I)
+    codes = torch.randint(0, 16, (E, H, I), dtype=torch.uint8).numpy()
+    moe.install_quantized([QuantLinear([quant.quantize_q8(torch.randn(2 * I, H) * 0.1)]) for _ in range(E)],
+                          [QuantLinear([quant.tile_int4_groups(codes[e], torch.rand(H, 1).numpy() * 0.02)])
+                           for e in range(E)])
+    layer = moe.quant_layer
+    assert layer is not None and (layer.fmt13, layer.fmt2) == (quant.FMT_Q8, quant.FMT_Q4_0)
+    for T in (1, 5):
+        x, logits = torch.randn(T, H), torch.randn(T, E)
+        weights, ids = select_experts(logits, k)
+        assert layer.takes(x, ids)
+        torch.testing.assert_close(layer.forward(x, weights, ids),
+                                   fused_experts(x, weights, ids, moe.expert_forward), rtol=1e-5, atol=1e-5)
+    crowded = torch.zeros(layer.below, k, dtype=torch.int64)  # expert 0 chosen by every token
+    assert not layer.takes(torch.randn(layer.below, H), crowded)
+
+
 # ----------------------------------------------------------------------------- families
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -270,10 +297,11 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(family, tok
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
-def test_int8_one_rank_and_no_fused_decode(family):
+def test_int8_one_rank_and_fused_decode(family, monkeypatch):
     """quantization="int8" makes every expert Q8 (routers stay float), logits close to the float
     path; a step reads top_k experts per MoE layer; tensor parallelism is refused naming the
-    option; the dense family's fused C decode step is off."""
+    option; the fused C decode step takes the quantized experts (not the float ones) and its
+    greedy tokens are the eager layers'."""
     from model_helpers import run_flat_batch
 
     from tokenloom.model.loader import load_model
@@ -297,4 +325,9 @@ def test_int8_one_rank_and_no_fused_decode(family):
     assert weight_bytes_per_token(q.model) - two == pytest.approx(experts * 6 / 8, abs=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=2: .* use tensor_parallel_size=1"):
         check_tensor_parallel(f.config, 2)
-    assert not f.config.is_plain_llama and not f.model.fused_decode_ok
+    from tokenloom.model.fused_decode import FusedDecode
+
+    assert FusedDecode.build(f.model) is None and FusedDecode.build(q.model).moe_experts
+    fused = _greedy(directory, prompts, quantization="int8")
+    monkeypatch.setenv("TOKENLOOM_FUSED_DECODE", "0")
+    assert fused == _greedy(directory, prompts, quantization="int8")

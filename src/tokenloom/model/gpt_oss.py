@@ -206,6 +206,7 @@ class GptOssDecoderLayer(MoeDecoderLayer):
 
 class GptOssForCausalLM(MoeForCausalLM):
     decoder_layer_cls = GptOssDecoderLayer
+    fused_decode_ok = False  # attention sinks and its own experts
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().checkpoint_shapes()

@@ -31,6 +31,7 @@ from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
 from tokenloom.ops import elementwise as ops
 from tokenloom.ops.moe import fused_experts, select_experts
+from tokenloom.ops.quant_moe import QuantExperts
 
 # The parts of an expert, in the order of `SparseMoeBlock.expert_names`.
 EXPERT_PARTS = ("gate", "up", "down")
@@ -57,10 +58,14 @@ class FusedMoE(nn.Module):
         # in place of the stacked weights (a GGUF's quantized experts); None: the stacked floats.
         self.quant_w13: nn.ModuleList | None = None
         self.quant_w2: nn.ModuleList | None = None
+        # Those experts as one C call per layer at decode sizes (ops/quant_moe), where they fit it.
+        self.quant_layer: QuantExperts | None = None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
         weights, ids = select_experts(router_logits, self.top_k, self.scoring, self.renormalize)
+        if self.quant_layer is not None and self.quant_layer.takes(x, ids):
+            return self.quant_layer.forward(x, weights, ids)
         return fused_experts(x, weights, ids, self.expert_forward)
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +102,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.num_experts} experts, got {len(w13)} gate|up and {len(w2)} down modules")
         self.quant_w13, self.quant_w2 = nn.ModuleList(w13), nn.ModuleList(w2)
         self.w13_weight = self.w2_weight = None
+        plain = self.activation is ops.silu_and_mul and type(self).expert_forward is FusedMoE.expert_forward
+        self.quant_layer = QuantExperts.of(w13, w2) if plain else None
 
     def extra_repr(self) -> str:
         kind = "float" if self.quant_w13 is None else "quantized"
@@ -114,6 +121,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        # the router's plain weight stays beside its packed copy (a few rows): the fused decode
+        # step routes with it (model/fused_decode), and the eager step's C GEMV reads it
+        self.gate.keep_plain = True
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                 cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob)
         S = cfg.shared_expert_intermediate_size
@@ -213,7 +223,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     `MoeDecoderLayer`s; checkpoint names and loading of the MoE blocks are the blocks'."""
 
     decoder_layer_cls = MoeDecoderLayer
-    fused_decode_ok = False  # the C decode step computes dense MLPs only
+    fused_decode_ok = True  # float32 with quantized experts: model/fused_decode checks each block
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__(config)
+        plain = dataclasses.replace(config, num_experts=0).is_plain_llama
+        self.fused_decode_ok = type(self).fused_decode_ok and plain
 
     def moe_blocks(self) -> Iterable[tuple[int, SparseMoeBlock]]:
         for i, layer in enumerate(self.layers):

@@ -283,7 +283,7 @@ def release_plain_weights(model: nn.Module) -> int:
 
 def _release_plain(m: nn.Module) -> int:
     """Frees `m`'s plain weight if it has a packed copy that serves every row count; the bytes."""
-    if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0:
+    if getattr(m, "packed_weight", None) is None or m.weight.numel() == 0 or getattr(m, "keep_plain", False):
         return 0
     if not isinstance(m.packed_weight, F32Panels) and _PLAIN_FROM_ROWS.get(m.weight.dtype, 0) is not None:
         return 0

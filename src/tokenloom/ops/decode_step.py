@@ -24,6 +24,7 @@ from tokenloom.ops import amx, cpu_kernels, quant
 from tokenloom.ops.cpu_kernels import F32Panels
 from tokenloom.ops.amx import AmxPackedWeight
 from tokenloom.ops.quant import TiledQuantWeight
+from tokenloom.ops.quant_moe import QuantExperts
 
 _c_i32, _c_i64, _c_p, _c_f = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -32,9 +33,15 @@ class _Mat(ctypes.Structure):
     _fields_ = [("w", _c_p), ("bias", _c_p), ("n", _c_i64), ("fmt", _c_i32), ("pad_", _c_i32)]
 
 
+class _Moe(ctypes.Structure):  # tl_moe
+    _fields_ = [("router", _c_p), ("w13", _c_p), ("w2", _c_p), ("fmt13", _c_i32), ("fmt2", _c_i32)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _c_p), ("post_norm", _c_p), ("qkv", _Mat), ("o", _Mat),
-                ("gate_up", _Mat), ("down", _Mat), ("k_cache", _c_p), ("v_cache", _c_p)]
+                ("gate_up", _Mat), ("down", _Mat), ("k_cache", _c_p), ("v_cache", _c_p),
+                ("q_norm", _c_p), ("k_norm", _c_p), ("moe", ctypes.POINTER(_Moe)),
+                ("k_part", _Mat), ("v_part", _Mat)]
 
 
 class _Model(ctypes.Structure):
@@ -42,7 +49,8 @@ class _Model(ctypes.Structure):
                 ("num_kv_heads", _c_i32), ("head_dim", _c_i32), ("intermediate", _c_i32),
                 ("block_size", _c_i32), ("act_levels", _c_i32), ("eps", _c_f), ("scale", _c_f),
                 ("kv_bf16", _c_i32), ("act_bf16", _c_i32), ("final_norm", _c_p),
-                ("cos_sin", _c_p), ("cs_stride", _c_i64)]
+                ("cos_sin", _c_p), ("cs_stride", _c_i64), ("moe_experts", _c_i32),
+                ("moe_top_k", _c_i32), ("moe_width", _c_i32), ("moe_renorm", _c_i32)]
 
 
 class _LoRAProj(ctypes.Structure):  # csrc/lora_decode.c's tl_lora_proj
@@ -123,6 +131,18 @@ class DecodeLoRATable:
 
 
 @dataclass(eq=False)
+class DecodeMoe:
+    """A mixture-of-experts block in place of a layer's MLP (float32 steps): the float32 router
+    [E, hidden] and the experts (ops/quant_moe.QuantExperts), `top_k` of them per token, their
+    weights renormalised where `renormalize`."""
+
+    router: torch.Tensor
+    experts: QuantExperts
+    top_k: int
+    renormalize: bool
+
+
+@dataclass(eq=False)
 class DecodeLayer:
     """One decoder layer's parameters: norm weights in the activations' dtype (float32 for
     quantized or float32 matrices, bfloat16 for bfloat16 ones), and the four matrices, each a
@@ -133,8 +153,13 @@ class DecodeLayer:
     qkv: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
     o: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
     gate_up: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
-    down: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels
+    down: TiledQuantWeight | AmxPackedWeight | F32Weight | F32Panels | None
     qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head norms (float32 [head_dim])
+    k_norm: torch.Tensor | None = None
+    moe: DecodeMoe | None = None  # in place of gate_up and down (None there)
+    # k's and v's quantized weights where q|k|v could not be one (formats differ): qkv is q's
+    kv_parts: tuple[TiledQuantWeight, TiledQuantWeight] | None = None
 
 
 class DecodeStep:
@@ -157,18 +182,27 @@ class DecodeStep:
         self.num_kv_heads = num_kv_heads
         # Kept referenced: the C structs hold raw pointers into these tensors.
         self._keep: list[torch.Tensor] = [final_norm, cos_sin]
+        dense = [lay for lay in layers if lay.moe is None]
+        moe = next((lay.moe for lay in layers if lay.moe is not None), None)
+        if bf16 and moe is not None:
+            raise RuntimeError("the fused decode step computes MoE blocks in float32 only")
         self._model = _Model(
             num_layers=len(layers), hidden=first.qkv.in_features, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim,
-            intermediate=first.gate_up.out_features // 2, block_size=0,
+            intermediate=dense[0].gate_up.out_features // 2 if dense else 0, block_size=0,
             act_levels=quant.ACT_LEVELS if act_levels is None else act_levels, eps=eps,
             scale=head_dim ** -0.5, act_bf16=int(bf16), final_norm=final_norm.data_ptr(),
-            cos_sin=cos_sin.data_ptr(), cs_stride=cos_sin.stride(0))
+            cos_sin=cos_sin.data_ptr(), cs_stride=cos_sin.stride(0),
+            moe_experts=0 if moe is None else moe.experts.num_experts, moe_top_k=0 if moe is None else moe.top_k,
+            moe_width=0 if moe is None else moe.experts.width, moe_renorm=int(moe is not None and moe.renormalize))
+        self._moes: list[_Moe] = []
         self._layers = (_Layer * len(layers))()
         for dst, lay in zip(self._layers, layers):
             self._keep += [lay.input_norm, lay.post_norm]
             dst.input_norm, dst.post_norm = lay.input_norm.data_ptr(), lay.post_norm.data_ptr()
             for field, w in (("qkv", lay.qkv), ("o", lay.o), ("gate_up", lay.gate_up), ("down", lay.down)):
+                if w is None:  # an MoE layer's MLP
+                    continue
                 fmt = (w.fmt if isinstance(w, TiledQuantWeight) else _FMT_F32 if isinstance(w, F32Weight)
                        else _FMT_F32_PANEL if isinstance(w, F32Panels) else _FMT_BF16)
                 self._keep.append(w.data)
@@ -177,6 +211,32 @@ class DecodeStep:
                 bias = lay.qkv_bias.float().contiguous()
                 self._keep.append(bias)
                 dst.qkv.bias = bias.data_ptr()
+            if lay.kv_parts is not None:
+                if bf16:
+                    raise RuntimeError("the fused decode step takes q, k and v apart in float32 only")
+                col = lay.qkv.out_features
+                for field, w in zip(("k_part", "v_part"), lay.kv_parts):
+                    self._keep.append(w.data)
+                    part = _Mat(w=w.data.data_ptr(), bias=None, n=w.out_features, fmt=w.fmt)
+                    if lay.qkv_bias is not None:
+                        part.bias = dst.qkv.bias + 4 * col
+                    setattr(dst, field, part)
+                    col += w.out_features
+            if lay.q_norm is not None:
+                qn, kn = lay.q_norm.float().contiguous(), lay.k_norm.float().contiguous()
+                self._keep += [qn, kn]
+                dst.q_norm, dst.k_norm = qn.data_ptr(), kn.data_ptr()
+            if lay.moe is not None:
+                m, x = lay.moe, lay.moe.experts
+                if (x.num_experts, m.top_k, x.width, m.renormalize) != (moe.experts.num_experts, moe.top_k,
+                                                                         moe.experts.width, moe.renormalize):
+                    raise ValueError("the fused decode step takes MoE layers of one shape")
+                router = m.router.float().contiguous()
+                self._keep += [router, x.w13_ptrs, x.w2_ptrs]
+                block = _Moe(router=router.data_ptr(), w13=x.w13_ptrs.data_ptr(), w2=x.w2_ptrs.data_ptr(),
+                             fmt13=x.fmt13, fmt2=x.fmt2)
+                self._moes.append(block)
+                dst.moe = ctypes.pointer(block)
         self._caches: tuple[int, ...] = ()
         self._workspace = torch.empty(0, dtype=torch.uint8)
 

@@ -52,6 +52,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     kernel updates `residual` in place. Normalizes in float32 and casts back before scaling by the
     weight, as transformers does; in bfloat16 this ordering keeps outputs within its rounding."""
     lib = _lib_for(x)
+    if lib is not None and residual is None and x.dim() == 3 and x.stride(2) == 1:
+        # per-head norms (Qwen3's q/k norm): one row per head, as the fused decode step runs them
+        return cpu_kernels.add_rms_norm(lib, x.reshape(-1, x.shape[2]), None, weight, eps).view(x.shape)
     if lib is not None and x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1):
         out = cpu_kernels.add_rms_norm(lib, x, residual, weight, eps)
         return out if residual is None else (out, residual)

@@ -59,6 +59,7 @@ F32_PLAIN_FROM_ROWS = 512  # MKL on the plain weight beats oneDNN's copy from he
 # MXFP4_C_BELOW_ROWS_BF16 (the unpacked bfloat16 matmul catches up sooner).
 MXFP4_C_BELOW_ROWS = {"avx512": 64, "avx2": 64, "scalar": 4}
 MXFP4_C_BELOW_ROWS_BF16 = 16
+MOE_FUSED_BELOW_ROWS = 16  # "Mixture of experts at the real shape"
 
 # The "last kernel" probe of csrc/quant_gemm.c (tl_q_last_kernel) -> the prefix of the kernel
 # names below that it stands for.
@@ -82,6 +83,7 @@ class KernelEnv:
     amx_bf16: bool = True
     bf16_dp: bool = True
     fused_decode: bool = True
+    fused_moe: bool = True
 
     @classmethod
     def from_environ(cls) -> KernelEnv:
@@ -89,7 +91,8 @@ class KernelEnv:
                    quant_bf16_rows=envs.TOKENLOOM_QUANT_BF16_ROWS,
                    quant_f32_rows=envs.TOKENLOOM_QUANT_F32_ROWS, f32_gemv=envs.TOKENLOOM_F32_GEMV,
                    f32_panel=envs.TOKENLOOM_F32_PANEL, amx_bf16=envs.TOKENLOOM_AMX_BF16,
-                   bf16_dp=envs.TOKENLOOM_BF16_DP, fused_decode=envs.TOKENLOOM_FUSED_DECODE)
+                   bf16_dp=envs.TOKENLOOM_BF16_DP, fused_decode=envs.TOKENLOOM_FUSED_DECODE,
+                   fused_moe=envs.TOKENLOOM_FUSED_MOE)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class KernelPlan:
     fused_decode: bool  # whether FusedDecode.build may fuse a decode step into one C call
     mxfp4_c_below_rows: int  # MXFP4 experts: csrc/mxfp4_gemm.c below this many rows (0: never)
     mxfp4_c_below_rows_bf16: int  # the same for bfloat16 activations
+    # quantized MoE experts: one tl_q_moe call per layer while every chosen expert has fewer
+    # rows than this (0: never; from here each expert's matmuls run on their own, AMX included)
+    moe_fused_below_rows: int = 0
     choices: tuple[KernelChoice, ...] = field(default=())
 
     def quant_level_for(self, fmt: str) -> str:
@@ -217,6 +223,30 @@ def _quant_choices(plan_level: int, bf16_rows: int, f32_rows: int, silu_rows: in
     return out
 
 
+def _moe_fused_rows(c: bool, fused: bool, level: int, bf16_rows: int, f32_rows: int) -> int:
+    """Rows per expert below which a quantized MoE layer runs as one tl_q_moe call: its tile
+    kernels are tl_q_linear's below the AMX int8 tiles (and the bf16 / float32 panels), so it stops
+    where a lone expert's matmul would change kernel."""
+    if not (c and fused):
+        return 0
+    stops = [MOE_FUSED_BELOW_ROWS]
+    if level >= 3:
+        stops.append(AMX_INT8_ROWS[ACT_LEVELS])
+    if level == 4 and bf16_rows > 0:
+        stops.append(bf16_rows)
+    if level == 1 and f32_rows > 0:
+        stops.append(f32_rows)
+    return min(stops)
+
+
+def _moe_choices(below: int) -> list[KernelChoice]:
+    points = [(1, "per-expert quant_matmul", "two matmuls, an activation and an add per chosen expert")]
+    if below > 1:
+        points = [(1, "tl_q_moe", "one call per layer over the chosen experts"),
+                  (below, *points[0][1:])]
+    return _segments("quant_moe_experts", "float32", points)
+
+
 def _f32_choices(c: bool, panels: bool, gemv_below: int, plain_from: int | None) -> list[KernelChoice]:
     if panels:
         return _segments("f32_matmul", "float32", [(1, "tl_f32_panel_linear", "one panel-packed copy")])
@@ -296,8 +326,10 @@ def build_kernel_plan(features: CpuFeatures, env: KernelEnv) -> KernelPlan:
     plain_from = None if features.isa == "avx512" else F32_PLAIN_FROM_ROWS
     bf16 = _bf16_kernel(features, env)
     choices = _f32_choices(c, panels, gemv_below, plain_from)
+    moe_rows = _moe_fused_rows(c, env.fused_moe, level, bf16_rows, f32_rows)
     if c:
         choices += _quant_choices(level, bf16_rows if level == 4 else 0, f32_rows if level == 1 else 0, silu_rows)
+        choices += _moe_choices(moe_rows)
     mxfp4_below = MXFP4_C_BELOW_ROWS[features.isa] if c else 0
     mxfp4_below_bf16 = min(mxfp4_below, MXFP4_C_BELOW_ROWS_BF16) if features.native_bf16 else mxfp4_below
     choices += _mxfp4_choices(features.isa, mxfp4_below, mxfp4_below_bf16, c)
@@ -307,7 +339,8 @@ def build_kernel_plan(features: CpuFeatures, env: KernelEnv) -> KernelPlan:
                       quant_f32_rows=f32_rows, quant_silu_rows=silu_rows, f32_gemv_below_rows=gemv_below,
                       f32_panels=panels, f32_plain_from_rows=plain_from, bf16_matmul=bf16,
                       fused_decode=env.fused_decode, mxfp4_c_below_rows=mxfp4_below,
-                      mxfp4_c_below_rows_bf16=mxfp4_below_bf16, choices=tuple(choices))
+                      mxfp4_c_below_rows_bf16=mxfp4_below_bf16, moe_fused_below_rows=moe_rows,
+                      choices=tuple(choices))
 
 
 @functools.lru_cache(maxsize=8)

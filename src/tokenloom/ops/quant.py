@@ -264,14 +264,20 @@ def _block_codes(q: np.ndarray, fmt: int, n_pad: int) -> np.ndarray:
     N, nb, _ = q.shape
     low = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
     parts = [_tile_codes(low, n_pad)]
+    # (the bits are gathered by ORs of shifted slices: numpy's sum over a short axis is a slow
+    # strided reduction, most of a K-quant file's load)
     if fmt in (FMT_Q5_0, FMT_Q5_K):
-        h = (q >> 4).reshape(N, nb, 8, 4).astype(np.uint16)
-        bits = (h << np.arange(8, dtype=np.uint16)[:, None]).sum(2).astype(np.uint8)
+        h = (q >> 4).reshape(N, nb, 8, 4)
+        bits = h[:, :, 0].copy()
+        for g in range(1, 8):
+            bits |= h[:, :, g] << g
         parts.append(_tile_codes(bits, n_pad))
     elif fmt == FMT_Q6_K:
-        h = (q >> 4).reshape(N, nb, 2, 4, 4).astype(np.uint16)
-        shifts = (2 * np.arange(4, dtype=np.uint16))[:, None]
-        parts.append(_tile_codes((h << shifts).sum(3).astype(np.uint8).reshape(N, nb, 8), n_pad))
+        h = (q >> 4).reshape(N, nb, 2, 4, 4)
+        bits = h[:, :, :, 0].copy()
+        for g in range(1, 4):
+            bits |= h[:, :, :, g] << (2 * g)
+        parts.append(_tile_codes(bits.reshape(N, nb, 8), n_pad))
     return np.concatenate(parts, axis=2)
 
 

@@ -21,8 +21,11 @@
  * runs the eager layers): float32 activations over a float32 or bfloat16 KV cache (the latter
  * written as torch's `.to(torch.bfloat16)` rounds: to nearest even), or bfloat16 activations
  * and cache; every token a decode (one query token per request, in request order), full
- * attention, no tensor parallelism, optional q/k/v bias, no q/k norm.
+ * attention, no tensor parallelism, optional q/k/v bias, optional q/k norm (Qwen3), and in float32
+ * with quantized experts a mixture-of-experts block in place of a layer's MLP (Qwen3-MoE: the
+ * float32 router, softmax, top-k, the chosen experts through quant_moe.inc's tl_q_moe).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -70,6 +73,10 @@ int32_t tl_f32_panel_linear(const float *pw, int64_t N, int64_t K, const float *
 int32_t tl_bf16_packed_linear(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *packed,
                               int64_t N, int64_t K, const float *bias, uint16_t *y, int64_t ldy,
                               void *scratch, int64_t kchunk);
+int64_t tl_q_moe_scratch_bytes(int64_t P, int64_t H, int64_t I);
+int32_t tl_q_moe(int32_t fmt13, const uint8_t *const *w13, int32_t fmt2, const uint8_t *const *w2,
+                 int64_t E, int64_t H, int64_t I, const float *x, int64_t T, int64_t k,
+                 const int64_t *topk_ids, const float *topk_w, float *out, void *scratch, int32_t levels);
 /* LoRA adapters (lora_decode.c): opaque here, NULL for a step without one. */
 typedef struct tl_lora tl_lora;
 int32_t tl_lora_touches(const tl_lora *lo, int32_t layer, int32_t which, int32_t T);
@@ -92,12 +99,27 @@ typedef struct {
     int32_t pad_;
 } tl_mat;
 
+/* A mixture-of-experts block (float32 activations): the router [E, hidden] (plain float32) and
+ * per expert the tiled gate|up and down weights' addresses (tl_model's moe_* give the shapes). */
+typedef struct {
+    const float *router;
+    const uint8_t *const *w13;
+    const uint8_t *const *w2;
+    int32_t fmt13, fmt2;
+} tl_moe;
+
 /* One decoder layer's parameters (norm weights in the activations' dtype) and KV cache (both
- * [num_blocks * block_size, Hkv, D], float32 or bfloat16 as tl_model.kv_bf16 says). */
+ * [num_blocks * block_size, Hkv, D], float32 or bfloat16 as tl_model.kv_bf16 says); q_norm and
+ * k_norm [head_dim] (float32) or NULL; moe NULL for a dense MLP (gate_up, down). */
 typedef struct {
     const void *input_norm, *post_norm;
     tl_mat qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    const float *q_norm, *k_norm;
+    const tl_moe *moe;
+    /* q, k and v as three quantized weights where their formats differ (a Q4_K_M file's Q6_K
+     * attn_v): qkv then holds q's rows, these k's and v's (w NULL: qkv holds all three) */
+    tl_mat k_part, v_part;
 } tl_layer;
 
 /* The model's shape and dtypes, fixed at load. */
@@ -109,6 +131,7 @@ typedef struct {
     const void *final_norm;
     const float *cos_sin;
     int64_t cs_stride;
+    int32_t moe_experts, moe_top_k, moe_width, moe_renorm; /* 0 experts: no MoE layer */
 } tl_model;
 
 static int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -126,7 +149,40 @@ int64_t tl_llama_decode_workspace(const tl_model *m, int64_t T) {
         const int64_t a = tl_amx_bf16_scratch_bytes(T, kmax), q = tl_q_bf16_scratch_bytes(T, nmax, kmax);
         extra = a > q ? a : q;
     }
-    return align64(elems * 4) + 64 + extra;
+    int64_t moe = 0;
+    if (m->moe_experts > 0) { /* router logits, the top k's ids and weights, tl_q_moe's scratch */
+        const int64_t P = T * m->moe_top_k;
+        moe = align64(T * m->moe_experts * 4) + align64(P * 8) + align64(P * 4) + 64 +
+              tl_q_moe_scratch_bytes(P, H, m->moe_width);
+    }
+    return align64(elems * 4) + 64 + (extra > moe ? extra : moe);
+}
+
+/* softmax over each token's E router logits, the top k (lower id first among equals), their
+ * weights renormalised to sum 1 where `renorm`: ops/moe.select_experts' "softmax" scoring. */
+static void route(const float *logits, int32_t T, int32_t E, int32_t k, int32_t renorm,
+                  int64_t *ids, float *w) {
+    for (int32_t t = 0; t < T; t++) {
+        const float *l = logits + (int64_t)t * E;
+        float mx = l[0], sum = 0.0f;
+        for (int32_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int32_t e = 0; e < E; e++) sum += expf(l[e] - mx);
+        int64_t *id = ids + (int64_t)t * k;
+        float *wt = w + (int64_t)t * k, chosen = 0.0f;
+        for (int32_t j = 0; j < k; j++) {
+            int32_t best = -1;
+            for (int32_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int32_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[j] = best;
+            wt[j] = expf(l[best] - mx) / sum;
+            chosen += wt[j];
+        }
+        if (renorm)
+            for (int32_t j = 0; j < k; j++) wt[j] /= chosen;
+    }
 }
 
 /* y[T, n] = x[T, K] W^T (+ bias) in the activations' dtype; `tmp` is the kernel's scratch. */
@@ -188,8 +244,26 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
         } else {
             norm(m, y, residual, L->input_norm, x, T);
         }
-        if ((rc = linear(m, &L->qkv, x, H, T, qkv, tmp))) return rc;
+        if (L->k_part.w) { /* three quantized parts side by side in each row (float32 only) */
+            const tl_mat *parts[3] = {&L->qkv, &L->k_part, &L->v_part};
+            int64_t col = 0;
+            if (m->act_bf16) return -1;
+            for (int i = 0; i < 3; i++) {
+                if ((rc = tl_q_linear(parts[i]->fmt, (const uint8_t *)parts[i]->w, parts[i]->n, H,
+                                      (const float *)x, H, T, (float *)qkv + col, nqkv, parts[i]->bias,
+                                      tmp, m->act_levels))) return rc;
+                col += parts[i]->n;
+            }
+        } else if ((rc = linear(m, &L->qkv, x, H, T, qkv, tmp))) return rc;
         tl_lora_add(lora, l, TL_QKV, (const float *)x, H, T, (float *)qkv, nqkv);
+        if (L->q_norm) { /* Qwen3: each q and k head RMS-normed before the rotation, in place */
+            if (m->act_bf16) return -1;
+            for (int32_t t = 0; t < T; t++) {
+                float *row = (float *)qkv + (int64_t)t * nqkv;
+                tl_add_rms_norm_f32(row, D, NULL, 0, L->q_norm, row, D, Hq, D, m->eps);
+                tl_add_rms_norm_f32(row + qd, D, NULL, 0, L->k_norm, row + qd, D, Hkv, D, m->eps);
+            }
+        }
         /* q and k heads are adjacent in a row: one RoPE over both */
         if (m->act_bf16)
             tl_rope_bf16((uint16_t *)qkv, nqkv, T, Hq + Hkv, D, positions, m->cos_sin, m->cs_stride);
@@ -220,6 +294,21 @@ int32_t tl_llama_decode(const tl_model *m, const tl_layer *layers, const void *h
         if ((rc = linear(m, &L->o, attn, qd, T, y, tmp))) return rc;
         tl_lora_add(lora, l, TL_O, (const float *)attn, qd, T, (float *)y, H);
         norm(m, y, residual, L->post_norm, x, T);
+        if (L->moe) { /* the router, then the chosen experts in one call */
+            const tl_moe *mo = L->moe;
+            const int32_t E = m->moe_experts, k = m->moe_top_k;
+            if (m->act_bf16 || lora) return -1;
+            char *mb = (char *)tmp;
+            float *logits = (float *)mb;
+            int64_t *ids = (int64_t *)(mb + align64(T * E * 4));
+            float *wts = (float *)((char *)ids + align64(T * k * 8));
+            void *ms = (void *)(((uintptr_t)((char *)wts + align64(T * k * 4)) + 63) & ~(uintptr_t)63);
+            if ((rc = tl_f32_linear(mo->router, E, H, (const float *)x, H, T, logits, E, NULL))) return rc;
+            route(logits, T, E, k, m->moe_renorm, ids, wts);
+            if ((rc = tl_q_moe(mo->fmt13, mo->w13, mo->fmt2, mo->w2, E, H, m->moe_width, (const float *)x,
+                               T, k, ids, wts, (float *)y, ms, m->act_levels))) return rc;
+            continue;
+        }
         /* float32 on a quantized gate|up: SiLU-and-mul in the matmul's epilogue where the bf16
          * tiles run (1: they do not, two passes as below), the same bits as the two passes; an
          * adapter's product must come before the activation: two passes too */

@@ -515,3 +515,5 @@ void tl_q_dequant_rows(int32_t fmt, const uint8_t *w, int64_t K, const int64_t *
         }
     }
 }
+
+#include "quant_moe.inc" /* tl_q_moe: a layer's chosen quantized experts in one call */
