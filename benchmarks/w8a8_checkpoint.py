@@ -36,17 +36,14 @@ W8A8_CONFIG = {
 }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("source", help="directory with config.json and the tokenizer files")
-    p.add_argument("out", help="directory to write (created)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    with open(os.path.join(args.source, "config.json")) as f:
+def write_w8a8(source: str, out: str, seed: int = 0) -> str:
+    """OUT: SOURCE's config with W8A8_CONFIG, random int8 codes and per-channel scales, bfloat16
+    embedding, head and norms, and SOURCE's tokenizer files. Returns OUT."""
+    with open(os.path.join(source, "config.json")) as f:
         cfg = json.load(f)
     from safetensors.torch import save_file
 
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(seed)
     H, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or H // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
@@ -66,16 +63,26 @@ def main() -> int:
     tensors["model.embed_tokens.weight"] = (torch.randn(vocab, H, generator=g) * 0.02).to(torch.bfloat16)
     if not cfg.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = (torch.randn(vocab, H, generator=g) * 0.02).to(torch.bfloat16)
-    os.makedirs(args.out, exist_ok=True)
-    save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     cfg["quantization_config"] = W8A8_CONFIG
-    with open(os.path.join(args.out, "config.json"), "w") as f:
+    with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    for name in os.listdir(args.source):  # tokenizer, chat template, generation config
+    for name in os.listdir(source):  # tokenizer, chat template, generation config
         if name != "config.json" and not name.endswith((".safetensors", ".bin")):
-            shutil.copy(os.path.join(args.source, name), args.out)
-    size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
-    print(f"w8a8_checkpoint: {layers} layers of int8, {size / 2**20:,.0f} MiB -> {args.out}")
+            shutil.copy(os.path.join(source, name), out)
+    size = os.path.getsize(os.path.join(out, "model.safetensors"))
+    print(f"w8a8_checkpoint: {layers} layers of int8, {size / 2**20:,.0f} MiB -> {out}", file=sys.stderr)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("source", help="directory with config.json and the tokenizer files")
+    p.add_argument("out", help="directory to write (created)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    write_w8a8(args.source, args.out, args.seed)
     return 0
 
 

@@ -19,6 +19,8 @@
 - `f32_panel_linear` (csrc/f32_panel.c): float32 matmuls of any row count on a weight packed once
   into panels of 16 output columns (`f32_panel_pack`); on AVX2 CPUs the float path's one copy of
   each weight (model/packed_linear.py), read by the eager layers and the fused decode step.
+- `tl_lp_linear` (csrc/lowp_gemm.c): matmuls on FP8 e4m3 (with scales) and bfloat16 weights kept
+  in their stored width, float32 activations and outputs (`ops/lowp.py`).
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
                                               "decode_step.c", "lora_decode.c", "amx_gemm.c", "bf16_dp_gemm.c",
-                                              "f32_gemv.c", "f32_panel.c")]
+                                              "f32_gemv.c", "f32_panel.c", "lowp_gemm.c")]
 # Every header (*.h, self-contained) and included fragment (*.inc, code included after the
 # macros it is a template over) is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
