@@ -6,6 +6,7 @@ transformers in float32 on the weights dequantized by compressed-tensors (its de
 FP8BlockDequantizer)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,8 @@ from tokenloom.model.errors import ModelLoadError  # noqa: E402
 from tokenloom.model.loader import load_model  # noqa: E402
 from tokenloom.model.quant_config import detect_quantization  # noqa: E402
 from tokenloom.model.quant_linear import QuantLinear  # noqa: E402
-from tokenloom.ops import cpu_kernels, quant  # noqa: E402
+from tokenloom.ops import cpu_kernels, lowp, quant  # noqa: E402
+from tokenloom.ops.lowp import LowpWeight  # noqa: E402
 
 N_TOKENS = 32
 # 256 x 320 matrices: FP8 128x128 blocks, the last column of blocks partial.
@@ -162,18 +164,34 @@ def test_w8a8_dtype_choices(checkpoints, prompts):
 @pytest.mark.parametrize("kind", ["fp8_w8a16", pytest.param("fp8_block", marks=pytest.mark.slow),
                                   pytest.param("fp8_dynamic", marks=pytest.mark.slow)])
 def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind):
-    """FP8 weights dequantized once at load: in float32 the engine computes what transformers
-    computes on compressed-tensors' dequantized weights, so greedy tokens are identical (3 prompts
-    x 32 through the engine). The default dtype is the float path's (bfloat16 where the CPU
-    multiplies it natively), which is what the dequantized copy is then held in."""
+    """FP8 weights kept in their bytes (ops/lowp), each widened times its scale to the float32
+    dequantization's value: in float32 the engine computes what transformers computes on
+    compressed-tensors' dequantized weights, so greedy tokens are identical (3 prompts x 32
+    through the engine; the AMX bf16 tiles, which round to bfloat16 from 16 rows, off, and the
+    KV cache in float32, not the quantized paths' bfloat16). Every
+    matrix holds one byte a weight, in the default dtype too."""
     directory, ref = checkpoints(kind)
-    quantization, tokens = _greedy(directory, prompts, dtype="float32")
-    assert "F8_E4M3x14 dequantized to float32 at load" in quantization
+    with _float32_sums():
+        quantization, tokens = _greedy(directory, prompts, dtype="float32", kv_cache_dtype="float32")
+    assert "F8_E4M3x14" in quantization and "dequantized" not in quantization
     assert tokens == _hf_greedy(ref, prompts)
     loaded = load_model(directory)
-    assert loaded.model.layers[0].mlp.down_proj.weight.dtype == loaded.dtype
-    assert loaded.quantization.endswith(f"dequantized to {str(loaded.dtype).removeprefix('torch.')} at load "
-                                        "(float path)")
+    for layer in loaded.model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            (part,) = m.parts
+            assert isinstance(part, LowpWeight) and part.format_name == "F8_E4M3"
+            assert part.data.element_size() == 1 and part.data.numel() <= 1.5 * part.out_features * part.in_features
+    assert not [n for n, p in loaded.model.layers.named_parameters() if p.dim() >= 2]
+
+
+@contextlib.contextmanager
+def _float32_sums():
+    previous = lowp.set_amx_rows(0) if lowp.available() else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            lowp.set_amx_rows(previous)
 
 
 @pytest.mark.parametrize("kind,method", [("fp8_block", "fp8 128x128 blocks"), ("fp8_tensor", "fp8"),
@@ -181,12 +199,12 @@ def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind
 def test_fp8_scales(checkpoints, prompts, kind, method):
     """128x128 weight blocks (partial ones at the edges), as `fp8` (weight_scale_inv, DeepSeek /
     Qwen) and compressed-tensors' FP8_BLOCK (weight_scale) write them, and `fp8` per-tensor scales
-    (a static input_scale, not applied): dequantized at load, the float32 logits are the
-    reference's."""
+    (a static input_scale, not applied): kept as stored, the float32 logits are the reference's."""
     directory, ref = checkpoints(kind)
     loaded = load_model(directory, dtype="float32")
     assert loaded.quantization.startswith(f"{method} F8_E4M3x14")
-    got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
+    with _float32_sums():
+        got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 

@@ -140,11 +140,12 @@ class QuantSummary:
         names = sorted(self.formats)
         fmts = "+".join(f"{k}x{self.formats[k]}" for k in names)
         codes = {v: k for k, v in quant.FORMAT_NAMES.items()}
-        isas = {k: quant.kernel_isa(codes[k]) for k in names}
+        # FP8 weights kept as stored run on ops/lowp's kernels, the rest on ops/quant's
+        isas = {k: quant.kernel_isa(codes[k]) if k in codes else lowp.kernel_level() for k in names}
         main = Counter(isas.values()).most_common(1)[0][0]
         odd = ", ".join(f"{k}: {v}" for k, v in isas.items() if v != main)
         text = f"{self.method} {fmts} {main}" + (f" ({odd})" if odd else "")
-        if panel_rows := max(quant.f32_panel_rows(codes[k]) for k in names):
+        if panel_rows := max((quant.f32_panel_rows(codes[k]) for k in names if k in codes), default=0):
             text += f", float32 panels from {panel_rows} rows"
         if self.fallbacks:
             text += f"; dequantized: {len(self.fallbacks)} tensors"

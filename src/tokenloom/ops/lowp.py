@@ -61,6 +61,13 @@ def limit_level(level: str | None) -> str:
     return LEVEL_KERNELS[lib.tl_lp_limit_level(want)]
 
 
+def set_amx_rows(rows: int) -> int:
+    """Matmuls of at least `rows` rows run on the AMX bf16 tiles where the CPU has them (0:
+    never); returns the previous threshold. For tests (float32 results at every row count) and
+    A/B measurements."""
+    return int(_lib().tl_lp_set_amx_rows(rows))
+
+
 def kernel_level() -> str:
     """The best kernel in use here (lp_amx_bf16 runs from `quant_bf16_rows` rows, lp_avx512 below)."""
     return LEVEL_KERNELS[_lib().tl_lp_level()]
