@@ -4,7 +4,7 @@ on tokenloom, W8A8 against the int8 path.
 
     python benchmarks/ckpt_shapes.py llama-3.2-1b OUT_DIR [--group-size 128] [--asym]
     python benchmarks/ckpt_shapes.py llama-3.2-1b OUT_DIR --run /tmp/speed/shapes/llama-3.2-1b-Q4_K_M.gguf
-        [--w8a8] [--batches 1,64] [--input-len 128] [--output-len 64] [--rounds 2]
+        [--w8a8] [--fp8] [--batches 1,64] [--input-len 128] [--output-len 64] [--rounds 2]
 
 The first form writes OUT_DIR/<shape>-w4a16: gguf_shapes.py's config.json and tokenizer (the
 embedded SmolLM2's vocabulary) with a `quantization_config` as llm-compressor writes it for
@@ -19,7 +19,9 @@ the same engine options) and times `generate` on the same random prompts at each
 tokens/s of each and their ratio, per batch size (the median over the rounds). `--w8a8` then
 does the same for a W8A8 checkpoint of the shape (benchmarks/w8a8_checkpoint.py, written to
 OUT_DIR/<shape>-w8a8) against the int8 path on the same config (`load_format="dummy"`,
-`quantization="int8"`), one pair loaded at a time, and prints every ratio at the end.
+`quantization="int8"`), and `--fp8` for an FP8 (per-channel e4m3) one against the bfloat16
+float path of the shape (random weights, what a dequantized FP8 checkpoint ran as), one pair
+loaded at a time; every ratio is printed at the end.
 """
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run", metavar="GGUF", default=None, help="time the checkpoint against this GGUF")
     p.add_argument("--w8a8", action="store_true", help="also time a W8A8 checkpoint against the int8 path")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time an FP8 checkpoint against the bfloat16 float path of the same shape")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -157,13 +161,15 @@ def main() -> int:
     if not os.path.isfile(os.path.join(directory, "model.safetensors")):
         directory = write_w4a16(args.shape, args.out, args.group_size, not args.asym, args.seed)
         print(f"wrote {directory}", file=sys.stderr)
-    if not args.run:
+    if not (args.run or args.w8a8 or args.fp8):
         return 0
     batches = [int(b) for b in args.batches.split(",")]
-    pairs = {("w4a16", "gguf"): {"w4a16": (directory, {}), "gguf": (args.run, {})}}
-    if args.w8a8:
-        w8a8 = os.path.join(args.out, f"{args.shape}-w8a8")
-        if not os.path.isfile(os.path.join(w8a8, "model.safetensors")):
+    pairs = {("w4a16", "gguf"): {"w4a16": (directory, {}), "gguf": (args.run, {})}} if args.run else {}
+    for kind, wanted in (("w8a8", args.w8a8), ("fp8", args.fp8)):
+        if not wanted:
+            continue
+        ckpt = os.path.join(args.out, f"{args.shape}-{kind}")
+        if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
             import importlib.util
 
             gguf_shapes = _gguf_shapes()
@@ -174,9 +180,13 @@ def main() -> int:
             spec = importlib.util.spec_from_file_location("w8a8_checkpoint", os.path.join(HERE, "w8a8_checkpoint.py"))
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            module.write_w8a8(hf_dir, w8a8, args.seed)
-        pairs[("w8a8", "int8")] = {"w8a8": (w8a8, {}),
-                                   "int8": (w8a8, {"load_format": "dummy", "quantization": "int8"})}
+            module.write_w8a8(hf_dir, ckpt, args.seed, fp8=kind == "fp8")
+        if kind == "w8a8":
+            pairs[("w8a8", "int8")] = {"w8a8": (ckpt, {}),
+                                       "int8": (ckpt, {"load_format": "dummy", "quantization": "int8"})}
+        else:  # what an FP8 checkpoint ran as before: dequantized to bfloat16, the float path
+            pairs[("fp8", "bf16")] = {"fp8": (ckpt, {"dtype": "bfloat16"}),
+                                      "bf16": (ckpt, {"load_format": "dummy", "dtype": "bfloat16"})}
     lines = []
     for (a, b), engines in pairs.items():
         res = run(engines, batches, args.input_len, args.output_len, args.rounds)

@@ -38,29 +38,16 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     """FP8 weight [N, K] * scale -> `dtype`: `scale` per tensor ([] or [1]), per channel ([N, 1]
     or [N]) or, with `block` (rows, cols), one per block [ceil(N/rows), ceil(K/cols)]."""
     N, K = weight.shape
-    s = scale.float()
-    if block is not None:
-        br, bc = block
-        want = (math.ceil(N / br), math.ceil(K / bc))
-        if tuple(s.shape) != want:
-            raise ModelLoadError(f"{name}: block scales of shape {list(s.shape)}, expected {list(want)} for "
-                                 f"{br}x{bc} blocks of a [{N}, {K}] weight")
-        s = s.repeat_interleave(br, 0)[:N].repeat_interleave(bc, 1)[:, :K]
-    elif s.numel() == 1:
-        s = s.reshape(1, 1)
-    elif s.numel() == N and (s.dim() == 1 or s.shape[-1] == 1):
-        s = s.reshape(N, 1)
-    else:
-        raise ModelLoadError(f"{name}: scale of shape {list(s.shape)} is neither per tensor nor per channel "
-                             f"[{N}, 1] of a [{N}, {K}] weight")
+    s, group_k = row_scales(scale, N, K, name, block)
+    if s.shape[1] > 1:
+        s = s.repeat_interleave(group_k, 1)[:, :K]
     return (weight.float() * s).to(dtype)
 
 
 def row_scales(scale: torch.Tensor, rows: int, cols: int, name: str,
-               block: tuple[int, int] | None) -> tuple[torch.Tensor, int] | None:
-    """A stored scale as (float32 [rows, groups], inputs per group) for ops/lowp.pack_e4m3: one
-    scale per row and block of K; None where the kernels cannot take the blocks (width not a
-    multiple of 32)."""
+               block: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
+    """A stored scale as (float32 [rows, groups], inputs per group): one scale per row and block
+    of K (ops/lowp.pack_e4m3's form)."""
     s = scale.float()
     if block is not None:
         br, bc = block
@@ -68,8 +55,6 @@ def row_scales(scale: torch.Tensor, rows: int, cols: int, name: str,
         if tuple(s.shape) != want:
             raise ModelLoadError(f"{name}: block scales of shape {list(s.shape)}, expected {list(want)} for "
                                  f"{br}x{bc} blocks of a [{rows}, {cols}] weight")
-        if s.shape[1] > 1 and bc % 32:
-            return None
         return s.repeat_interleave(br, 0)[:rows].contiguous(), bc if s.shape[1] > 1 else cols
     if s.numel() == 1:
         return s.reshape(1, 1).expand(rows, 1).contiguous(), cols
@@ -112,8 +97,8 @@ def _keep_fp8(model: nn.Module, ckpt: CheckpointTensors, spec: QuantSpec, block:
                 raise ModelLoadError(f"{n}: expected shape {expected[n]}, got {ckpt.shape(n)} in {ckpt.directory}")
             rows, cols = expected[n]
             got = row_scales(ckpt.get(_scale_name(n, spec, block)), rows, cols, _scale_name(n, spec, block), block)
-            if got is None:
-                break
+            if got[0].shape[1] > 1 and got[1] % 32:
+                break  # scale blocks narrower than the kernels' 32 inputs
             codes.append(ckpt.get(n))
             scales.append(got)
         if len(codes) != len(names) or len({gk for _, gk in scales}) != 1:
