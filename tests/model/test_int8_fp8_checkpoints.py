@@ -102,6 +102,27 @@ def _greedy(directory: str, prompts: list[list[int]], **kwargs) -> tuple[str, li
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
+def test_quantize_lm_head_is_asked_for(checkpoints, prompts, tmp_path):
+    """The float LM head a quantizer left alone stays the checkpoint's unless `quantize_lm_head`
+    asks for Q8_0 codes (the int8 path's head), for W8A8 and FP8 alike; the logits stay within the
+    W8A8 test's bound. A float model has no such head to quantize: a clear error."""
+    for kind in ("w8a8", "fp8_w8a16"):
+        directory, ref = checkpoints(kind)
+        head = load_model(directory).model.quant_lm_head  # float: the checkpoint's (float32 here)
+        assert head is None or not isinstance(head.parts[0], quant.TiledQuantWeight)
+        loaded = load_model(directory, dtype="float32", quantize_lm_head=True)
+        (part,) = loaded.model.quant_lm_head.parts
+        assert isinstance(part, quant.TiledQuantWeight) and part.format_name == "Q8_0"
+        assert "Q8_0x1" in loaded.quantization
+        got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+    plain = tmp_path / "plain"
+    tiny_hf_model("llama", 64).save_pretrained(plain)
+    with pytest.raises(ValueError, match="quantize_lm_head applies to a pre-quantized HF checkpoint"):
+        load_model(str(plain), quantize_lm_head=True)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
 def test_w8a8_runs_on_the_int8_kernels_with_its_own_codes(checkpoints, prompts):
     """W8A8 (per-channel int8 weights, dynamic per-token int8 activations): every decoder matrix
     is the checkpoint's int8 codes in Q8 tiles (no float copy), the LM head (ignored by the

@@ -262,6 +262,24 @@ def keep_bf16_lm_head(model: nn.Module, ckpt: CheckpointTensors) -> set[str]:
     return {name}
 
 
+@torch.no_grad()
+def quantize_lm_head_q8_(model: nn.Module, summary: QuantSummary) -> None:
+    """A pre-quantized checkpoint's LM head that its quantizer left in float (held as such, or in
+    bfloat16 by `keep_bf16_lm_head`) -> Q8_0 codes, as the int8 path's (EngineConfig
+    .quantize_lm_head: asked for, never by default, since it changes the checkpoint's logits). A
+    head the checkpoint quantized stays as it is; a tied one gets its own codes, the embedding
+    stays float."""
+    head = getattr(model, "quant_lm_head", None)
+    if not getattr(model, "computes_logits", True) or (
+            head is not None and not all(isinstance(p, LowpWeight) for p in head.parts)):
+        return
+    weight = head.parts[0].dequantize() if head is not None else model.lm_head_weight.detach().float()
+    model.quant_lm_head = QuantLinear([quant.quantize_q8(weight)])
+    model.quant_lm_head.one_row_order = True
+    model.lm_head = None
+    summary.formats["Q8_0"] += 1
+
+
 def _install_quantized_experts(parts: _GGUFParts, block: nn.Module, prefix: str,
                                found: dict[str, GGUFTensorInfo]) -> set[str]:
     """An MoE block's experts as one quantized gate|up and one down per expert, tiled from the
