@@ -19,7 +19,8 @@ the same engine options) and times `generate` on the same random prompts at each
 tokens/s of each and their ratio, per batch size (the median over the rounds). `--w8a8` then
 does the same for a W8A8 checkpoint of the shape (benchmarks/w8a8_checkpoint.py, written to
 OUT_DIR/<shape>-w8a8) against the int8 path on the same config (`load_format="dummy"`,
-`quantization="int8"`), and `--fp8` for an FP8 (per-channel e4m3) one against the bfloat16
+`quantization="int8"`; and the W8A8 checkpoint with `quantize_lm_head=True`, its bfloat16 LM
+head as Q8_0 like the int8 path's), and `--fp8` for an FP8 (per-channel e4m3) one against the bfloat16
 float path of the shape (random weights, what a dequantized FP8 checkpoint ran as), one pair
 loaded at a time; every ratio is printed at the end.
 """
@@ -183,15 +184,18 @@ def main() -> int:
             module.write_w8a8(hf_dir, ckpt, args.seed, fp8=kind == "fp8")
         if kind == "w8a8":
             pairs[("w8a8", "int8")] = {"w8a8": (ckpt, {}),
-                                       "int8": (ckpt, {"load_format": "dummy", "quantization": "int8"})}
+                                       "int8": (ckpt, {"load_format": "dummy", "quantization": "int8"}),
+                                       "w8a8+q8head": (ckpt, {"quantize_lm_head": True})}
         else:  # what an FP8 checkpoint ran as before: dequantized to bfloat16, the float path
             pairs[("fp8", "bf16")] = {"fp8": (ckpt, {"dtype": "bfloat16"}),
                                       "bf16": (ckpt, {"load_format": "dummy", "dtype": "bfloat16"})}
     lines = []
-    for (a, b), engines in pairs.items():
+    for (_, b), engines in pairs.items():
         res = run(engines, batches, args.input_len, args.output_len, args.rounds)
         for batch, r in res.items():
-            lines.append(f"batch {batch}: {a} {r[a]:.1f} tok/s, {b} {r[b]:.1f} tok/s, ratio {r[a] / r[b]:.2f}")
+            for label in (x for x in r if x != b):  # each against the pair's baseline
+                lines.append(f"batch {batch}: {label} {r[label]:.1f} tok/s, {b} {r[b]:.1f} tok/s, "
+                             f"ratio {r[label] / r[b]:.2f}")
     print("\n".join(lines))
     return 0
 
