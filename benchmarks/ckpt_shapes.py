@@ -183,9 +183,9 @@ def main() -> int:
             spec.loader.exec_module(module)
             module.write_w8a8(hf_dir, ckpt, args.seed, fp8=kind == "fp8")
         if kind == "w8a8":
-            pairs[("w8a8", "int8")] = {"w8a8": (ckpt, {}),
-                                       "int8": (ckpt, {"load_format": "dummy", "quantization": "int8"}),
-                                       "w8a8+q8head": (ckpt, {"quantize_lm_head": True})}
+            # the int8 path first: it builds the float32 model before quantizing it (the peak)
+            pairs[("w8a8", "int8")] = {"int8": (ckpt, {"load_format": "dummy", "quantization": "int8"}),
+                                       "w8a8": (ckpt, {}), "w8a8+q8head": (ckpt, {"quantize_lm_head": True})}
         else:  # what an FP8 checkpoint ran as before: dequantized to bfloat16, the float path
             pairs[("fp8", "bf16")] = {"fp8": (ckpt, {"dtype": "bfloat16"}),
                                       "bf16": (ckpt, {"load_format": "dummy", "dtype": "bfloat16"})}
