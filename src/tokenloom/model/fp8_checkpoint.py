@@ -26,7 +26,14 @@ from torch import nn
 from tokenloom.model.errors import ModelLoadError
 from tokenloom.model.hf_loader import CheckpointTensors
 from tokenloom.model.quant_spec import QuantSpec
-from tokenloom.model.quant_linear import _INTERLEAVED_ROPE, QuantLinear, QuantSummary, linear_groups, replace_linear
+from tokenloom.model.quant_linear import (
+    _INTERLEAVED_ROPE,
+    QuantLinear,
+    QuantSummary,
+    keep_bf16_lm_head,
+    linear_groups,
+    replace_linear,
+)
 from tokenloom.ops import lowp
 
 # safetensors' names of the FP8 dtypes.
@@ -142,4 +149,5 @@ def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tup
     else:
         summary = QuantSummary(method, dequantized_to=str(dtype).removeprefix("torch."))
         summary.formats["F8_E4M3"] = len(dequantized)
-    return kept | dequantized, summary
+    # a bfloat16 LM head of a float32 model: kept in bfloat16 where the layers are kept as stored
+    return kept | dequantized | (keep_bf16_lm_head(model, ckpt) if kept else set()), summary
