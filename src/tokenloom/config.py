@@ -238,6 +238,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):  # type: ignore[call-arg]
     # hub id, not the folder it was downloaded to), which names it in /v1/models and the metrics;
     # None until the config is resolved, after which the core and the runner decide nothing again.
     model_name: str | None = None
+    # A pre-quantized checkpoint's LM head that its quantizer left in float: quantized to Q8_0 at
+    # load (model/quant_linear.quantize_lm_head_q8_). Off: the head computes as shipped.
+    quantize_lm_head: bool = False
 
     @property
     def executor_backend(self) -> str:

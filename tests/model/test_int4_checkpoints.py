@@ -227,3 +227,36 @@ def test_compressed_tensors_options_and_quantization_argument(base, tokenizer, t
             load_model(directory, quantization=wrong)
     with pytest.raises(ValueError, match="dtype float32"):
         load_model(directory, dtype="bfloat16")
+
+
+def test_a_bf16_lm_head_stays_bf16(base, tokenizer, tmp_path_factory, tmp_path):
+    """An LM head the quantizer left in bfloat16 (llm-compressor's `ignore: [lm_head]`) is held as
+    stored, 2 bytes a weight (ops/lowp), not widened to float32; its logits are the float32
+    products of those values, and the model's are transformers' on the same head."""
+    import shutil
+
+    from model_helpers import hf_last_logits, run_flat_batch
+    from safetensors.torch import load_file, save_file
+
+    from tokenloom.ops.lowp import LowpWeight
+
+    source, ref = _checkpoint("ct-g128-sym", base, tokenizer, tmp_path_factory)
+    directory = str(tmp_path / "bf16-head")
+    shutil.copytree(source, directory)
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].bfloat16()
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    head = tensors["lm_head.weight"].float()
+
+    loaded = load_model(directory)
+    (part,) = loaded.model.quant_lm_head.parts
+    assert isinstance(part, LowpWeight) and part.format_name == "BF16" and loaded.model.lm_head is None
+    assert part.nbytes == 512 * 128 * 2  # vocab x hidden, already whole tiles
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    want = hidden.double() @ head.double().t()
+    assert (loaded.model.compute_logits(hidden).double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+    with torch.no_grad():
+        ref.lm_head.weight.copy_(head)
+    got, expected = run_flat_batch(loaded, PROMPTS), hf_last_logits(ref, PROMPTS)
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()

@@ -6,6 +6,7 @@ transformers in float32 on the weights dequantized by compressed-tensors (its de
 FP8BlockDequantizer)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,8 @@ from tokenloom.model.errors import ModelLoadError  # noqa: E402
 from tokenloom.model.loader import load_model  # noqa: E402
 from tokenloom.model.quant_config import detect_quantization  # noqa: E402
 from tokenloom.model.quant_linear import QuantLinear  # noqa: E402
-from tokenloom.ops import cpu_kernels, quant  # noqa: E402
+from tokenloom.ops import cpu_kernels, lowp, quant  # noqa: E402
+from tokenloom.ops.lowp import LowpWeight  # noqa: E402
 
 N_TOKENS = 32
 # 256 x 320 matrices: FP8 128x128 blocks, the last column of blocks partial.
@@ -100,6 +102,27 @@ def _greedy(directory: str, prompts: list[list[int]], **kwargs) -> tuple[str, li
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
+def test_quantize_lm_head_is_asked_for(checkpoints, prompts, tmp_path):
+    """The float LM head a quantizer left alone stays the checkpoint's unless `quantize_lm_head`
+    asks for Q8_0 codes (the int8 path's head), for W8A8 and FP8 alike; the logits stay within the
+    W8A8 test's bound. A float model has no such head to quantize: a clear error."""
+    for kind in ("w8a8", "fp8_w8a16"):
+        directory, ref = checkpoints(kind)
+        head = load_model(directory).model.quant_lm_head  # float: the checkpoint's (float32 here)
+        assert head is None or not isinstance(head.parts[0], quant.TiledQuantWeight)
+        loaded = load_model(directory, dtype="float32", quantize_lm_head=True)
+        (part,) = loaded.model.quant_lm_head.parts
+        assert isinstance(part, quant.TiledQuantWeight) and part.format_name == "Q8_0"
+        assert "Q8_0x1" in loaded.quantization
+        got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
+        assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+    plain = tmp_path / "plain"
+    tiny_hf_model("llama", 64).save_pretrained(plain)
+    with pytest.raises(ValueError, match="quantize_lm_head applies to a pre-quantized HF checkpoint"):
+        load_model(str(plain), quantize_lm_head=True)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the int8 kernels")
 def test_w8a8_runs_on_the_int8_kernels_with_its_own_codes(checkpoints, prompts):
     """W8A8 (per-channel int8 weights, dynamic per-token int8 activations): every decoder matrix
     is the checkpoint's int8 codes in Q8 tiles (no float copy), the LM head (ignored by the
@@ -162,18 +185,34 @@ def test_w8a8_dtype_choices(checkpoints, prompts):
 @pytest.mark.parametrize("kind", ["fp8_w8a16", pytest.param("fp8_block", marks=pytest.mark.slow),
                                   pytest.param("fp8_dynamic", marks=pytest.mark.slow)])
 def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind):
-    """FP8 weights dequantized once at load: in float32 the engine computes what transformers
-    computes on compressed-tensors' dequantized weights, so greedy tokens are identical (3 prompts
-    x 32 through the engine). The default dtype is the float path's (bfloat16 where the CPU
-    multiplies it natively), which is what the dequantized copy is then held in."""
+    """FP8 weights kept in their bytes (ops/lowp), each widened times its scale to the float32
+    dequantization's value: in float32 the engine computes what transformers computes on
+    compressed-tensors' dequantized weights, so greedy tokens are identical (3 prompts x 32
+    through the engine; the AMX bf16 tiles, which round to bfloat16 from 16 rows, off, and the
+    KV cache in float32, not the quantized paths' bfloat16). Every
+    matrix holds one byte a weight, in the default dtype too."""
     directory, ref = checkpoints(kind)
-    quantization, tokens = _greedy(directory, prompts, dtype="float32")
-    assert "F8_E4M3x14 dequantized to float32 at load" in quantization
+    with _float32_sums():
+        quantization, tokens = _greedy(directory, prompts, dtype="float32", kv_cache_dtype="float32")
+    assert "F8_E4M3x14" in quantization and "dequantized" not in quantization
     assert tokens == _hf_greedy(ref, prompts)
     loaded = load_model(directory)
-    assert loaded.model.layers[0].mlp.down_proj.weight.dtype == loaded.dtype
-    assert loaded.quantization.endswith(f"dequantized to {str(loaded.dtype).removeprefix('torch.')} at load "
-                                        "(float path)")
+    for layer in loaded.model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            (part,) = m.parts
+            assert isinstance(part, LowpWeight) and part.format_name == "F8_E4M3"
+            assert part.data.element_size() == 1 and part.data.numel() <= 1.5 * part.out_features * part.in_features
+    assert not [n for n, p in loaded.model.layers.named_parameters() if p.dim() >= 2]
+
+
+@contextlib.contextmanager
+def _float32_sums():
+    previous = lowp.set_amx_rows(0) if lowp.available() else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            lowp.set_amx_rows(previous)
 
 
 @pytest.mark.parametrize("kind,method", [("fp8_block", "fp8 128x128 blocks"), ("fp8_tensor", "fp8"),
@@ -181,12 +220,12 @@ def test_fp8_greedy_matches_the_dequantized_reference(checkpoints, prompts, kind
 def test_fp8_scales(checkpoints, prompts, kind, method):
     """128x128 weight blocks (partial ones at the edges), as `fp8` (weight_scale_inv, DeepSeek /
     Qwen) and compressed-tensors' FP8_BLOCK (weight_scale) write them, and `fp8` per-tensor scales
-    (a static input_scale, not applied): dequantized at load, the float32 logits are the
-    reference's."""
+    (a static input_scale, not applied): kept as stored, the float32 logits are the reference's."""
     directory, ref = checkpoints(kind)
     loaded = load_model(directory, dtype="float32")
     assert loaded.quantization.startswith(f"{method} F8_E4M3x14")
-    got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
+    with _float32_sums():
+        got, want = run_flat_batch(loaded, prompts), hf_last_logits(ref, prompts)
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 

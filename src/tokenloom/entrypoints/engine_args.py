@@ -139,6 +139,10 @@ class EngineArgs:
         "says, another HF model in float; int8: int8 weights and activations for a float model; none: dequantized "
         "float path (a GGUF)",
         choices=QUANTIZATION_CHOICES)
+    quantize_lm_head: bool = arg(
+        "a pre-quantized HF checkpoint (W4A16, W8A8, FP8) whose LM head the quantizer left in float: quantize that "
+        "head to Q8_0 at load (int8 with a scale per 32 weights): fewer bytes read a step, its logits rounded "
+        "differently from the checkpoint's")
     tensor_parallel_size: int = arg("split the model across this many ranks (one process each; torch.distributed, "
                                     "gloo on CPU, NCCL on CUDA)", flags=("--tensor-parallel-size", "-tp"))
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = arg(

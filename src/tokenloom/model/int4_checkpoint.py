@@ -35,6 +35,7 @@ from tokenloom.model.quant_linear import (
     QuantLinear,
     QuantSummary,
     _rotate_half_order,
+    keep_bf16_lm_head,
     linear_groups,
     replace_linear,
 )
@@ -235,6 +236,7 @@ def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tup
     if not summary.formats and not summary.fallbacks:
         raise ModelLoadError(f"{directory}: config.json declares {spec.describe()}, but no layer stores "
                              f"{marker} tensors")
+    consumed |= keep_bf16_lm_head(model, ckpt)
     return consumed, summary
 
 

@@ -24,6 +24,7 @@ from tokenloom.model.quant_linear import (
     QuantLinear,
     QuantSummary,
     _rotate_half_order,
+    keep_bf16_lm_head,
     linear_groups,
     replace_linear,
 )
@@ -122,4 +123,4 @@ def install_checkpoint(model: nn.Module, spec: QuantSpec, directory: str) -> tup
     if not consumed:
         raise ModelLoadError(f"{directory}: quantization_config says int-quantized, but no linear layer's weight is "
                              "stored as int8")
-    return consumed, summary
+    return consumed | keep_bf16_lm_head(model, ckpt), summary

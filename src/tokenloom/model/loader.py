@@ -26,7 +26,7 @@ from tokenloom.model.gguf_loader import check_gguf_tensors, iter_gguf_weights
 from tokenloom.model.hf_config import hf_model_config, read_config_json
 from tokenloom.model.hf_loader import classifier_score_weight, iter_hf_weights
 from tokenloom.model.quant_config import CHECKPOINT_METHODS, QuantSpec, detect_quantization, loader_for
-from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_
+from tokenloom.model.quant_linear import install_gguf_quantized, quantize_int8_, quantize_lm_head_q8_
 from tokenloom.model.registry import build_model
 from tokenloom.model.source import (
     check_config_options,
@@ -174,13 +174,14 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto",
                pooling: bool = False, hf_overrides: dict[str, Any] | None = None,
                convert: str = "auto", load_format: str = "auto", tokenizer: str | None = None,
-               tokenizer_mode: str = "auto") -> LoadedModel:
+               tokenizer_mode: str = "auto", quantize_lm_head: bool = False) -> LoadedModel:
     """`quantization` (see QUANTIZATION_METHODS): "auto" computes a GGUF with its quantized
     weights, as llama.cpp does; None or "none" dequantizes it to `dtype`, as transformers does.
     `pooling`: the model only embeds, so a checkpoint without an LM head (an HF `*Model`, names
     without the `model.` prefix) loads too. `hf_overrides`, `convert`, `load_format` ("dummy":
     random weights of the config's shape, nothing read but the config), `tokenizer` and
-    `tokenizer_mode` as in EngineConfig."""
+    `tokenizer_mode` as in EngineConfig; `quantize_lm_head`: a pre-quantized checkpoint's float LM
+    head to Q8_0 (EngineConfig.quantize_lm_head)."""
     start = time.perf_counter()
     path, kind = resolve_model(path)
     check_load_format(path, kind, load_format)
@@ -241,6 +242,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         raise ModelLoadError(f"{path}: tensors not loaded into the model: {sorted(missing)[:5]}")
     if method == "int8":
         summary = quantize_int8_(model)
+    if quantize_lm_head:
+        if spec is None:
+            raise ValueError("quantize_lm_head applies to a pre-quantized HF checkpoint (its config.json's "
+                             "quantization_config); this model has none")
+        quantize_lm_head_q8_(model, summary)
     model.eval().requires_grad_(False)
     described = "none" if summary is None else summary.describe()
     logger.info("loaded %s (%s, %s, quantization: %s) in %.2f s", path, config.architecture,

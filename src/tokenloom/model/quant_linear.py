@@ -27,10 +27,12 @@ from torch import nn
 from tokenloom.model.config import ModelArchConfig
 from tokenloom.model.gguf_file import GGUFFile, GGUFTensorInfo
 from tokenloom.model.gguf_loader import PERMUTED_QK, _to_torch, _undo_llama_permute
+from tokenloom.model.hf_loader import CheckpointTensors
 from tokenloom.model.packed_linear import packed_nbytes
 from tokenloom.model.rope import interleaved_to_rotate_half
-from tokenloom.ops import amx, quant
+from tokenloom.ops import amx, lowp, quant
 from tokenloom.ops.ggml_types import Q
+from tokenloom.ops.lowp import LowpWeight
 from tokenloom.ops.quant import TiledQuantWeight
 
 logger = logging.getLogger(__name__)
@@ -41,13 +43,15 @@ _FLOAT_TYPES = frozenset(int(t) for t in (Q.F32, Q.F16, Q.BF16))
 class QuantLinear(nn.Module):
     """y = x W^T (+ bias) with W held as quantized row blocks (`parts`, stacked along the
     outputs: q|k|v or gate|up, one part when all share a format). A part may be a float tensor:
-    a tensor the file stores unquantized, or one of a type without a kernel (logged at load)."""
+    a tensor the file stores unquantized, or one of a type without a kernel (logged at load); or
+    an FP8 or bfloat16 weight kept as stored (ops/lowp: FP8 checkpoints, a quantized checkpoint's
+    bfloat16 LM head)."""
 
-    def __init__(self, parts: list[TiledQuantWeight | torch.Tensor], bias: torch.Tensor | None = None) -> None:
+    def __init__(self, parts: list[TiledQuantWeight | LowpWeight | torch.Tensor],
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.parts = parts
-        self.out_features = sum(p.out_features if isinstance(p, TiledQuantWeight) else p.shape[0]
-                                for p in parts)
+        self.out_features = sum(p.shape[0] if isinstance(p, torch.Tensor) else p.out_features for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # In a bfloat16 model (AMX-BF16 CPUs): sum every row as a one-row matmul does whatever
         # the row count (the LM head, as the float path's), else as oneDNN would (ops/amx).
@@ -59,7 +63,10 @@ class QuantLinear(nn.Module):
             kchunk = amx.onednn_k_chunk(x.numel() // x.shape[-1], x.shape[-1])
         if len(self.parts) == 1 and isinstance(self.parts[0], TiledQuantWeight):
             return quant.qlinear(x, self.parts[0], self.bias, kchunk=kchunk)
+        if len(self.parts) == 1 and isinstance(self.parts[0], LowpWeight):
+            return lowp.linear(x, self.parts[0], self.bias).to(x.dtype)
         outs = [quant.qlinear(x, p, kchunk=kchunk) if isinstance(p, TiledQuantWeight)
+                else lowp.linear(x, p).to(x.dtype) if isinstance(p, LowpWeight)
                 else nn.functional.linear(x.to(p.dtype), p).to(x.dtype) for p in self.parts]
         y = torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -73,7 +80,7 @@ class QuantLinear(nn.Module):
         return quant.qlinear_silu_and_mul(x, self.parts[0], self.bias)
 
     def extra_repr(self) -> str:
-        kinds = "+".join(p.format_name if isinstance(p, TiledQuantWeight) else str(p.dtype).removeprefix("torch.")
+        kinds = "+".join(str(p.dtype).removeprefix("torch.") if isinstance(p, torch.Tensor) else p.format_name
                          for p in self.parts)
         return f"out_features={self.out_features}, parts={kinds}"
 
@@ -133,11 +140,12 @@ class QuantSummary:
         names = sorted(self.formats)
         fmts = "+".join(f"{k}x{self.formats[k]}" for k in names)
         codes = {v: k for k, v in quant.FORMAT_NAMES.items()}
-        isas = {k: quant.kernel_isa(codes[k]) for k in names}
+        # FP8 weights kept as stored run on ops/lowp's kernels, the rest on ops/quant's
+        isas = {k: quant.kernel_isa(codes[k]) if k in codes else lowp.kernel_level() for k in names}
         main = Counter(isas.values()).most_common(1)[0][0]
         odd = ", ".join(f"{k}: {v}" for k, v in isas.items() if v != main)
         text = f"{self.method} {fmts} {main}" + (f" ({odd})" if odd else "")
-        if panel_rows := max(quant.f32_panel_rows(codes[k]) for k in names):
+        if panel_rows := max((quant.f32_panel_rows(codes[k]) for k in names if k in codes), default=0):
             text += f", float32 panels from {panel_rows} rows"
         if self.fallbacks:
             text += f"; dequantized: {len(self.fallbacks)} tensors"
@@ -233,6 +241,43 @@ def replace_linear(parent: nn.Module, attr: str, new: QuantLinear) -> None:
     if old.bias is not None:
         new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
     setattr(parent, attr, new)
+
+
+def keep_bf16_lm_head(model: nn.Module, ckpt: CheckpointTensors) -> set[str]:
+    """A pre-quantized checkpoint's untied LM head that its quantizer left in bfloat16 (llm-
+    compressor's and AutoAWQ's `ignore: [lm_head]`), in a float32 model: kept in bfloat16 as
+    stored (ops/lowp) instead of widened to float32, which halves what every step reads of the
+    largest matrix. Its values are the checkpoint's; the logits are float32 sums of the same
+    products (bf16 activations from the kernel plan's bf16-tile rows, as the quantized layers
+    there). Returns the names consumed: none where it does not apply (no C kernels, a tied or
+    quantized head, another dtype)."""
+    name = "lm_head.weight"
+    if (getattr(model, "lm_head", None) is None or model.norm.weight.dtype != torch.float32
+            or ckpt.dtype(name) != "BF16" or len(ckpt.shape(name)) != 2 or ckpt.shape(name)[1] % 2
+            or not lowp.available()):
+        return set()
+    model.quant_lm_head = QuantLinear([lowp.pack_bf16(ckpt.get(name))])
+    model.quant_lm_head.one_row_order = True
+    model.lm_head = None
+    return {name}
+
+
+@torch.no_grad()
+def quantize_lm_head_q8_(model: nn.Module, summary: QuantSummary) -> None:
+    """A pre-quantized checkpoint's LM head that its quantizer left in float (held as such, or in
+    bfloat16 by `keep_bf16_lm_head`) -> Q8_0 codes, as the int8 path's (EngineConfig
+    .quantize_lm_head: asked for, never by default, since it changes the checkpoint's logits). A
+    head the checkpoint quantized stays as it is; a tied one gets its own codes, the embedding
+    stays float."""
+    head = getattr(model, "quant_lm_head", None)
+    if not getattr(model, "computes_logits", True) or (
+            head is not None and not all(isinstance(p, LowpWeight) for p in head.parts)):
+        return
+    weight = head.parts[0].dequantize() if head is not None else model.lm_head_weight.detach().float()
+    model.quant_lm_head = QuantLinear([quant.quantize_q8(weight)])
+    model.quant_lm_head.one_row_order = True
+    model.lm_head = None
+    summary.formats["Q8_0"] += 1
 
 
 def _install_quantized_experts(parts: _GGUFParts, block: nn.Module, prefix: str,
@@ -338,7 +383,7 @@ def _nbytes(m: nn.Module) -> int:
     from tokenloom.model.llama import Linear
 
     if isinstance(m, QuantLinear):
-        return sum(p.nbytes if isinstance(p, TiledQuantWeight) else p.numel() * p.element_size() for p in m.parts)
+        return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes for p in m.parts)
     if isinstance(m, Linear):
         # the plain weight, or the packed copy where the runner released it
         packed = getattr(m, "packed_weight", None)

@@ -34,6 +34,7 @@ from tokenloom.model.registry import ARCHITECTURE_ENTRIES
 from tokenloom.ops import quant
 from tokenloom.ops.distributed import tp_all_gather, tp_all_reduce
 from tokenloom.ops.quant import TiledQuantWeight
+from tokenloom.ops.lowp import LowpWeight
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +144,12 @@ def _dequantized(w: TiledQuantWeight, why: str, name: str) -> torch.Tensor:
     return quant.dequant_rows(w, torch.arange(w.out_features))
 
 
-def _take_rows_of(part: TiledQuantWeight | torch.Tensor, a: int, b: int,
-                  name: str) -> TiledQuantWeight | torch.Tensor:
+def _take_rows_of(part: TiledQuantWeight | LowpWeight | torch.Tensor, a: int, b: int,
+                  name: str) -> TiledQuantWeight | LowpWeight | torch.Tensor:
     if isinstance(part, torch.Tensor):
         return part[a:b]
+    if isinstance(part, LowpWeight):
+        return part.take_rows(a, b)
     tile = quant.TILE_N
     if a % tile == 0 and (b % tile == 0 or b == part.out_features):
         data = part.data[a // tile: -(-b // tile)].contiguous()
@@ -154,10 +157,12 @@ def _take_rows_of(part: TiledQuantWeight | torch.Tensor, a: int, b: int,
     return _dequantized(part, f"rows {a}:{b} cut a tile of {tile}", name)[a:b]
 
 
-def _take_cols_of(part: TiledQuantWeight | torch.Tensor, a: int, b: int,
-                  name: str) -> TiledQuantWeight | torch.Tensor:
+def _take_cols_of(part: TiledQuantWeight | LowpWeight | torch.Tensor, a: int, b: int,
+                  name: str) -> TiledQuantWeight | LowpWeight | torch.Tensor:
     if isinstance(part, torch.Tensor):
         return part[:, a:b].contiguous()
+    if isinstance(part, LowpWeight):
+        return part.take_cols(a, b, name)
     unit = quant.QK_K if part.fmt in quant._K_QUANTS else quant.QK
     if a % unit == 0 and b % unit == 0 and part.data.shape[1] * unit == part.in_features:
         data = part.data[:, a // unit: b // unit].contiguous()
@@ -165,8 +170,8 @@ def _take_cols_of(part: TiledQuantWeight | torch.Tensor, a: int, b: int,
     return _dequantized(part, f"columns {a}:{b} cut a block of {unit}", name)[:, a:b].contiguous()
 
 
-def _part_rows(part: TiledQuantWeight | torch.Tensor) -> int:
-    return part.out_features if isinstance(part, TiledQuantWeight) else part.shape[0]
+def _part_rows(part: TiledQuantWeight | LowpWeight | torch.Tensor) -> int:
+    return part.shape[0] if isinstance(part, torch.Tensor) else part.out_features
 
 
 def _refuse_permuted(module: nn.Module, name: str) -> None:

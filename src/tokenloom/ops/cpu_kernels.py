@@ -21,6 +21,8 @@
   each weight (model/packed_linear.py), read by the eager layers and the fused decode step.
 - `mxfp4_linear` (csrc/mxfp4_gemm.c): float32 matmuls of a few rows on MXFP4 weights as gpt-oss
   ships its experts (model/mxfp4.py), each weight byte read once, with no float copy of the weight.
+- `tl_lp_linear` (csrc/lowp_gemm.c): matmuls on FP8 e4m3 (with scales) and bfloat16 weights kept
+  in their stored width, float32 activations and outputs (`ops/lowp.py`).
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) into one library
 for the ISA level `cpu_features.detect()` found (AVX-512 F/BW/VL, AVX2+FMA or plain; the C code
@@ -58,7 +60,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode.c", "elementwise.c", "quant_gemm.c",
                                               "decode_step.c", "lora_decode.c", "amx_gemm.c", "bf16_dp_gemm.c",
-                                              "f32_gemv.c", "f32_panel.c", "mxfp4_gemm.c")]
+                                              "f32_gemv.c", "f32_panel.c", "mxfp4_gemm.c",
+                                              "lowp_gemm.c")]
 # Every header (*.h, self-contained) and included fragment (*.inc, code included after the
 # macros it is a template over) is part of the build's hash: a changed (or new) one builds anew.
 _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])

@@ -68,6 +68,11 @@ QUANT_PROBE = {0: "tile_portable", 1: "tile2_", 2: "tile_avx512", 3: "amx_", 4: 
 
 TORCH = "torch"  # the PyTorch fallback
 
+# csrc/lowp_gemm.c's levels (tl_lp_level) by id, and the level TOKENLOOM_QUANT_ISA's words cap it
+# at (its cap on the quantized kernels, read for these: "amx" is AMX int8, so no bf16 tiles).
+LOWP_LEVELS = ("lp_portable", "lp_avx2", "lp_avx512", "lp_amx_bf16")
+_LOWP_CAP = {4: 3, 3: 2, 2: 2, 1: 1, 0: 0}
+
 
 @dataclass(frozen=True)
 class KernelEnv:
@@ -132,6 +137,8 @@ class KernelPlan:
     fused_decode: bool  # whether FusedDecode.build may fuse a decode step into one C call
     mxfp4_c_below_rows: int  # MXFP4 experts: csrc/mxfp4_gemm.c below this many rows (0: never)
     mxfp4_c_below_rows_bf16: int  # the same for bfloat16 activations
+    lowp_level: int  # csrc/lowp_gemm.c's level (LOWP_LEVELS): FP8 and bf16 weights as stored
+    lowp_force_level: int  # what tl_lp_limit_level gets (-1: no cap)
     # quantized MoE experts: one tl_q_moe call per layer while every chosen expert has fewer
     # rows than this (0: never; from here each expert's matmuls run on their own, AMX included)
     moe_fused_below_rows: int = 0
@@ -178,6 +185,28 @@ def quant_level(flags: frozenset[str], force: str | None = None) -> int:
     if best == 3 and {"amx_bf16", "avx512_bf16", "avx512vbmi"} <= flags and want in (None, 4):
         best = 4
     return best
+
+
+def lowp_level(flags: frozenset[str], force: int = -1) -> int:
+    """csrc/lowp_gemm.c's lp_detect from the flags: AVX2+FMA+F16C 1; AVX-512 F/BW/VL 2; AMX-BF16
+    with AVX512-BF16 3 (Linux granting the tile state, assumed here); capped at `force` (-1: none)."""
+    best = 0
+    if {"avx2", "fma", "f16c"} <= flags:
+        best = 1
+    if best and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        best = 2
+    if best == 2 and {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        best = 3
+    return best if force < 0 else min(best, force)
+
+
+def _lowp_choices(level: int, bf16_rows: int) -> list[KernelChoice]:
+    """FP8 e4m3 and bfloat16 weights kept as stored, float32 activations (ops/lowp.py)."""
+    notes = ("portable C", "AVX2, widened in registers", "AVX-512, widened in registers")
+    points = [(1, LOWP_LEVELS[min(level, 2)], notes[min(level, 2)])]
+    if level == 3 and bf16_rows > 0:
+        points.append((bf16_rows, LOWP_LEVELS[3], "widened to bf16 panels on AMX-BF16"))
+    return [c for dtype in ("float8_e4m3", "bfloat16 weight") for c in _segments("lowp_matmul", dtype, points)]
 
 
 def _segments(op: str, dtype: str, points: list[tuple[int, str, str]]) -> list[KernelChoice]:
@@ -333,6 +362,10 @@ def build_kernel_plan(features: CpuFeatures, env: KernelEnv) -> KernelPlan:
     mxfp4_below = MXFP4_C_BELOW_ROWS[features.isa] if c else 0
     mxfp4_below_bf16 = min(mxfp4_below, MXFP4_C_BELOW_ROWS_BF16) if features.native_bf16 else mxfp4_below
     choices += _mxfp4_choices(features.isa, mxfp4_below, mxfp4_below_bf16, c)
+    lowp_force = -1 if env.quant_isa is None else _LOWP_CAP[QUANT_ISA_WORDS.get(env.quant_isa, 0)]
+    lowp = lowp_level(features.flags, lowp_force) if c else 0
+    if c:
+        choices += _lowp_choices(lowp, bf16_rows)
     choices += _other_choices(features, c, bf16, env.fused_decode, panels)
     return KernelPlan(cpu_isa=features.isa, cpu_flags=tuple(features.isa_flags()), c_kernels=c,
                       quant_level=level, quant_force_level=force, quant_bf16_rows=bf16_rows,
@@ -340,6 +373,7 @@ def build_kernel_plan(features: CpuFeatures, env: KernelEnv) -> KernelPlan:
                       f32_panels=panels, f32_plain_from_rows=plain_from, bf16_matmul=bf16,
                       fused_decode=env.fused_decode, mxfp4_c_below_rows=mxfp4_below,
                       mxfp4_c_below_rows_bf16=mxfp4_below_bf16, moe_fused_below_rows=moe_rows,
+                      lowp_level=lowp, lowp_force_level=lowp_force,
                       choices=tuple(choices))
 
 

@@ -111,7 +111,7 @@ class Worker:
                                  quantization=config.quantization, pooling=config.is_pooling,
                                  hf_overrides=config.hf_overrides, convert=config.convert,
                                  load_format=config.load_format, tokenizer=config.tokenizer,
-                                 tokenizer_mode=config.tokenizer_mode)
+                                 tokenizer_mode=config.tokenizer_mode, quantize_lm_head=config.quantize_lm_head)
         check_tensor_parallel(self.loaded.config, tp)
         self.full_config = self.loaded.config
         # The rank's view (its heads): the runner sizes the KV cache by it.
