@@ -170,6 +170,25 @@ def _checkpoint_method(method: str | None, spec: QuantSpec, dtype: torch.dtype,
     return spec.method
 
 
+def _dtype_and_method(path: str, kind: str, dtype: str | torch.dtype, device: str | torch.device,
+                      quantization: str | None, hf_overrides: dict[str, Any] | None,
+                      convert: str, dummy: bool) -> tuple[torch.dtype, str, Any]:
+    """The dtype the model computes in, the quantization method that applies, and a pre-quantized
+    checkpoint's spec (None for a GGUF or a plain one)."""
+    torch_dtype = resolve_dtype(dtype, device)
+    spec = None if kind == "gguf" or dummy else detect_quantization(read_config_json(path, hf_overrides, convert))
+    if (dtype == "auto" and torch_dtype != torch.float32 and not (spec and spec.dequantized_at_load)
+            and resolve_quantization(quantization, kind, torch.float32, device, spec) != "none"):
+        # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
+        # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
+        # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs near the bf16 float path's
+        # speed with its results, which differ from the float32 path's more often: the quality bar
+        # of issue 14 is against float32, so not the default; benchmarks/quant_quality.py.)
+        torch_dtype = torch.float32
+    method = resolve_quantization(quantization, kind, torch_dtype, device, spec)
+    return torch_dtype, method, spec
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", quantization: str | None = "auto",
                pooling: bool = False, hf_overrides: dict[str, Any] | None = None,
@@ -189,17 +208,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     dummy = load_format == "dummy"
     if dummy and quantization in ("auto", "gguf"):
         quantization = "none"  # random float weights: there are no quantized tensors to compute with
-    torch_dtype = resolve_dtype(dtype, device)
-    spec = None if kind == "gguf" or dummy else detect_quantization(read_config_json(path, hf_overrides, convert))
-    if (dtype == "auto" and torch_dtype != torch.float32 and not (spec and spec.dequantized_at_load)
-            and resolve_quantization(quantization, kind, torch.float32, device, spec) != "none"):
-        # "auto" picks bfloat16 on native-bf16 CPUs, but the quantized kernels take float32
-        # activations: a quantization that applies here (a GGUF's own, or one asked for) wins.
-        # (A GGUF in bf16 on AMX-BF16 CPUs, dtype="bfloat16", runs near the bf16 float path's
-        # speed with its results, which differ from the float32 path's more often: the quality bar
-        # of issue 14 is against float32, so not the default; benchmarks/quant_quality.py.)
-        torch_dtype = torch.float32
-    method = resolve_quantization(quantization, kind, torch_dtype, device, spec)
+    torch_dtype, method, spec = _dtype_and_method(path, kind, dtype, device, quantization, hf_overrides,
+                                                  convert, dummy)
     if kind == "gguf":
         g = read_gguf(path)
         config = gguf_model_config(g)
