@@ -98,6 +98,27 @@ XDIST_GROUPS = {
 }
 
 
+# Scopes (a module or a group above) that take long in few tests: a server or Ray of their own,
+# transformers' reference generations, the serial health checks. xdist hands out scopes with the
+# most tests first, which would leave these for last, where the other worker idles while one of
+# them finishes; they go first instead, longest first (roughly: a stale order costs little).
+LONG_SCOPES = [
+    "hf-smollm2",
+    "tests/reliability/test_health_truth.py",
+    "tests/model/test_gemma3_270m_parity.py",
+    "tests/entrypoints/test_bench.py",
+    "tests/entrypoints/test_spec_decode.py",
+    "tests/reliability/test_schemathesis.py",
+    "ray",
+    "tests/executor/test_multiproc_executor.py",
+    "tests/entrypoints/test_classify.py",
+    "tests/engine/test_core_client.py",
+    "tests/metrics/test_async_ledger.py",
+    "tests/entrypoints/test_openai_tls.py",
+    "tests/entrypoints/test_gemma3_entrypoints.py",
+]
+
+
 def _needs_group(item) -> str | None:
     if item.get_closest_marker("ray"):
         return "ray"
@@ -122,6 +143,14 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return XDIST_GROUPS.get(module, module)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_long_first", False):
+                self._long_first = True
+                for scope in reversed(LONG_SCOPES):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
