@@ -28,33 +28,6 @@ def two_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
-def _others_cores(seconds: float = 0.5) -> float:
-    """Other processes' use of our cores (in cores) over `seconds` while this one sleeps, counted
-    as the governor counts it (niced processes left out unless we are niced ourselves)."""
-    cores, count_nice = usable_cores(), os.getpriority(os.PRIO_PROCESS, 0) > 0
-    busy, start, ours = _busy_ticks(cores, count_nice), time.monotonic(), sum(os.times()[:2])
-    time.sleep(seconds)
-    used = (_busy_ticks(cores, count_nice) - busy) / os.sysconf("SC_CLK_TCK") - (sum(os.times()[:2]) - ours)
-    return used / (time.monotonic() - start)
-
-
-@pytest.fixture
-def quiet_cores():
-    """For the tests that assert what the governor does beside a process they start: any other
-    process busy on our cores changes that rightly (it gives a thread up to it; and with the
-    cores oversubscribed this process gets under half a core, which the governor reads as a
-    pause of ours and so never looks), and `serial` keeps only this suite's other tests away,
-    not work outside it (another suite on a shared machine). So wait for a quiet moment first,
-    and skip, saying so, when none comes."""
-    seen: list[float] = []
-    for _ in range(10):
-        seen.append(_others_cores())
-        if seen[-1] < 0.2:
-            return
-    pytest.skip(f"other processes keep our cores busy ({max(seen):.2f} cores at most, {min(seen):.2f} at least, "
-                "over 5 s): the governor would rightly give up a thread to them")
-
-
 def _step_beside_busy_process(gov: ThreadGovernor, prefix: list[str], seconds: float,
                               until=lambda: False) -> None:
     """Steps `gov` while a process (`prefix` + a Python spin loop) keeps our last core busy, for
