@@ -127,6 +127,18 @@ XDIST_GROUPS = {
     "tests/entrypoints/test_llm.py": "hf-smollm2",
     "tests/entrypoints/test_sampling_e2e.py": "hf-smollm2",
     "tests/model/test_smollm2_parity.py": "hf-smollm2",
+    # tests/reliability's package-scoped server and offline LLM: a worker that went on to another
+    # module between two of their users tore them down and started them again.
+    "tests/reliability/test_abort_storm.py": "reliability-shared",
+    "tests/reliability/test_bad_input.py": "reliability-shared",
+    "tests/reliability/test_chat_template_limits.py": "reliability-shared",
+    "tests/reliability/test_fault_isolation.py": "reliability-shared",
+    "tests/reliability/test_ipc_sweep.py": "reliability-shared",
+    "tests/reliability/test_limits_and_types.py": "reliability-shared",
+    "tests/reliability/test_offline_api_errors.py": "reliability-shared",
+    "tests/reliability/test_resource_bounds.py": "reliability-shared",
+    "tests/reliability/test_schemathesis.py": "reliability-shared",
+    "tests/reliability/test_security.py": "reliability-shared",
 }
 
 
@@ -136,11 +148,11 @@ XDIST_GROUPS = {
 # them finishes; they go first instead, longest first (roughly: a stale order costs little).
 LONG_SCOPES = [
     "hf-smollm2",
+    "reliability-shared",
     "tests/reliability/test_health_truth.py",
     "tests/model/test_gemma3_270m_parity.py",
     "tests/entrypoints/test_bench.py",
     "tests/entrypoints/test_spec_decode.py",
-    "tests/reliability/test_schemathesis.py",
     "ray",
     "tests/executor/test_multiproc_executor.py",
     "tests/entrypoints/test_classify.py",
@@ -154,11 +166,14 @@ LONG_SCOPES = [
 def _needs_group(item) -> str | None:
     if item.get_closest_marker("ray"):
         return "ray"
+    if "shared_server" in item.fixturenames or "offline_llm" in item.fixturenames:
+        return "reliability-shared"
     return "hf-smollm2" if "hf_smollm2" in item.fixturenames else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """A module that starts Ray or loads transformers' SmolLM2 must be in XDIST_GROUPS."""
+    """A module that starts Ray, loads transformers' SmolLM2 or uses tests/reliability's shared
+    server or offline LLM must be in XDIST_GROUPS."""
     missing = sorted({f"{item.nodeid.split('::', 1)[0]!r}: {group!r}" for item in items
                       if (group := _needs_group(item)) and XDIST_GROUPS.get(item.nodeid.split("::", 1)[0]) != group})
     if missing:
