@@ -178,6 +178,18 @@ def server(request):
         assert not orphan, f"engine core {core} outlived its server"
 
 
+@pytest.fixture(scope="session")
+def float_llm():
+    """SmolLM2 on the float path (float32, unquantized: what transformers' float32 reference
+    computes), its engine core in its own process. One for the modules that only generate with it
+    (test_llm, test_sampling_e2e: one xdist group, so one start-up): tests read its counters as
+    differences and leave it idle, never assuming a fresh cache."""
+    from tokenloom import LLM
+
+    with LLM(dtype="float32", kv_cache_memory_bytes=256 * 1024**2, quantization=None) as llm:
+        yield llm
+
+
 DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "tokenloom.json"
 
 

@@ -68,12 +68,11 @@ def _greedy(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def default_llm():
+def default_llm(float_llm):
     # float32, unquantized: the parity below is exact-greedy against transformers in float32
     # ("auto" picks bfloat16 on CPUs with native bf16, tested below; the embedded GGUF would
-    # otherwise run quantized, tests/model/test_quant_*).
-    with LLM(dtype="float32", kv_cache_memory_bytes=256 * 1024**2, quantization=None) as llm:
-        yield llm
+    # otherwise run quantized, tests/model/test_quant_*). Shared with test_sampling_e2e.
+    return float_llm
 
 
 def test_greedy_matches_transformers(default_llm, prompt_ids, reference):
@@ -100,16 +99,17 @@ def test_outputs_in_input_order_with_text(default_llm):
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=1024, enable_prefix_caching=False), None, 1),
         # One sequence at a time: a third of the prompts (short to long) shows it as well.
         pytest.param(dict(max_num_seqs=1), None, 3, marks=pytest.mark.slow),
-        pytest.param(dict(max_num_seqs=64, multiprocess=True), None, 1, marks=pytest.mark.slow),
+        # (A core in its own process batching every prompt is `default_llm`'s, whose greedy
+        # parity test_greedy_matches_transformers checks.)
         # 16 blocks of 16 tokens cannot hold 12 prompts of 30-130 tokens and their outputs at
         # once: running requests are preempted and recomputed.
         (dict(num_kv_blocks=16, max_num_batched_tokens=128), "num_preemptions", 1),
     ],
-    ids=["chunked-32", "no-chunking-no-prefix-cache", "max-seqs-1", "multiprocess-64", "preemption"],
+    ids=["chunked-32", "no-chunking-no-prefix-cache", "max-seqs-1", "preemption"],
 )
 def test_greedy_identical_across_configs(kwargs, counter, every, prompt_ids, reference):
     """Scheduling configurations are the engine core's: it runs in this process (as with
-    multiprocess=False) but in one case, and `default_llm` runs in its own process too."""
+    multiprocess=False); `default_llm` runs in its own process."""
     with LLM(**{"dtype": "float32", "kv_cache_memory_bytes": 128 * 1024**2, "quantization": None,
                 "multiprocess": False, **kwargs}) as llm:
         assert _greedy(llm, prompt_ids[::every]) == reference[::every]

@@ -11,9 +11,8 @@ STORY = "Once upon a time, in a village by the sea,"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    with LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, quantization=None) as llm:
-        yield llm
+def llm(float_llm):
+    return float_llm  # tests/entrypoints/conftest.py: the float path, shared with test_llm
 
 
 def _seeded(seed: int, **kw) -> SamplingParams:

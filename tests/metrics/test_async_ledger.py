@@ -67,7 +67,7 @@ def test_async_llm_ledger(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_planted_slow_front_end(tmp_path, check_plot):
+def test_planted_slow_front_end(quiet_cores, tmp_path, check_plot):
     """A front end that cannot keep up: 6 requests of n=4 children with 20 logprobs per token,
     streamed, whose consumers each format the logprobs and then hold the event loop for 200 ms
     per output they read (a synchronous handler: a blocking write of a heavy body, a blocking
@@ -94,7 +94,7 @@ def test_planted_slow_front_end(tmp_path, check_plot):
             time.sleep(busy_s)  # the rest of a slow handler, on the loop
 
     async def run_all():
-        await asyncio.gather(*(consume(i, 12, 0.2) for i in range(6)))
+        await asyncio.gather(*(consume(i, 6, 0.2) for i in range(6)))  # 6 tokens: ~7 s of a blocked loop
 
     try:
         loop.run_until_complete(consume(99, 1, 0.0))  # a fresh engine's first step is slow: not this test's point

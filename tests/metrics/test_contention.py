@@ -124,7 +124,7 @@ def _planted_report(llm, path, tmp_path, hog: bool) -> tuple[dict, dict, str]:
 
 
 @pytest.mark.serial
-def test_planted_contention(make_llm, tmp_path, check_plot):
+def test_planted_contention(quiet_cores, make_llm, tmp_path, check_plot):
     """The same decode workload without, then beside, a CPU hog (two busy processes per core):
     with the hog, the verdict is "contended" (not compute-bound) in explain, the live view and
     the plot, and the step metrics show it; without it, no contention verdict."""

@@ -207,7 +207,7 @@ PLANTED = {
 # the slow one.
 @pytest.mark.parametrize("verdict", [v if v in ("prefill-bound", "block-bound") else pytest.param(v, marks=pytest.mark.slow)
                                      for v in PLANTED])
-def test_planted_bottleneck(verdict, make_llm, tmp_path, check_plot):
+def test_planted_bottleneck(verdict, quiet_cores, make_llm, tmp_path, check_plot):
     config, prompts, params, causes = PLANTED[verdict]
     path = tmp_path / "trace.json"
     llm = make_llm(trace_path=str(path), warmup=True, **config)

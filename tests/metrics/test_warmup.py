@@ -61,7 +61,7 @@ def test_no_first_step_without_a_warm_up_or_within_the_expected_time():
 
 
 @pytest.mark.serial
-def test_first_request_prefill_like_the_next(make_llm):
+def test_first_request_prefill_like_the_next(quiet_cores, make_llm):
     """The engine's one-time work (first touch of the weights and KV cache, the kernels' first
     calls) is done before ready: on the embedded model, the first request's prefill part is within
     twice the second's, for prompts of equal length, and its parts add up to its e2e."""

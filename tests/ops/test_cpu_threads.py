@@ -53,7 +53,7 @@ def _engine_step(gov: ThreadGovernor, seconds: float = 0.05) -> None:
 
 
 @pytest.mark.serial
-def test_gives_up_a_thread_to_a_busy_process(two_threads):
+def test_gives_up_a_thread_to_a_busy_process(two_threads, quiet_cores):
     gov = ThreadGovernor(interval_s=0.3)
     assert gov.enabled and gov.max_threads == 2 and "adaptive" in gov.describe()
     _step_beside_busy_process(gov, [], seconds=10, until=lambda: gov.threads != 2)
@@ -64,7 +64,7 @@ def test_gives_up_a_thread_to_a_busy_process(two_threads):
 @pytest.mark.serial
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) > 0,
                     reason="this process is niced itself, so niced processes compete equally")
-def test_keeps_its_threads_beside_a_niced_process(two_threads):
+def test_keeps_its_threads_beside_a_niced_process(two_threads, quiet_cores):
     """A batch job started with `nice -n 19` gets ~1.5% of a core our threads want: giving it a
     thread would halve our rate for nothing."""
     gov = ThreadGovernor(interval_s=0.3)
@@ -74,7 +74,7 @@ def test_keeps_its_threads_beside_a_niced_process(two_threads):
 
 
 @pytest.mark.serial
-def test_a_pause_of_ours_does_not_count_what_others_did_meanwhile(two_threads):
+def test_a_pause_of_ours_does_not_count_what_others_did_meanwhile(two_threads, quiet_cores):
     """Between two of our runs another process had both cores (a benchmark's other engine): the
     window over that pause must not cost us a thread once we run again on an idle machine."""
     gov = ThreadGovernor(interval_s=0.3)

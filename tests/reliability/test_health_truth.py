@@ -151,7 +151,8 @@ def _post_slow_requests(srv, results: list, num_prompts: int) -> list[threading.
 def test_a_saturated_tokenizer_pool_turns_health_red_with_the_reason():
     with running_server(SMALL_SERVER_ARGS + ["--health-tokenizer-pool-limit", "1"]) as srv:
         results: list = []
-        threads = _post_slow_requests(srv, results, 5)  # within the default 16 MiB body limit
+        # Three prompts (within the default 16 MiB body limit): seconds each, past the 1 s limit.
+        threads = _post_slow_requests(srv, results, 3)
         responses: list[httpx.Response] = []
         assert wait_until(lambda: responses.append(_health(srv)) or responses[-1].status_code == 503, 60), (
             results, srv.log_text())
