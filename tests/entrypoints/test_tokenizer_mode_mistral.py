@@ -20,6 +20,8 @@ from tokenloom.model.errors import ModelLoadError  # noqa: E402
 from tokenloom.model.loader import load_tokenizer  # noqa: E402
 from tokenloom.model.mistral_tokenizer import MistralTokenizer  # noqa: E402
 
+from conftest import ServerProcess  # noqa: E402 - tests/entrypoints/conftest.py, bound at collection as the other server tests do
+
 DATA = os.path.join(os.path.dirname(mistral_common.__file__), "data")
 # The shipped files, under the names Mistral's hub repos give them.
 FILES = {"tekken_240911.json": "tekken.json", "mistral_instruct_tokenizer_241114.model.v7": "tokenizer.model.v7",
@@ -126,8 +128,6 @@ def test_served_chat_is_encoded_by_mistral_common(mistral_dir):
     """`tokenloom serve DIR --tokenizer-mode mistral`: a chat completion's prompt is mistral_common's
     request encoding (its usage counts those tokens), a completion's text is encoded as text, and a
     route that would take a conversation as text says it cannot."""
-    from conftest import ServerProcess  # tests/entrypoints/conftest.py
-
     import httpx
 
     ref = Reference.from_file(os.path.join(mistral_dir, "tokenizer.model.v7"))

@@ -23,6 +23,12 @@ void *aligned_alloc(size_t align, size_t n) {
     return (void *)p;
 }
 void *malloc(size_t n) { return aligned_alloc(64, n); }
+void *memset(void *d, int c, size_t n);
+void *calloc(size_t n, size_t size) {
+    void *p = malloc(n * size);
+    if (p) memset(p, 0, n * size);
+    return p;
+}
 void free(void *p) { (void)p; } /* a bump heap: each call starts from a fresh image */
 
 void *memcpy(void *d, const void *s, size_t n) {
