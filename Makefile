@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenloom-installed
 DOCS_STAMP := $(VENV)/.tokenloom-docs-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-all config-docs bench docs clean
+.PHONY: install run test test-all config-docs bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,16 +30,13 @@ run: $(STAMP)
 	$(PY) -m tokenloom.entrypoints.demo
 
 # -n auto: one pytest-xdist worker per core; tests/conftest.py keeps each module on one worker
-# and runs the `serial` tests alone. `make test` runs the whole suite (under 10 minutes of pytest
-# on 2 cores); `make test-fast` leaves out the tests marked `slow` (a quicker check while
-# developing); `make test-all` is `make test`, by its older name.
+# and runs the `serial` tests alone. `make test` is the fast tier (every test not marked `slow`:
+# under 10 minutes on 2 cores); `make test-all` runs the whole suite.
 test: $(STAMP)
-	$(PY) -m pytest -n auto $(PYTEST_ARGS)
-
-test-fast: $(STAMP)
 	$(PY) -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
 
-test-all: test
+test-all: $(STAMP)
+	$(PY) -m pytest -n auto $(PYTEST_ARGS)
 
 # docs/configuration.md, generated from EngineArgs (tests/house/test_config_reference.py fails
 # while it is stale).
