@@ -33,8 +33,12 @@ def lib(request, tmp_path_factory):
         pytest.skip("no C compiler")
     out = tmp_path_factory.mktemp(f"mxfp4-{request.param}") / "mxfp4.so"
     src = Path(cpu_kernels.__file__).with_name("csrc") / "mxfp4_gemm.c"
-    subprocess.run([cc, *cpu_kernels.compile_flags(request.param), "-shared", str(src), "-o", str(out)],
+    # Compiled with the library's flags, linked apart without them: linking with -ffast-math adds
+    # crtfastmath.o, which turns on flush-to-zero for the whole test process when loaded.
+    obj = out.with_suffix(".o")
+    subprocess.run([cc, *cpu_kernels.compile_flags(request.param), "-c", str(src), "-o", str(obj)],
                    check=True, capture_output=True)
+    subprocess.run([cc, "-shared", "-fopenmp", str(obj), "-o", str(out), "-lm"], check=True, capture_output=True)
     return request.param, cpu_kernels.bind_mxfp4(ctypes.CDLL(str(out)))
 
 
