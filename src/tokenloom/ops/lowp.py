@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.ops import cpu_kernels, kernel_plan
+from tokenloom.ops import cpu_kernels, kernel_plan, quant
 
 BF16, E4M3 = 0, 1  # csrc/lowp_gemm.c's kinds
 TILE = 16  # output columns per column tile
@@ -186,11 +186,7 @@ def linear(x: torch.Tensor, w: LowpWeight, bias: torch.Tensor | None = None) -> 
     lib = _lib()
     K, N = w.in_features, w.out_features
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = quant.f32_rows(x, K)
     M = x2.shape[0]
     y = torch.empty(M, N)
     scratch = torch.empty(lib.tl_lp_scratch_bytes(M, K), dtype=torch.uint8)

@@ -470,6 +470,15 @@ def bf16_activations_pay() -> bool:
     return _lib().tl_q_isa(FMT_Q8) == 4
 
 
+def f32_rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x [..., K] as float32 rows [M, K] with unit stride, the C matmuls' input (a copy only where
+    the dtype or layout needs one)."""
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = None,
             act_levels: int | None = None, kchunk: int = 0) -> torch.Tensor:
     """x [..., K] float32 -> x @ W^T (+ bias), float32 [..., N]. The activations are quantized
@@ -486,11 +495,7 @@ def qlinear(x: torch.Tensor, w: TiledQuantWeight, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     if x.dtype == torch.bfloat16:
         return _qlinear_bf16(lib, x.reshape(-1, K), w, bias, levels, kchunk).reshape(*lead, N)
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = f32_rows(x, K)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     if M:
